@@ -1,0 +1,117 @@
+"""The `twinflash` command line: argument parsing and the one-line error contract.
+
+Every subcommand's bad input (a `CheckpointError`, which includes layout errors, or an argument error) ends as one
+line on stderr, `twinflash: error: ...`, and exit code 2, with nothing written; bugs keep their traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from weights import PRESETS, CheckpointError
+
+EXIT_BAD_INPUT = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (argparse prints the usage block too)."""
+
+    def error(self, message: str):
+        raise CheckpointError(f"{message} (see `{self.prog} --help`)")
+
+
+def _save_npy_new(path: Path, array) -> None:
+    """Writes a .npy file that must not exist yet, atomically (a crash leaves no partial file)."""
+    import numpy as np
+
+    if path.exists():
+        raise CheckpointError(f"{path} exists; refusing to overwrite it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npy", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.save(handle, array)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def cmd_convert(args) -> None:
+    from weights import convert_hf_checkpoint
+
+    config = convert_hf_checkpoint(args.hf_dir, args.out_dir)
+    print(f"converted {args.hf_dir} -> {args.out_dir} ({config.num_layers} layers, {config.num_params:,} parameters)")
+
+
+def cmd_export(args) -> None:
+    from weights import export_hf_checkpoint
+
+    config = export_hf_checkpoint(args.converted_dir, args.hf_dir)
+    print(f"exported {args.converted_dir} -> {args.hf_dir} ({config.num_params:,} parameters)")
+
+
+def cmd_run(args) -> None:
+    from compare.run import prepare_tokens, run_forward
+
+    if args.dump_logits is not None and args.dump_logits.exists():
+        raise CheckpointError(f"{args.dump_logits} exists; refusing to overwrite it")
+    tokens = prepare_tokens(args.model, args.seed, args.tokens, args.batch, args.seq_len)
+    result = run_forward(args.backend, args.model, tokens, args.dtype, args.seed)
+    batch, seq_len = tokens.shape
+    print(f"backend     {result.backend} ({result.device}), model {args.model}, dtype {args.dtype}")
+    print(f"tokens      batch {batch} x seq_len {seq_len}")
+    print(f"loss        {result.loss:.6f} (next-token cross-entropy)")
+    print(f"perplexity  {result.perplexity:.4f}")
+    print(f"wall time   {result.wall_s * 1e3:.2f} ms (steady state; first call incl. compilation "
+          f"{result.first_call_s * 1e3:.2f} ms)")
+    print(f"peak memory {result.peak_memory_bytes / 2**20:.1f} MiB ({result.peak_memory_kind})")
+    if args.dump_logits is not None:
+        _save_npy_new(args.dump_logits, result.logits.astype("float32"))
+        print(f"logits      float32 {list(result.logits.shape)} -> {args.dump_logits}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="twinflash", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+    convert = commands.add_parser("convert", help="HF Llama safetensors checkpoint -> twinflash converted checkpoint")
+    convert.add_argument("hf_dir", type=Path)
+    convert.add_argument("out_dir", type=Path, help="must not exist or be empty")
+    convert.set_defaults(func=cmd_convert)
+
+    export = commands.add_parser("export", help="twinflash converted checkpoint -> HF Llama checkpoint")
+    export.add_argument("converted_dir", type=Path)
+    export.add_argument("hf_dir", type=Path, help="must not exist or be empty")
+    export.set_defaults(func=cmd_export)
+
+    run = commands.add_parser("run", help="one forward pass: loss, perplexity, wall time, peak memory")
+    run.add_argument("--backend", choices=("torch", "jax"), default="torch")
+    run.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
+    source = run.add_mutually_exclusive_group()
+    source.add_argument("--tokens", type=Path, help="int .npy of shape [batch, seq_len]")
+    source.add_argument("--seq-len", type=int, default=128, help="random tokens: sequence length")
+    run.add_argument("--batch", type=int, default=1, help="random tokens: batch size")
+    run.add_argument("--seed", type=int, default=0, help="random tokens and preset weights seed")
+    run.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    run.add_argument("--dump-logits", type=Path, help="write float32 [batch, seq_len, vocab] logits here (.npy)")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        args.func(args)
+    except CheckpointError as bad:
+        print(f"twinflash: error: {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""`twinflash run`: one forward pass of either backend on given or random tokens, with loss, perplexity, wall time
+and peak memory. Each backend is imported only when asked for, so a machine with one of them still runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+
+from weights import CheckpointError, LlamaConfig, open_weights
+
+BACKENDS = ("torch", "jax")
+
+
+@dataclasses.dataclass
+class ForwardResult:
+    backend: str
+    device: str
+    loss: float
+    wall_s: float  # the second of two identical passes: steady state, without compilation
+    first_call_s: float  # the first pass, including JIT compilation (Triton kernels, XLA)
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    logits: np.ndarray
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+
+def _timed_twice(step):
+    """(result, first-call seconds, second-call seconds) of a synchronising `step()`."""
+    start = time.perf_counter()
+    step()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    result = step()
+    return result, first, time.perf_counter() - start
+
+
+def host_peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def read_tokens(path: Path, config: LlamaConfig) -> np.ndarray:
+    try:
+        tokens = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"missing token file {path}") from None
+    except (ValueError, OSError) as bad:
+        raise CheckpointError(f"cannot read {path} as a .npy array: {bad}") from None
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise CheckpointError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise CheckpointError(f"{path}: tokens must have shape [batch, seq_len >= 2], got {list(tokens.shape)}")
+    config.check_token_ids(tokens)
+    return tokens.astype(np.int64)
+
+
+def random_tokens(config: LlamaConfig, batch: int, seq_len: int, seed: int) -> np.ndarray:
+    if batch < 1 or seq_len < 2:
+        raise CheckpointError(f"need --batch >= 1 and --seq-len >= 2, got {batch} and {seq_len}")
+    return np.random.default_rng(seed).integers(0, config.vocab_size, (batch, seq_len), dtype=np.int64)
+
+
+def forward_torch(model: str, tokens: np.ndarray, dtype: str, seed: int) -> ForwardResult:
+    import torch
+
+    from torch_impl.model import load_model, next_token_loss
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llama = load_model(model, dtype=dtype, device=device, seed=seed)
+    ids = torch.from_numpy(tokens).to(device)
+
+    @torch.no_grad()
+    def step():
+        logits = llama(ids)
+        return logits, float(next_token_loss(logits, ids))  # float() synchronises the device
+
+    (logits, loss), first, wall = _timed_twice(step)
+    if device == "cuda":
+        peak, kind = torch.cuda.max_memory_allocated(), "GPU allocated"
+    else:
+        peak, kind = host_peak_rss_bytes(), "host RSS"
+    return ForwardResult("torch", device, loss, wall, first, peak, kind, logits.cpu().numpy())
+
+
+def forward_jax(model: str, tokens: np.ndarray, dtype: str, seed: int) -> ForwardResult:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_impl.model import load_model, next_token_loss
+
+    llama = load_model(model, dtype=dtype, seed=seed)
+
+    @nnx.jit
+    def forward(module, ids):
+        logits = module(ids)
+        return logits, next_token_loss(logits, ids)
+
+    ids = jnp.asarray(tokens)
+    (logits, loss), first, wall = _timed_twice(lambda: jax.block_until_ready(forward(llama, ids)))
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform == "gpu" else None
+    if stats and "peak_bytes_in_use" in stats:
+        peak, kind = int(stats["peak_bytes_in_use"]), "GPU peak in use"
+    else:
+        peak, kind = host_peak_rss_bytes(), "host RSS"
+    return ForwardResult("jax", device.platform, float(loss), wall, first, peak, kind, np.asarray(logits))
+
+
+def run_forward(backend: str, model: str, tokens: np.ndarray, dtype: str, seed: int) -> ForwardResult:
+    if backend == "torch":
+        return forward_torch(model, tokens, dtype, seed)
+    if backend == "jax":
+        return forward_jax(model, tokens, dtype, seed)
+    raise CheckpointError(f"unknown backend {backend!r} (choices: {', '.join(BACKENDS)})")
+
+
+def prepare_tokens(model: str, seed: int, tokens_path: Path | None, batch: int, seq_len: int) -> np.ndarray:
+    config = open_weights(model, seed).config
+    if tokens_path is not None:
+        return read_tokens(tokens_path, config)
+    return random_tokens(config, batch, seq_len, seed)

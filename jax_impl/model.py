@@ -1,0 +1,168 @@
+"""Llama in JAX with Flax NNX: embedding, RMSNorm, RoPE (llama3 scaling), GQA attention, SwiGLU MLP, final norm, LM
+head. Twin of `torch_impl/model.py`: same modules, same names, same parameter paths (the converted checkpoint's names).
+
+NNX rather than Linen because its modules are plain Python objects with attribute paths, so the module tree reads
+like the torch one, parameters are set from the converted checkpoint directly (no `init` that re-initialises them),
+and `nnx.split`/`nnx.merge` still give jit and sharding a pure pytree. Weights keep the torch/HF `[out, in]` layout
+(`Linear.weight`), so one checkpoint name means one array in both backends.
+
+Attention is pluggable: `Llama(config, params, attention_fn=...)` takes any `AttentionFn` (`fn(q, k, v) -> out`,
+causal); the default is plain math; the flash kernel and the ring (inside `jax.shard_map`) drop in unchanged.
+`positions` gives the global position of each local token, for sequence-parallel shards.
+
+Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
+RoPE angles in float32 cast to the compute dtype, logits returned as float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_impl.attention import AttentionFn, reference_attention
+from weights import LlamaConfig, open_weights, rope_inverse_frequencies
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+class Linear(nnx.Module):
+    """y = x @ weight.T with weight [out, in], as torch.nn.Linear."""
+
+    def __init__(self, weight: jax.Array):
+        self.weight = nnx.Param(weight)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...i,oi->...o", x, self.weight[...])
+
+
+class Embedding(nnx.Module):
+    def __init__(self, weight: jax.Array):
+        self.weight = nnx.Param(weight)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, weight: jax.Array, eps: float):
+        self.eps = eps
+        self.weight = nnx.Param(weight)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+def rotary_cos_sin(inv_freq: jax.Array, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [S, head_dim] for rotate-half RoPE at the given positions."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, S, heads, D]; pairs feature i with i + D/2 (HF's layout, kept by the converted format)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, params: dict[str, jax.Array], prefix: str):
+        self.config = config
+        self.wq = Linear(params[prefix + "wq.weight"])
+        self.wk = Linear(params[prefix + "wk.weight"])
+        self.wv = Linear(params[prefix + "wv.weight"])
+        self.wo = Linear(params[prefix + "wo.weight"])
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attention_fn: AttentionFn) -> jax.Array:
+        b, s, _ = x.shape
+        c = self.config
+        q = self.wq(x).reshape(b, s, c.num_heads, c.head_dim)
+        k = self.wk(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+        v = self.wv(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+        out = attention_fn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        return self.wo(out.reshape(b, s, c.num_heads * c.head_dim))
+
+
+class FeedForward(nnx.Module):
+    def __init__(self, params: dict[str, jax.Array], prefix: str):
+        self.w1 = Linear(params[prefix + "w1.weight"])
+        self.w3 = Linear(params[prefix + "w3.weight"])
+        self.w2 = Linear(params[prefix + "w2.weight"])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nnx.Module):
+    def __init__(self, config: LlamaConfig, params: dict[str, jax.Array], prefix: str):
+        self.attention_norm = RMSNorm(params[prefix + "attention_norm.weight"], config.rms_norm_eps)
+        self.attention = Attention(config, params, prefix + "attention.")
+        self.ffn_norm = RMSNorm(params[prefix + "ffn_norm.weight"], config.rms_norm_eps)
+        self.feed_forward = FeedForward(params, prefix + "feed_forward.")
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attention_fn: AttentionFn) -> jax.Array:
+        x = x + self.attention(self.attention_norm(x), cos, sin, attention_fn)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nnx.Module):
+    """Built from a dict of canonical name -> array (see weights/checkpoint.py); nothing is initialised randomly."""
+
+    def __init__(self, config: LlamaConfig, params: dict[str, jax.Array], attention_fn: AttentionFn | None = None):
+        self.config = config
+        self.attention_fn = attention_fn or reference_attention
+        self.tok_embeddings = Embedding(params["tok_embeddings.weight"])
+        self.layers = nnx.List([TransformerBlock(config, params, f"layers.{i}.") for i in range(config.num_layers)])
+        self.norm = RMSNorm(params["norm.weight"], config.rms_norm_eps)
+        self.output = None if config.tie_word_embeddings else Linear(params["output.weight"])
+        self.inv_freq = jnp.asarray(rope_inverse_frequencies(config))
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states [B, S, hidden] in the compute dtype."""
+        if positions is None:
+            positions = jnp.arange(tokens.shape[1])
+        x = self.tok_embeddings(tokens)
+        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, self.attention_fn)
+        return self.norm(x)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        head = self.tok_embeddings.weight[...] if self.output is None else self.output.weight[...]
+        return jnp.einsum("bsh,vh->bsv", hidden, head).astype(jnp.float32)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Logits [B, S, vocab] float32 for token ids [B, S]."""
+        return self.logits(self.hidden_states(tokens, positions))
+
+
+def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Mean cross-entropy of predicting token t+1 from position t."""
+    log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    targets = tokens[:, 1:]
+    return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
+
+
+def parameter_dict(model: Llama) -> dict[str, jax.Array]:
+    """Canonical name -> array, the inverse of the constructor's `params`."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {".".join(str(p) for p in path): variable[...] for path, variable in flat}
+
+
+def load_model(model: str | Path, *, dtype: str = "fp32", seed: int = 0,
+               attention_fn: AttentionFn | None = None) -> Llama:
+    """A Llama from a converted checkpoint directory or a preset name (random weights from `seed`), its
+    parameters read tensor by tensor and cast to `dtype` on the default device."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    source = open_weights(model, seed)
+    params = {name: jnp.asarray(source.tensor(name).astype(np.float32, copy=False), dtype=dtype)
+              for name in source.names()}
+    return Llama(source.config, params, attention_fn)
+

@@ -1,0 +1,151 @@
+"""Llama in PyTorch: embedding, RMSNorm, RoPE (llama3 scaling), GQA attention, SwiGLU MLP, final norm, LM head.
+Twin of `jax_impl/model.py`: same modules, same names, same parameter paths (the converted checkpoint's names).
+
+Attention is pluggable: `Llama(config, attention_fn=...)` takes any `AttentionFn` (`fn(q, k, v) -> out`, causal,
+q [B, S, H, D], k/v [B, S, Hkv, D]); the default is plain math (`reference_attention`); the flash kernel and the
+ring drop in unchanged. `positions` gives the global position of each local token, so a sequence-parallel rank
+holding a zigzag shard rotates its tokens by their true positions.
+
+Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
+RoPE angles in float32 cast to the compute dtype, logits returned as float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_impl.attention import AttentionFn, reference_attention
+from weights import LlamaConfig, open_weights, rope_inverse_frequencies
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S, head_dim] for rotate-half RoPE at the given positions."""
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, heads, D]; pairs feature i with i + D/2 (HF's layout, kept by the converted format)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.wq = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.wk = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.wv = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_fn: AttentionFn
+                ) -> torch.Tensor:
+        b, s, _ = x.shape
+        c = self.config
+        q = self.wq(x).view(b, s, c.num_heads, c.head_dim)
+        k = self.wk(x).view(b, s, c.num_kv_heads, c.head_dim)
+        v = self.wv(x).view(b, s, c.num_kv_heads, c.head_dim)
+        out = attention_fn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        return self.wo(out.reshape(b, s, c.num_heads * c.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_fn: AttentionFn
+                ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, attention_fn)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None):
+        super().__init__()
+        self.config = config
+        self.attention_fn = attention_fn or reference_attention
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                        bias=False)
+        self.register_buffer("inv_freq", torch.from_numpy(rope_inverse_frequencies(config)), persistent=False)
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [B, S, hidden] in the compute dtype."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_embeddings(tokens)
+        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, self.attention_fn)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(hidden, head).float()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, vocab] float32 for token ids [B, S]."""
+        return self.logits(self.hidden_states(tokens, positions))
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting token t+1 from position t."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def load_model(model: str | Path, *, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
+               seed: int = 0, attention_fn: AttentionFn | None = None) -> Llama:
+    """A Llama from a converted checkpoint directory or a preset name (random weights from `seed`), its
+    parameters read tensor by tensor and cast to `dtype` on `device`."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    source = open_weights(model, seed)
+    with torch.device("meta"):
+        llama = Llama(source.config, attention_fn)
+    state = {}
+    for name in source.names():
+        array = source.tensor(name)
+        state[name] = torch.from_numpy(array.astype("float32", copy=False)).to(device=device, dtype=dtype)
+    llama.load_state_dict(state, strict=True, assign=True)
+    llama.inv_freq = torch.from_numpy(rope_inverse_frequencies(source.config)).to(device)
+    return llama.eval()
+
