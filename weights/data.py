@@ -1,0 +1,63 @@
+"""Training data both backends read: a byte-level tokenizer over real text every machine has offline (the Python
+standard library's own source files), packed into fixed-length sequences, and the batch order — all built once
+with numpy so the torch and JAX runs see the same token ids in the same order.
+
+A random-token mode serves pure throughput runs on models whose vocabulary is not byte-sized.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from weights.errors import CheckpointError
+
+BYTE_VOCAB = 256
+
+
+def encode_bytes(text: str) -> np.ndarray:
+    """UTF-8 bytes as token ids (uint8 widened to int64): the whole tokenizer."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+
+def decode_bytes(tokens: np.ndarray) -> str:
+    return np.asarray(tokens, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def stdlib_corpus(max_bytes: int) -> np.ndarray:
+    """Token ids of the standard library's .py files, in sorted path order, concatenated up to `max_bytes`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        chunks.append(data[: max_bytes - total])
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    if total == 0:
+        raise CheckpointError(f"no Python source files found under {root}")
+    return np.concatenate(chunks).astype(np.int64)
+
+
+def text_batches(steps: int, batch: int, seq_len: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """int64 [steps, batch, seq_len]: consecutive packed windows of the stdlib corpus, windows shuffled once by
+    `seed`. Needs a vocabulary of at least 256 (one id per byte)."""
+    if vocab_size < BYTE_VOCAB:
+        raise CheckpointError(f"text data needs a vocabulary of at least {BYTE_VOCAB} (byte tokens); the model has "
+                              f"{vocab_size}: use random tokens instead")
+    windows_needed = steps * batch
+    corpus = stdlib_corpus(windows_needed * seq_len * 2)
+    windows = len(corpus) // seq_len
+    if windows < windows_needed:
+        raise CheckpointError(f"the stdlib corpus holds {windows} windows of {seq_len} tokens; "
+                              f"{steps} steps x batch {batch} need {windows_needed}")
+    packed = corpus[: windows * seq_len].reshape(windows, seq_len)
+    order = np.random.default_rng(seed).permutation(windows)[:windows_needed]
+    return packed[order].reshape(steps, batch, seq_len)
+
+
+def random_batches(steps: int, batch: int, seq_len: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """int64 [steps, batch, seq_len] of uniform random token ids (throughput runs)."""
+    return np.random.default_rng(seed).integers(0, vocab_size, (steps, batch, seq_len), dtype=np.int64)
