@@ -75,6 +75,20 @@ def cmd_run(args) -> None:
         print(f"logits      float32 {list(result.logits.shape)} -> {args.dump_logits}")
 
 
+def cmd_bench(args) -> int:
+    if args.what == "kernels":
+        from compare.kernel_bench import main as bench_main
+    else:
+        from compare.ring_bench import main as bench_main
+    return bench_main(args.bench_args)
+
+
+def cmd_train(args) -> int:
+    from compare.train import run_command
+
+    return run_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="twinflash", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -100,17 +114,29 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     run.add_argument("--dump-logits", type=Path, help="write float32 [batch, seq_len, vocab] logits here (.npy)")
     run.set_defaults(func=cmd_run)
+
+    from compare.train import add_arguments as add_train_arguments
+
+    train = commands.add_parser("train", help="distributed Llama training (fsdp x sp mesh), train.jsonl per step")
+    add_train_arguments(train)
+    train.set_defaults(func=cmd_train)
+
+    bench = commands.add_parser("bench", help="GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs)",
+                                description="arguments after the benchmark's name go to it: "
+                                            "`twinflash bench kernels --help`")
+    bench.add_argument("what", choices=("kernels", "ring"))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        args.func(args)
+        return args.func(args) or 0
     except CheckpointError as bad:
         print(f"twinflash: error: {bad}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return 0
 
 
 if __name__ == "__main__":

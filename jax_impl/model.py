@@ -8,7 +8,8 @@ and `nnx.split`/`nnx.merge` still give jit and sharding a pure pytree. Weights k
 
 Attention is pluggable: `Llama(config, params, attention_fn=...)` takes any `AttentionFn` (`fn(q, k, v) -> out`,
 causal); the default is plain math; the flash kernel and the ring (inside `jax.shard_map`) drop in unchanged.
-`positions` gives the global position of each local token, for sequence-parallel shards.
+`positions` gives the global position of each local token, for sequence-parallel shards. `remat=True` checkpoints
+each decoder layer (`nnx.remat`): only layer inputs are kept for the backward, which recomputes the rest.
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
@@ -115,9 +116,11 @@ class TransformerBlock(nnx.Module):
 class Llama(nnx.Module):
     """Built from a dict of canonical name -> array (see weights/checkpoint.py); nothing is initialised randomly."""
 
-    def __init__(self, config: LlamaConfig, params: dict[str, jax.Array], attention_fn: AttentionFn | None = None):
+    def __init__(self, config: LlamaConfig, params: dict[str, jax.Array], attention_fn: AttentionFn | None = None,
+                 remat: bool = False):
         self.config = config
         self.attention_fn = attention_fn or reference_attention
+        self.remat = remat  # recompute each layer's activations in the backward instead of keeping them
         self.tok_embeddings = Embedding(params["tok_embeddings.weight"])
         self.layers = nnx.List([TransformerBlock(config, params, f"layers.{i}.") for i in range(config.num_layers)])
         self.norm = RMSNorm(params["norm.weight"], config.rms_norm_eps)
@@ -130,8 +133,14 @@ class Llama(nnx.Module):
             positions = jnp.arange(tokens.shape[1])
         x = self.tok_embeddings(tokens)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
+
+        def run_layer(layer: TransformerBlock, x: jax.Array) -> jax.Array:
+            return layer(x, cos, sin, self.attention_fn)
+
+        if self.remat:
+            run_layer = nnx.remat(run_layer)
         for layer in self.layers:
-            x = layer(x, cos, sin, self.attention_fn)
+            x = run_layer(layer, x)
         return self.norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:

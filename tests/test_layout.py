@@ -9,7 +9,7 @@ from weights import PRESETS, parameter_shapes
 from weights.data import decode_bytes, encode_bytes, random_batches, text_batches
 from weights.errors import CheckpointError
 from weights.layout import LayoutError, gather_sequence, layout_order, rank_positions, shard_sequence
-from weights.parallel import MeshShape, parameter_sharding
+from weights.parallel import MESH_AXES, MeshShape, parameter_shard_axes, parameter_sharding, sharded_dim
 from weights.schedule import OptimizerConfig
 
 
@@ -58,9 +58,14 @@ def test_mesh_parsing_and_device_check():
 
 
 def test_every_parameter_has_a_sharding_rule_of_its_rank():
+    """Each rule has one entry per dim, None or mesh axes, and splits exactly one dim over the one set of axes both
+    backends shard over (all of them: FSDP2 over the flattened mesh, JAX's PartitionSpec(("fsdp", "sp"), ...))."""
+    assert parameter_shard_axes() == MESH_AXES
     for config in PRESETS.values():
         for name, shape in parameter_shapes(config).items():
             assert len(parameter_sharding(name)) == len(shape), name
+            assert all(axes is None or isinstance(axes, tuple) for axes in parameter_sharding(name)), name
+            assert parameter_sharding(name)[sharded_dim(name)] == MESH_AXES, name
 
 
 def test_text_data_is_real_deterministic_bytes():

@@ -4,7 +4,8 @@ Twin of `jax_impl/model.py`: same modules, same names, same parameter paths (the
 Attention is pluggable: `Llama(config, attention_fn=...)` takes any `AttentionFn` (`fn(q, k, v) -> out`, causal,
 q [B, S, H, D], k/v [B, S, Hkv, D]); the default is plain math (`reference_attention`); the flash kernel and the
 ring drop in unchanged. `positions` gives the global position of each local token, so a sequence-parallel rank
-holding a zigzag shard rotates its tokens by their true positions.
+holding a zigzag shard rotates its tokens by their true positions. `remat=True` checkpoints each decoder layer
+(`torch.utils.checkpoint`, non-reentrant): only layer inputs are kept for the backward, which recomputes the rest.
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from torch_impl.attention import AttentionFn, reference_attention
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
@@ -98,10 +100,11 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None):
+    def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None, remat: bool = False):
         super().__init__()
         self.config = config
         self.attention_fn = attention_fn or reference_attention
+        self.remat = remat  # recompute each layer's activations in the backward instead of keeping them
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -116,7 +119,10 @@ class Llama(nn.Module):
         x = self.tok_embeddings(tokens)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, self.attention_fn)
+            if self.remat:
+                x = checkpoint(layer, x, cos, sin, self.attention_fn, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, self.attention_fn)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The converted checkpoint format, its reader, and conversion to and from Hugging Face Llama checkpoints.
+"""The converted checkpoint format, its reader and writer, and conversion to and from Hugging Face Llama checkpoints.
 
 Converted format (`twinflash-llama/1`), one directory:
   config.json                 {"format", "model": LlamaConfig fields, "dtype", "hf": what export needs to
@@ -39,7 +39,7 @@ import re
 import shutil
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from weights.errors import CheckpointError
 FORMAT = "twinflash-llama/1"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+HF_EXTRA_DIR = "hf_extra"  # the HF directory's non-weight files, kept verbatim
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SHARD_BYTES = 2 << 30  # converted shards stay under 2 GiB so a writer holds at most that much at once
 
@@ -325,6 +326,48 @@ def _hf_extra_files(directory: Path) -> list[Path]:
             if p.is_file() and p.suffix != ".safetensors" and p.suffix not in PICKLE_SUFFIXES]
 
 
+def _write_converted(out_dir: Path, config: LlamaConfig, dtype: str, read, hf: dict[str, Any],
+                     hf_extra: Sequence[Path]) -> None:
+    """Writes a converted directory: `read(name)` for every tensor of `config`'s model (in sized shards),
+    `hf_extra` files under hf_extra/, config.json (with `hf`, what export needs) last; all into a temporary
+    sibling of `out_dir`, read back, then renamed into place."""
+    tmp = _fresh_output(out_dir)
+    try:
+        meta = {"format": FORMAT, "model": config.to_dict(), "dtype": dtype, "hf": hf}
+        _write_tensors(tmp, list(parameter_shapes(config)), read, None, hf["safetensors_metadata"])
+        if hf_extra:
+            (tmp / HF_EXTRA_DIR).mkdir()
+            for path in hf_extra:
+                shutil.copy2(path, tmp / HF_EXTRA_DIR / path.name)
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        ConvertedCheckpoint(tmp)  # read back what was written before publishing it
+        _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_converted_checkpoint(tensors: Mapping[str, np.ndarray], config: LlamaConfig, out_dir: Path | str,
+                               hf_extra: Sequence[Path] = ()) -> None:
+    """float32 tensors by canonical name, exactly the parameters of `config`'s model (trained weights, say) -> a
+    converted directory `out_dir`, written atomically; `hf_extra` files (tokenizer etc.) are kept for export."""
+    expected = parameter_shapes(config)
+    if set(tensors) != set(expected):
+        raise ValueError(f"tensors must be exactly the model's parameters; got {sorted(set(tensors) ^ set(expected))}"
+                         " extra or missing")
+    hf = {"safetensors_metadata": {"format": "pt"}, "weight_map": None, "tied_head_stored": False}
+    _write_converted(Path(out_dir), config, "float32", tensors.__getitem__, hf, hf_extra)
+
+
+def kept_hf_files(source: ConvertedCheckpoint | RandomWeights) -> list[Path]:
+    """The Hugging Face files a converted `source` kept that describe the model rather than its weight files
+    (tokenizer, generation config): what a checkpoint of other weights of the same model carries on. Not its
+    config.json (it may declare another dtype) nor its shard index; none for random weights."""
+    extra = source.directory / HF_EXTRA_DIR if isinstance(source, ConvertedCheckpoint) else None
+    if extra is None or not extra.is_dir():
+        return []
+    return [p for p in sorted(extra.iterdir()) if p.name not in ("config.json", INDEX_FILE)]
+
+
 def convert_hf_checkpoint(hf_dir: Path | str, out_dir: Path | str) -> LlamaConfig:
     """HF Llama safetensors checkpoint -> converted directory. Validates before writing anything."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
@@ -349,31 +392,11 @@ def convert_hf_checkpoint(hf_dir: Path | str, out_dir: Path | str) -> LlamaConfi
         raise CheckpointError(f"{hf_dir}: tensors mix dtypes {sorted(dtypes)}; expected one")
     dtype_name = {v: k for k, v in DTYPE_NAMES.items()}[dtype]
 
-    tmp = _fresh_output(out_dir)
-    try:
-        names = list(parameter_shapes(config))
-        has_index = (hf_dir / INDEX_FILE).is_file()
-        meta = {
-            "format": FORMAT,
-            "model": config.to_dict(),
-            "dtype": dtype_name,
-            "hf": {
-                "safetensors_metadata": files.metadata(),
-                "weight_map": files.weight_map if has_index else None,
-                "tied_head_stored": tied_head,
-            },
-        }
-        _write_tensors(tmp, names, lambda n: files.tensor(canonical_to_hf(n)), None, files.metadata())
-        extra = _hf_extra_files(hf_dir)
-        if extra:
-            (tmp / "hf_extra").mkdir()
-            for path in extra:
-                shutil.copy2(path, tmp / "hf_extra" / path.name)
-        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-        ConvertedCheckpoint(tmp)  # read back what was written before publishing it
-        _publish(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    has_index = (hf_dir / INDEX_FILE).is_file()
+    hf = {"safetensors_metadata": files.metadata(), "weight_map": files.weight_map if has_index else None,
+          "tied_head_stored": tied_head}
+    _write_converted(out_dir, config, dtype_name, lambda n: files.tensor(canonical_to_hf(n)), hf,
+                     _hf_extra_files(hf_dir))
     return config
 
 
@@ -397,7 +420,7 @@ def export_hf_checkpoint(converted_dir: Path | str, hf_dir: Path | str) -> Llama
         _write_tensors(tmp, sorted(hf_names), lambda n: source.tensor(reads[n]), weight_map, metadata)
         hf_config = source.config.to_hf_dict(source.dtype)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-        extra = source.directory / "hf_extra"  # the original config.json among them, replacing the generated one
+        extra = source.directory / HF_EXTRA_DIR  # the original config.json among them, replacing the generated one
         if extra.is_dir():
             for path in extra.iterdir():
                 if path.name != INDEX_FILE or weight_map is not None:  # the original index fits the original shards

@@ -57,6 +57,15 @@ def rank_positions(seq_len: int, world: int, rank: int, layout: str) -> np.ndarr
     return np.concatenate([first, np.arange(second_start, second_start + chunk, dtype=np.int64)])
 
 
+def position_runs(seq_len: int, world: int, rank: int, layout: str) -> tuple[tuple[slice, int], ...]:
+    """(local rows, end position + 1) of each run of consecutive positions among rank `rank`'s tokens: one run for
+    contiguous, two for zigzag. An all-gathered ring computes each run against the key prefix up to its end."""
+    positions = rank_positions(seq_len, world, rank, layout)
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [positions.size]])
+    return tuple((slice(int(s), int(e)), int(positions[e - 1]) + 1) for s, e in zip(starts, ends))
+
+
 def layout_order(seq_len: int, world: int, layout: str) -> np.ndarray:
     """int64 [seq_len]: rank 0's positions, then rank 1's, ...; `x[..., order, ...]` reorders a full sequence so
     that consecutive equal parts belong to consecutive ranks, and `inverse_order` undoes it."""

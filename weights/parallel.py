@@ -1,10 +1,25 @@
 """Parallelism written as data, shared by both backends: the 2-D device mesh (`fsdp` x `sp`), how each parameter
-is sharded over it, and how activations are laid out.
+is sharded over it, and how activations are laid out. Read by torch_impl/parallel.py and jax_impl/parallel.py,
+which derive every placement from these tables.
 
-`PARAMETER_SHARDING` maps a canonical parameter name pattern to one mesh axis name (or None) per tensor dim; the
-torch backend turns it into FSDP2 placements (`Shard(dim)` over the `fsdp` sub-mesh), the JAX backend into
-`PartitionSpec`s. `ACTIVATION_SHARDING` does the same for the data: tokens [batch, seq] are split over `fsdp` on
-the batch dim and over `sp` on the sequence dim (in the ring layout's order, see weights/layout.py).
+`PARAMETER_SHARDING` maps a canonical parameter name pattern to one entry per tensor dim: None (the dim is whole
+on every device) or a tuple of mesh axes the dim is split over together, the first axis outermost (device (f, s)
+of an ("fsdp", "sp") split holds chunk f * sp + s of the dim). This is what both backends do:
+  every parameter, the 1-D norm weights included, is split on dim 0 over the FLATTENED (fsdp, sp) mesh, i.e. over
+  all devices, never replicated over `sp`. Sequence parallelism is for long contexts, where the batch is small and
+  the mesh mostly `sp` (fsdp=1, sp=4 for one long sequence on 4 GPUs); replicating over `sp` (HSDP) would keep a
+  full copy of the fp32 weights, gradients and AdamW state on every device (16 bytes per parameter: 128 GB for an
+  8B model, nearly all of an H200's 141 GB), while splitting over all devices costs the same gather bytes per
+  device and divides that state by the device count. The norms are split too because FSDP2, the torch backend's
+  sharding, has no replicated placement; the JAX backend splits them the same way, so that every parameter's
+  bytes live in the same place in both (their few bytes cost nothing, and the math is the same either way).
+The torch backend turns an entry into FSDP2's `Shard(dim)` over the flattened mesh (`parameter_shard_axes`: one
+set of axes for every parameter, as FSDP2 shards a module's parameters over one mesh), the JAX backend into
+`PartitionSpec(*entry)`.
+
+`ACTIVATION_SHARDING` gives one mesh axis name (or None) per dim of the data: tokens [batch, seq] are split over
+`fsdp` on the batch dim and over `sp` on the sequence dim, in the order of the ring layout `RING_LAYOUT` (see
+weights/layout.py).
 """
 
 from __future__ import annotations
@@ -15,17 +30,18 @@ import fnmatch
 from weights.errors import CheckpointError
 
 MESH_AXES = ("fsdp", "sp")
+RING_LAYOUT = "zigzag"  # the sequence's order across `sp` in training: balanced causal work on every ring device
 
-PARAMETER_SHARDING: dict[str, tuple[str | None, ...]] = {
-    "tok_embeddings.weight": ("fsdp", None),
-    "layers.*.attention_norm.weight": (None,),
-    "layers.*.attention.w[qkv].weight": ("fsdp", None),
-    "layers.*.attention.wo.weight": ("fsdp", None),
-    "layers.*.ffn_norm.weight": (None,),
-    "layers.*.feed_forward.w[13].weight": ("fsdp", None),
-    "layers.*.feed_forward.w2.weight": ("fsdp", None),
-    "norm.weight": (None,),
-    "output.weight": ("fsdp", None),
+PARAMETER_SHARDING: dict[str, tuple[tuple[str, ...] | None, ...]] = {
+    "tok_embeddings.weight": (("fsdp", "sp"), None),
+    "layers.*.attention_norm.weight": (("fsdp", "sp"),),
+    "layers.*.attention.w[qkv].weight": (("fsdp", "sp"), None),
+    "layers.*.attention.wo.weight": (("fsdp", "sp"), None),
+    "layers.*.ffn_norm.weight": (("fsdp", "sp"),),
+    "layers.*.feed_forward.w[13].weight": (("fsdp", "sp"), None),
+    "layers.*.feed_forward.w2.weight": (("fsdp", "sp"), None),
+    "norm.weight": (("fsdp", "sp"),),
+    "output.weight": (("fsdp", "sp"), None),
 }
 
 ACTIVATION_SHARDING: dict[str, tuple[str | None, ...]] = {
@@ -34,12 +50,30 @@ ACTIVATION_SHARDING: dict[str, tuple[str | None, ...]] = {
 }
 
 
-def parameter_sharding(name: str) -> tuple[str | None, ...]:
-    """The mesh axis of each dim of canonical parameter `name`."""
+def parameter_sharding(name: str) -> tuple[tuple[str, ...] | None, ...]:
+    """The table's entry of canonical parameter `name`: per dim, None or the mesh axes it is split over."""
     for pattern, spec in PARAMETER_SHARDING.items():
         if fnmatch.fnmatchcase(name, pattern):
             return spec
     raise KeyError(f"no sharding rule for parameter {name}")
+
+
+def sharded_dim(name: str) -> int:
+    """The one dim of parameter `name` that the table splits (every entry splits exactly one dim)."""
+    spec = parameter_sharding(name)
+    split = [dim for dim, axes in enumerate(spec) if axes is not None]
+    if len(split) != 1:
+        raise ValueError(f"sharding rule of {name} splits dims {split}; the backends need exactly one split dim")
+    return split[0]
+
+
+def parameter_shard_axes() -> tuple[str, ...]:
+    """The mesh axes every parameter is split over; the table must use one set of axes for all of them."""
+    found = {axes for spec in PARAMETER_SHARDING.values() for axes in spec if axes is not None}
+    if len(found) != 1 or not set(next(iter(found))) <= set(MESH_AXES):
+        raise ValueError(f"PARAMETER_SHARDING splits parameters over {sorted(found)}; the backends need one tuple "
+                         f"of axes from {MESH_AXES} for every parameter")
+    return found.pop()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks in stages that each fit one 10-minute call on a 4x H200 host (the device tool's
+# nvidia-h200-x4; the kernel stages need one GPU), run from the repository root with the image's python3 (no install: the checkout is on PYTHONPATH).
+#   bash compare/gpu_suite.sh kernel-tests               GPU kernel tests, both backends, and a quick `bench kernels`
+#   bash compare/gpu_suite.sh kernel-bench PART [LENS] [JSON...]   one part (torch | jax) of `bench kernels`,
+#                                                                   merged with earlier parts' JSON
+#   bash compare/gpu_suite.sh ring      4-GPU ring tests (torch NCCL, JAX), then `bench ring` at Hkv=8
+#   bash compare/gpu_suite.sh ring-bench [SEQ_LENS]   full `bench ring` (torch + peer, then JAX), merged
+#   bash compare/gpu_suite.sh train     `twinflash train` throughput: Llama-3.2-1B / 3.1-8B shapes, both backends
+# Everything lands in $OUT (default ./out): logs, JSON, and the tables printed last.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+stage=${1:?stage: kernel-tests | kernel-bench | ring | ring-bench | train}
+
+environment() {
+    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      python3 -c "import sys,torch,triton,jax;print(sys.version.split()[0],'torch',torch.__version__,'triton',\
+triton.__version__,'jax',jax.__version__,'gpus',torch.cuda.device_count())"; } 2>&1 | tee "$OUT/env.txt"
+}
+
+summary() {  # the last lines of each log: what the reply's output tail shows
+    for log in "$@"; do echo "== $(basename "$log")"; tail -n "${TAIL:-6}" "$log"; done
+}
+
+case "$stage" in
+kernel-tests)  # GPU kernel tests of both backends, then a quick `bench kernels`; one GPU is enough
+    environment
+    timeout 240 python3 -m pytest -q -m gpu -x tests/test_flash_attention_torch.py > "$OUT/gpu-tests-torch.log" 2>&1
+    timeout 200 python3 -m pytest -q -m gpu -x tests/test_flash_attention_jax.py > "$OUT/gpu-tests-jax.log" 2>&1
+    timeout 140 python3 -m compare.kernel_bench --quick --part-timeout-s 65 --out "$OUT/kernels-quick.json" \
+        > "$OUT/bench-quick.log" 2>&1
+    TAIL=4 summary "$OUT"/gpu-tests-*.log
+    tail -n 30 "$OUT/bench-quick.log"
+    ;;
+kernel-bench)  # kernel-bench PART [SEQ_LENS] [ROWS_FROM...]: one part of the full sweep, merged with earlier JSON
+    part=${2:?part: torch | jax}; lens=${3:-4k,16k,64k}; shift 3 || shift $#
+    rows=(); for f in "$@"; do rows+=(--rows-from "$f"); done
+    timeout 570 python3 -m compare.kernel_bench --parts "$part" --seq-lens "$lens" --part-timeout-s 550 \
+        "${rows[@]}" --out "$OUT/kernels-$part.json" > "$OUT/bench-$part.log" 2>&1
+    tail -n 45 "$OUT/bench-$part.log"
+    ;;
+ring)  # 4-GPU ring tests of both backends, then `bench ring` at Hkv=8 (GQA) for 32k and 128k
+    environment
+    timeout 300 python3 -m pytest -q -m gpu -x tests/test_ring_attention_torch.py > "$OUT/gpu-ring-torch.log" 2>&1
+    timeout 100 python3 -m pytest -q -m gpu -x tests/test_ring_attention_jax.py > "$OUT/gpu-ring-jax.log" 2>&1
+    timeout 250 python3 -m compare.ring_bench --seq-lens 32k,128k --kv-heads 8 --warmup 2 --iters 3 \
+        --launch-timeout-s 160 --out "$OUT/ring.json" > "$OUT/ring.log" 2>&1
+    TAIL=4 summary "$OUT"/gpu-ring-*.log
+    tail -n 40 "$OUT/ring.log"
+    ;;
+ring-bench)
+    lens=${2:-32k,128k}
+    timeout 330 python3 -m compare.ring_bench --parts torch,peer --seq-lens "$lens" --launch-timeout-s 320 \
+        --out "$OUT/ring-torch.json" > "$OUT/ring-torch.log" 2>&1
+    timeout 250 python3 -m compare.ring_bench --parts jax --seq-lens "$lens" --launch-timeout-s 240 \
+        --rows-from "$OUT/ring-torch.json" --out "$OUT/ring.json" > "$OUT/ring.log" 2>&1
+    TAIL=3 summary "$OUT/ring-torch.log"
+    tail -n 40 "$OUT/ring.log"
+    ;;
+train)
+    common=(--dtype bf16 --data random --steps 6)
+    for backend in torch jax; do
+        timeout 200 python3 -m compare.cli train --backend "$backend" "${common[@]}" --model llama3.2-1b \
+            --seq-len 32768 --mesh fsdp=1,sp=4 --batch 1 --out "$OUT/train-$backend-1b-32k" \
+            > "$OUT/train-$backend-1b-32k.log" 2>&1
+    done
+    TAIL=3 summary "$OUT"/train-*.log
+    ;;
+*)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+esac

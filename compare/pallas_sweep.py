@@ -1,0 +1,147 @@
+"""Block-size sweep of the JAX Pallas FlashAttention kernels on one GPU (`python -m compare.pallas_sweep`).
+
+For each head dim (--head-dims) it times, bf16, B x S x H (Hkv) as given, causal and/or full:
+  fwd   the forward kernel over FORWARD_CANDIDATES;
+  dkdv  the backward (both kernels) over DKDV_CANDIDATES, the dQ kernel held at its table default;
+  dq    the backward over DQ_CANDIDATES, the dK/dV kernel held at the best dkdv found;
+then flash_attention fwd and fwd+bwd (as `compare.kernel_bench` times them) with the table default and with
+the best configs. A config that fails to compile (shared memory, registers) is recorded as an error; every
+config's result is checked against the first one's (max_abs_diff), so a fast wrong config stands out.
+Timing: block_until_ready, median of --repeats after two warm-up calls. TFLOP/s from
+`weights.flops.attention_flops` (backward = 2.5 forwards). Prints one JSON object per line and a summary with
+ready-to-paste `GPU_BLOCK_SIZES` entries; writes all rows to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+from pathlib import Path
+
+from compare.kernel_bench import jax_median_ms
+from weights.flops import attention_flops
+
+# (block_q, block_k, num_warps, num_stages). dkdv: block_k rows of K/V per program, block_q query rows per step.
+FORWARD_CANDIDATES = [(bq, bk, w, s) for bq, bk, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+                      if not (bq == 64 and w == 8)]
+DKDV_CANDIDATES = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3)))
+DQ_CANDIDATES = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+QUICK = {"fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)],
+         "dkdv": [(32, 128, 4, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (128, 128, 8, 2)],
+         "dq": [(128, 64, 8, 2), (128, 32, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2)]}
+
+
+def _parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m compare.pallas_sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=32)
+    parser.add_argument("--head-dims", type=_parse_ints, default=[128], help="e.g. 64,128")
+    parser.add_argument("--causal", choices=("causal", "full", "both"), default="causal")
+    parser.add_argument("--kernels", default="fwd,dkdv,dq", help="subset of fwd,dkdv,dq")
+    parser.add_argument("--quick", action="store_true", help="5 candidates per kernel instead of the full grid")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("compare/results/pallas_sweep.json"))
+    return parser
+
+
+def _emit(row: dict) -> dict:
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
+    """All kernels' candidates for one (head dim, causal) point; returns the rows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_impl.flash_attention import (GPU_BLOCK_SIZES, FlashBlockSizes, KernelConfig, flash_attention,
+                                          override_block_sizes)
+    from jax_impl.flash_backward import pallas_backward
+    from jax_impl.flash_forward import padded_head_dim, pallas_forward
+
+    b, s, h, hkv = args.batch, args.seq_len, args.heads, args.kv_heads
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, dout = (jax.random.normal(key, (b, s, heads, head_dim), jnp.bfloat16)
+                     for key, heads in zip(keys, (h, hkv, hkv, h)))
+    scale = head_dim ** -0.5
+    fwd_flops = attention_flops(b, h, s, s, head_dim, causal, backward=False)
+    default = GPU_BLOCK_SIZES[padded_head_dim(head_dim)]
+    out, lse = jax.jit(functools.partial(pallas_forward, causal=causal, softmax_scale=scale,
+                                         out_dtype=jnp.dtype(jnp.bfloat16), config=default.forward,
+                                         interpret=False))(q, k, v)
+    point = dict(S=s, batch=b, heads=h, kv_heads=hkv, head_dim=head_dim, causal=causal)
+    rows, best = [], {"fwd": default.forward, "dkdv": default.backward_dkdv, "dq": default.backward_dq}
+
+    def run(kernel: str, config: KernelConfig):
+        if kernel == "fwd":
+            fn = functools.partial(pallas_forward, causal=causal, softmax_scale=scale,
+                                   out_dtype=jnp.dtype(jnp.bfloat16), config=config, interpret=False)
+            return jax.jit(fn), (q, k, v), fwd_flops
+        dkdv, dq = (config, default.backward_dq) if kernel == "dkdv" else (best["dkdv"], config)
+        fn = functools.partial(pallas_backward, causal=causal, softmax_scale=scale, dkdv_config=dkdv, dq_config=dq,
+                               interpret=False)
+        return jax.jit(fn), (dout, q, k, v, out, lse), 2.5 * fwd_flops
+
+    candidates = {"fwd": FORWARD_CANDIDATES, "dkdv": DKDV_CANDIDATES, "dq": DQ_CANDIDATES}
+    for kernel in [x for x in ("fwd", "dkdv", "dq") if x in args.kernels.split(",")]:
+        first, timed = None, []
+        for values in (QUICK[kernel] if args.quick else candidates[kernel]):
+            config = KernelConfig(*values)
+            row = dict(point, kernel=kernel, config=list(values))
+            try:
+                fn, inputs, flops = run(kernel, config)
+                result = [np.asarray(x, np.float32) for x in jax.tree.leaves(fn(*inputs))]
+                first = first or result
+                row["max_abs_diff"] = max(float(np.max(np.abs(a - c))) for a, c in zip(result, first))
+                row["ms"] = jax_median_ms(fn, *inputs, repeats=args.repeats)
+                row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+                timed.append((row["ms"], config))
+            except Exception as err:  # a config that does not compile or run is a result, not a crash
+                row["error"] = f"{type(err).__name__}: {err}"[:300]
+            rows.append(_emit(row))
+        if timed:
+            best[kernel] = min(timed)[1]
+
+    def loss(q, k, v):
+        return jnp.sum(flash_attention(q, k, v, causal=causal).astype(jnp.float32) * dout.astype(jnp.float32))
+
+    tuned = FlashBlockSizes(best["fwd"], best["dkdv"], best["dq"])
+    for label, sizes in (("table", default), ("best", tuned)):
+        with override_block_sizes(head_dim, sizes):  # fresh jits: sizes are read at trace time
+            fwd_ms = jax_median_ms(jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=causal)), q, k, v,
+                                repeats=args.repeats)
+            fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=args.repeats)
+        rows.append(_emit(dict(point, kernel="flash_attention", sizes=label, block_sizes=repr(sizes),
+                               fwd_ms=fwd_ms, fwd_tflops=fwd_flops / (fwd_ms * 1e-3) / 1e12, fwdbwd_ms=fwdbwd_ms,
+                               fwdbwd_tflops=3.5 * fwd_flops / (fwdbwd_ms * 1e-3) / 1e12)))
+    print(f"# head_dim {head_dim} causal={causal}: {padded_head_dim(head_dim)}: {tuned!r},", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    args = build_parser().parse_args(argv)
+    import jax
+    if jax.default_backend() != "gpu":
+        raise SystemExit("pallas_sweep needs jax with a GPU backend (the kernels are timed compiled, not interpreted)")
+    print(json.dumps({"meta": {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}}), flush=True)
+    causals = {"causal": (True,), "full": (False,), "both": (True, False)}[args.causal]
+    rows = [row for head_dim in args.head_dims for causal in causals for row in sweep_point(args, head_dim, causal)]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1))
+    print(f"# wrote {len(rows)} rows to {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,362 @@
+"""`twinflash bench ring`: sequence-parallel attention on 4 GPUs, our torch ring and JAX ring against one GPU and
+against the peer, PyTorch's context parallelism on cuDNN SDPA. This module plans the sweep, launches the workers
+(`compare/ring_bench_workers.py` says what is measured and how), merges their rows and reports a table and JSON.
+
+Roles of `python -m compare.ring_bench`:
+  plain invocation  the parent: launches `torchrun --nproc_per_node=4 -m compare.ring_bench --worker torch` (our
+                    torch kernels and ring, and the peer), then `python -m compare.ring_bench --worker jax` (with
+                    XLA_PYTHON_CLIENT_PREALLOCATE=false), each with a JSON plan; a worker that crashes or hangs
+                    (per-launch timeout) costs the task it was on, which is recorded as an error, and is relaunched
+                    for the remaining tasks. The JSON is rewritten after each worker (a run cut short keeps
+                    what it measured); at the end the table is printed. `--rows-from` merges an earlier run's
+                    rows, so the parts can run as separate commands.
+  under torchrun    without --worker (e.g. `torchrun --nproc_per_node=4 -m compare.ring_bench --quick`): the torch
+                    and peer parts only, reported by rank 0.
+
+Sweep: for each S_total (--seq-lens) and Hkv (--kv-heads): causal, H=32, D=128, bf16, batch 1, fwd+bwd, zigzag.
+Derived per row: TFLOP/s per GPU from `weights.flops.attention_flops` (the same count for every implementation,
+so ratios are time ratios), efficiency t1 / (4 t4) against the same framework's one-GPU row, and `vs peer`: per-GPU
+TFLOP/s over the best context-parallel cuDNN row of the point (one-GPU rows: over cuDNN SDPA on one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from compare.cli import OneLineParser
+from weights import CheckpointError
+from weights.layout import check_split
+
+GPUS = 4
+LAYOUT = "zigzag"
+ONE_GPU_KIND = {"torch": "flash-1gpu", "peer": "cudnn-1gpu", "jax": "jax-flash-1gpu"}
+PARTS = ("torch", "peer", "jax")
+VARIANTS = ("ring", "allgather")
+PEER_ROTATIONS = ("allgather", "alltoall")
+METHOD = {
+    "flops": "weights.flops.attention_flops(batch, heads, S, S, head_dim, causal=True, backward=True)",
+    "timing": "warm-up calls, then back-to-back calls between two device synchronisations (perf_counter), the "
+              "slowest rank's time; iterations reduced for long points (row 'iters')",
+    "exposed_comm_ms": "ring time minus the same calls with every transfer replaced by a same-sized local copy",
+    "wire_GBps": "bytes sent per rank / time with a transfer in flight on the comm streams (CUDA events), "
+                 "a lower bound (includes waiting for slower peers)",
+    "peer": "torch context_parallel + cuDNN SDPA as /work/shared/anchors/cp_cudnn.py",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plan
+# ---------------------------------------------------------------------------------------------------------------
+
+def _lengths(text: str) -> tuple[int, ...]:
+    """'32k,128k' or '32768,131072' -> (32768, 131072)."""
+    values = []
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", item)
+        if not match:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a length like 32768 or 32k")
+        values.append(int(match[1]) * (1024 if match[2] else 1))
+    return tuple(values)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="twinflash bench ring", description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", type=_lengths, default=(32768, 131072), help="total lengths, e.g. 32k,128k,512k")
+    parser.add_argument("--kv-heads", type=_ints, default=(32, 8), help="Hkv values (H=32: MHA and GQA)")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=4.0, help="seconds per measurement before cutting iters")
+    parser.add_argument("--launch-timeout-s", type=float, default=900.0, help="per worker launch")
+    parser.add_argument("--quick", action="store_true", help="smoke run: S=16k, Hkv=8, 1+1 calls")
+    parser.add_argument("--rows-from", type=Path, action="append", default=[],
+                        help="merge the rows of an earlier run's JSON (e.g. one part per invocation)")
+    parser.add_argument("--out", type=Path, help="JSON path (default compare/results/ring-<date>-<gpu>.json)")
+    parser.add_argument("--worker", choices=("torch", "jax"), help=argparse.SUPPRESS)
+    parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def _check_args(args) -> None:
+    if args.quick:
+        args.seq_lens, args.kv_heads, args.warmup, args.iters, args.budget_s = (16384,), (8,), 1, 1, 1.0
+    args.parts = tuple(p.strip() for p in args.parts.split(","))
+    unknown = set(args.parts) - set(PARTS)
+    if unknown:
+        raise CheckpointError(f"--parts: unknown {', '.join(sorted(unknown))} (choices: {', '.join(PARTS)})")
+    for kv in args.kv_heads:
+        if kv < 1 or args.heads % kv:
+            raise CheckpointError(f"--kv-heads: {kv} does not divide --heads {args.heads}")
+    for seq_len in args.seq_lens:
+        check_split(seq_len, GPUS, LAYOUT)
+
+
+def plan_tasks(args) -> dict[str, list[dict]]:
+    """{part: [task]}; a task names what to measure at one point (ids are unique across parts)."""
+    tasks = {part: [] for part in args.parts}
+    for seq_len in args.seq_lens:
+        for kv_heads in args.kv_heads:
+            point = dict(seq_len=seq_len, heads=args.heads, kv_heads=kv_heads, head_dim=args.head_dim,
+                         batch=args.batch)
+
+            def add(part, kind, impl, gpus, variant=None):
+                if part in tasks:
+                    tasks[part].append(dict(point, id=f"{part}/{kind}/{variant}/S{seq_len}/kv{kv_heads}", part=part,
+                                            kind=kind, impl=impl, gpus=gpus, variant=variant,
+                                            layout=LAYOUT if gpus > 1 and part != "peer" else None))
+
+            add("torch", "flash-1gpu", "flash (triton), 1 GPU", 1)
+            add("peer", "cudnn-1gpu", "cuDNN SDPA, 1 GPU", 1)
+            add("jax", "jax-flash-1gpu", "flash (pallas), 1 GPU", 1)
+            for variant in VARIANTS:
+                add("torch", "ring", f"torch ring, {variant}", GPUS, variant)
+            for rotation in PEER_ROTATIONS:
+                add("peer", "cp-cudnn", f"context parallel cuDNN, {rotation}", GPUS, rotation)
+            for variant in VARIANTS:
+                add("jax", "jax-ring", f"jax ring, {variant}", GPUS, variant)
+    return tasks
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launching workers
+# ---------------------------------------------------------------------------------------------------------------
+
+def read_rows_file(path: Path) -> tuple[dict, list[dict], list[str]]:
+    """(meta, rows, ids of started tasks) from a worker's JSON-lines output."""
+    meta, rows, started = {}, [], []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            meta.update(record.get("meta", {}))
+            if "started" in record:
+                started.append(record["started"])
+            if "row" in record:
+                rows.append(record["row"])
+    return meta, rows, started
+
+
+def _worker_command(part: str, plan_path: Path) -> tuple[list[str], dict]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if part == "jax":
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        return [sys.executable, "-m", "compare.ring_bench", "--worker", "jax", "--plan", str(plan_path)], env
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={GPUS}", "-m",
+            "compare.ring_bench", "--worker", "torch", "--plan", str(plan_path)], env
+
+
+def run_worker(worker: str, tasks: list[dict], args, workdir: Path) -> tuple[dict, list[dict]]:
+    """Runs `tasks` on a worker, relaunching after a crash or hang; every task ends with a row."""
+    meta, rows, remaining, launch = {}, [], list(tasks), 0
+    while remaining:
+        launch += 1
+        rows_path, plan_path = workdir / f"{worker}-{launch}.jsonl", workdir / f"{worker}-{launch}.plan.json"
+        plan_path.write_text(json.dumps(dict(tasks=remaining, rows_path=str(rows_path), warmup=args.warmup,
+                                             iters=args.iters, budget_s=args.budget_s, gpus=GPUS,
+                                             collective_timeout_s=300)))
+        command, env = _worker_command(worker, plan_path)
+        log_path = workdir / f"{worker}-{launch}.log"
+        print(f"[ring bench] {worker}: {len(remaining)} tasks: {shlex.join(command)} (log {log_path})", flush=True)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                proc.wait(timeout=args.launch_timeout_s)
+                failure = f"worker exited with {proc.returncode}" if proc.returncode else None
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                failure = f"worker timed out after {args.launch_timeout_s:.0f}s"
+        launch_meta, launch_rows, started = read_rows_file(rows_path)
+        meta.update(launch_meta)
+        rows += launch_rows
+        done = {row["id"] for row in launch_rows}
+        unfinished = [t for t in remaining if t["id"] in started and t["id"] not in done]
+        if failure is None and not unfinished and len(done) < len(remaining):
+            failure = "worker exited early"
+        tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])[-400:]
+        for task in unfinished:  # the task the worker died on
+            rows.append(dict(task, error=f"{failure}: {tail}"))
+        if not started:  # died before its first task: the rest would fail the same way
+            rows += [dict(task, error=f"{failure or 'worker did nothing'}: {tail}") for task in remaining]
+            break
+        remaining = [t for t in remaining if t["id"] not in started]
+    return meta, rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------------
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Adds tflops_per_gpu, efficiency and vs_peer (module docstring) to copies of `rows`."""
+    from weights.flops import attention_flops
+
+    out = []
+    for row in rows:
+        row = dict(row)
+        if row.get("ms") and not row.get("error"):
+            flops = attention_flops(row["batch"], row["heads"], row["seq_len"], row["seq_len"], row["head_dim"],
+                                    causal=True, backward=True)
+            row["tflops_per_gpu"] = flops / (row["ms"] * 1e-3) / row["gpus"] / 1e12
+        out.append(row)
+
+    def point(row):
+        return row["seq_len"], row["kv_heads"]
+
+    def timed(candidates):
+        return [r for r in candidates if r.get("tflops_per_gpu")]
+
+    for row in timed(out):
+        if row["gpus"] > 1:
+            single = timed(r for r in out if point(r) == point(row) and r["kind"] == ONE_GPU_KIND[row["part"]])
+            if single:
+                row["efficiency"] = single[0]["ms"] / (row["gpus"] * row["ms"])
+            peers = timed(r for r in out if point(r) == point(row) and r["kind"] == "cp-cudnn")
+        else:
+            peers = timed(r for r in out if point(r) == point(row) and r["kind"] == "cudnn-1gpu")
+        if peers:
+            row["vs_peer"] = row["tflops_per_gpu"] / max(p["tflops_per_gpu"] for p in peers)
+    return out
+
+
+def _fmt(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def render_table(rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="Ring attention, causal, bf16, fwd+bwd (zigzag on 4 GPUs)")
+    for name in ("S", "Hkv", "implementation", "GPUs", "ms", "TFLOP/s/GPU", "eff.", "exposed comm ms", "wire GB/s",
+                 "vs peer", "note"):
+        table.add_column(name, justify="left" if name in ("implementation", "note") else "right")
+    for row in sorted(rows, key=lambda r: (r["seq_len"], -r["kv_heads"], PARTS.index(r["part"]), r["gpus"])):
+        note = row.get("error") or row.get("note") or ""
+        table.add_row(f"{row['seq_len'] // 1024}k", str(row["kv_heads"]), row["impl"], str(row["gpus"]),
+                      _fmt(row.get("ms"), ".1f"), _fmt(row.get("tflops_per_gpu"), ".0f"),
+                      _fmt(row.get("efficiency"), ".0%"), _fmt(row.get("exposed_comm_ms"), ".1f"),
+                      _fmt(row.get("wire_GBps"), ".0f"), _fmt(row.get("vs_peer"), ".2f"),
+                      note if len(note) < 90 else note[:87] + "...")
+    return table
+
+
+def default_out_path(meta: dict, today: datetime.date) -> Path:
+    gpu = meta.get("gpu", "unknown-gpu").lower().replace("nvidia", "").strip()
+    return Path("compare/results") / f"ring-{today.isoformat()}-{re.sub(r'[^a-z0-9]+', '-', gpu).strip('-')}.json"
+
+
+def write_json(path: Path, document: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(document, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def save(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> tuple[Path, list[dict]]:
+    """Writes the JSON document (rows with the derived columns); returns its path and those rows."""
+    rows = summarize(rows)
+    path = out or default_out_path(meta, datetime.date.today())
+    write_json(path, {"command": shlex.join(["twinflash", "bench", "ring", *argv]),
+                      "date": datetime.datetime.now().isoformat(timespec="seconds"), "gpus": GPUS,
+                      "versions": meta, "method": METHOD, "rows": rows})
+    return path, rows
+
+
+def report(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> Path:
+    """Writes the JSON and prints the table."""
+    from rich.console import Console
+
+    path, rows = save(rows, meta, argv, out)
+    Console(width=200).print(render_table(rows))
+    print(f"[ring bench] wrote {path}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------------------------
+
+def _previous(paths: list[Path]) -> tuple[dict, list[dict]]:
+    meta, rows = {}, []
+    for path in paths:
+        try:
+            document = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"--rows-from {path}: {err}") from None
+        meta.update(document.get("versions", {}))
+        rows += document.get("rows", [])
+    return meta, rows
+
+
+def _run_under_torchrun(args, argv) -> None:
+    from compare.ring_bench_workers import run_torch
+
+    if args.plan is not None:  # launched by the parent
+        run_torch(json.loads(args.plan.read_text()))
+        return
+    tasks = [t for part in ("torch", "peer") for t in plan_tasks(args).get(part, [])]
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_path = Path(tmp) / "rows.jsonl"
+        run_torch(dict(tasks=tasks, rows_path=str(rows_path), warmup=args.warmup, iters=args.iters,
+                       budget_s=args.budget_s, gpus=GPUS, collective_timeout_s=300))
+        if int(os.environ.get("RANK", "0")) == 0:
+            meta, rows, _ = read_rows_file(rows_path)
+            report(rows, meta, argv, args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+        if args.worker == "jax":
+            from compare.ring_bench_workers import run_jax
+
+            run_jax(json.loads(args.plan.read_text()))
+            return 0
+        _check_args(args)
+        if "LOCAL_RANK" in os.environ:
+            _run_under_torchrun(args, argv)
+            return 0
+        import torch
+
+        found = torch.cuda.device_count()
+        if found < GPUS:
+            raise CheckpointError(f"`bench ring` needs {GPUS} CUDA GPUs; this machine has {found}")
+        meta, rows = _previous(args.rows_from)
+        tasks = plan_tasks(args)
+        with tempfile.TemporaryDirectory(prefix="ring-bench-") as tmp:
+            for worker, parts in (("torch", ("torch", "peer")), ("jax", ("jax",))):
+                worker_tasks = [t for part in parts for t in tasks.get(part, [])]
+                if worker_tasks:
+                    worker_meta, worker_rows = run_worker(worker, worker_tasks, args, Path(tmp))
+                    meta.update(worker_meta)
+                    rows += worker_rows
+                    save(rows, meta, argv, args.out)  # kept if a later part is cut short
+        report(rows, meta, argv, args.out)
+    except CheckpointError as bad:
+        print(f"twinflash: error: {bad}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

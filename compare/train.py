@@ -1,0 +1,412 @@
+"""`twinflash train`: distributed Llama training with either backend, with a live progress display and
+OUT/train.jsonl. Owns `TrainSettings`, the one description of a run that both backends' `run_training` receive,
+the batches (built here once with numpy, so both backends see the same tokens in the same order), the checks of
+bad input, the launch of the torch processes (and of the JAX child process on CPU), and the per-step report
+(tokens/s, TFLOP/s, MFU).
+
+Backends: `torch_impl.train.run_training(settings, batches, on_step)` runs one process per device under torchrun
+(this command starts torchrun itself when not already under it: gloo processes on CPU, one per GPU with NCCL);
+`jax_impl.train.run_training(settings, batches, on_step)` runs in one process over all of JAX's devices: this one,
+or on CPU, when JAX's device count here is not the mesh's, a child process that asks for the mesh's number of
+emulated host devices (XLA_FLAGS=--xla_force_host_platform_device_count, which JAX reads only when it starts). Both
+call `on_step(step=, loss=, lr=, grad_norm=, seconds=, peak_memory_bytes=[one per device])` once per step (on
+the torch rank 0 only); `step` is the 0-based optimizer step.
+
+OUT/train.jsonl, one line per step: step, loss, lr, grad_norm, seconds, tokens_per_s (global tokens / step
+wall time), tflops_per_device, mfu (null off-GPU), peak_memory_bytes (list, per device, the peak since the
+process started: GPU max allocated, or host peak RSS per process on CPU). With --resume, lines of steps the
+resumed run repeats are dropped first.
+
+Model FLOPs (`weights.flops.model_flops_per_token`, forward + backward, no credit for recomputation), per trained
+sequence of S tokens:
+  6 * N * S + 12 * layers * heads * head_dim * S^2 / 2
+where N counts the parameters every token multiplies in a matmul (all but an untied input embedding table) and
+the second term is causal attention (QK^T and PV, 2 * 2 * S^2 * head_dim per head forward, x3 for forward +
+backward, halved by the mask). MFU = model FLOPs per second / (989e12 * devices), 989 TFLOP/s being the dense
+bf16 peak of an H100/H200 SXM.
+
+Bad input (mesh not matching the device count, a sequence length the layout cannot take, a batch the fsdp axis
+cannot split, an incompatible checkpoint, outputs that exist) is refused before any process starts: one line,
+exit 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from weights import PRESETS, CheckpointError, LlamaConfig, open_weights
+from weights.data import random_batches, text_batches
+from weights.flops import model_flops_per_token
+from weights.parallel import MeshShape
+from weights.schedule import OptimizerConfig
+from weights.training import (ATTENTION_BACKENDS, check_attention_backend, check_batch_shape, checkpoint_to_resume,
+                              run_metadata)
+
+EXIT_BAD_INPUT = 2
+PEAK_FLOPS_PER_DEVICE = 989e12  # dense bf16, H100/H200 SXM
+JSONL = "train.jsonl"
+_TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker
+_SETTINGS_FLAG = "--settings-json"  # `python -m compare.train --settings-json FILE`: a process of our own launch
+_HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # XLA_FLAGS entry: JAX's number of CPU devices
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """One training run, as both backends' `run_training` read it.
+
+    model          preset name or converted checkpoint directory (presets: random weights from `seed`)
+    seq_len, batch tokens per sequence and sequences per step (global; split over fsdp x sp)
+    steps          length of the run (and of the learning-rate schedule)
+    mesh           (fsdp, sp) sizes; their product is the device count
+    dtype          "fp32" or "bf16" compute (fp32 master weights and optimizer state either way)
+    data, seed     "text" (stdlib source, byte tokens) or "random" tokens; `seed` orders the data and makes
+                   preset weights
+    attention_backend, ring_variant   kernel of each ring step ("triton"/"pallas" or "reference") and ring
+                   algorithm ("ring" or "allgather")
+    loss_chunk_tokens  positions per logits chunk of the loss (None: 256 Mi logits per chunk)
+    ckpt_dir, ckpt_every, keep, resume  checkpoints: every N steps and at the end of the run, the last K kept,
+                   --resume continues from the latest one
+    stop_at        end this run after that many steps of `steps` (a job's time slot; --resume continues)
+    out            directory of train.jsonl
+    export_dir     the final weights go to `export_paths`: EXPORT/converted (twinflash format) and EXPORT/hf
+    """
+
+    backend: str
+    model: str
+    seq_len: int
+    steps: int
+    mesh: MeshShape
+    batch: int
+    dtype: str = "fp32"
+    data: str = "text"
+    seed: int = 0
+    optimizer: OptimizerConfig = OptimizerConfig()
+    activation_checkpointing: bool = False
+    attention_backend: str = "triton"
+    ring_variant: str = "ring"
+    loss_chunk_tokens: int | None = None
+    ckpt_dir: Path | None = None
+    ckpt_every: int | None = None
+    keep: int = 3
+    resume: bool = False
+    stop_at: int | None = None
+    out: Path | None = None
+    export_dir: Path | None = None
+
+    @property
+    def export_paths(self) -> tuple[Path, Path] | None:
+        """(converted directory, HF directory) of the final weights, or None without `export_dir`."""
+        return None if self.export_dir is None else (self.export_dir / "converted", self.export_dir / "hf")
+
+    def to_json(self) -> str:
+        fields = dataclasses.asdict(self)
+        fields["mesh"] = str(self.mesh)
+        return json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainSettings:
+        fields = json.loads(text)
+        fields["mesh"] = MeshShape.parse(fields["mesh"])
+        fields["optimizer"] = OptimizerConfig(**fields["optimizer"])
+        for name in ("ckpt_dir", "out", "export_dir"):
+            fields[name] = None if fields[name] is None else Path(fields[name])
+        return cls(**fields)
+
+
+# --- arguments --------------------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=tuple(ATTENTION_BACKENDS), default="torch")
+    parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--mesh", help="e.g. fsdp=2,sp=2 (default: fsdp over all devices; "
+                        "on CPU one process)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--batch", type=int, help="sequences per step, all devices together (default: fsdp size)")
+    parser.add_argument("--data", choices=("text", "random"), default="text")
+    parser.add_argument("--seed", type=int, default=0, help="data order and preset weights")
+    defaults = OptimizerConfig()
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip_norm, help="max global grad norm")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    parser.add_argument("--attention-backend", help="ring step kernel: triton or reference (torch), pallas or "
+                        "reference (jax); default the kernel")
+    parser.add_argument("--ring-variant", choices=("ring", "allgather"), default="ring")
+    parser.add_argument("--loss-chunk-tokens", type=int, help="positions per logits chunk of the loss")
+    parser.add_argument("--ckpt-dir", type=Path)
+    parser.add_argument("--ckpt-every", type=int, help="steps between checkpoints (always one at the end)")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    parser.add_argument("--stop-at", type=int, help="end this run after that many steps (resume later)")
+    parser.add_argument("--out", type=Path, help="directory for train.jsonl")
+    parser.add_argument("--export", type=Path, dest="export_dir",
+                        help="write the final weights to DIR/converted (twinflash format) and DIR/hf")
+
+
+def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSettings:
+    """Validated settings; `device_count` gives the default mesh (fsdp over all devices)."""
+    mesh = MeshShape.parse(args.mesh) if args.mesh is not None else MeshShape(fsdp=device_count)
+    lower_bounds = (("--seq-len", args.seq_len, 2), ("--steps", args.steps, 1), ("--batch", args.batch, 1),
+                    ("--ckpt-every", args.ckpt_every, 1), ("--keep", args.keep, 1), ("--stop-at", args.stop_at, 1),
+                    ("--loss-chunk-tokens", args.loss_chunk_tokens, 1), ("--warmup-steps", args.warmup_steps, 0))
+    for name, value, least in lower_bounds:
+        if value is not None and value < least:
+            raise CheckpointError(f"{name} must be >= {least}, got {value}")
+    if args.stop_at is not None and args.stop_at > args.steps:
+        raise CheckpointError(f"--stop-at {args.stop_at} is beyond --steps {args.steps}")
+    if args.resume and args.ckpt_dir is None:
+        raise CheckpointError("--resume needs --ckpt-dir")
+    optimizer = OptimizerConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps,
+                                weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip)
+    settings = TrainSettings(
+        backend=args.backend, model=args.model, seq_len=args.seq_len, steps=args.steps, mesh=mesh,
+        batch=args.batch or mesh.fsdp, dtype=args.dtype, data=args.data, seed=args.seed, optimizer=optimizer,
+        activation_checkpointing=args.activation_checkpointing,
+        attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
+        ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
+        ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume, stop_at=args.stop_at, out=args.out,
+        export_dir=args.export_dir)
+    check_attention_backend(settings)
+    return settings
+
+
+# --- data and checks ----------------------------------------------------------------------------------------------
+
+def training_batches(settings: TrainSettings, config: LlamaConfig) -> np.ndarray:
+    """int64 [steps, batch, seq_len]: the global batches of the run, the same for both backends."""
+    make = text_batches if settings.data == "text" else random_batches
+    return make(settings.steps, settings.batch, settings.seq_len, config.vocab_size, settings.seed)
+
+
+def _check_outputs(settings: TrainSettings, start_step: int) -> None:
+    if settings.out is not None and (settings.out / JSONL).exists() and not settings.resume:
+        raise CheckpointError(f"{settings.out / JSONL} exists; refusing to overwrite it (use --resume to continue "
+                              "that run, or another --out)")
+    for path in settings.export_paths or ():
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise CheckpointError(f"{path} exists and is not empty; refusing to overwrite it")
+    if settings.stop_at is not None and settings.stop_at <= start_step:
+        raise CheckpointError(f"--stop-at {settings.stop_at} is not after the checkpoint's step {start_step}")
+
+
+def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool = True
+              ) -> tuple[LlamaConfig, np.ndarray, int]:
+    """Every check of a run that needs no device work, reading checkpoints through the backend's own
+    `checkpointing` (the twins share its names): (model config, batches, step to start from).
+    `check_outputs=False` skips the checks of OUT and EXPORT (a torch worker other than rank 0, which writes them)."""
+    checkpointing = importlib.import_module(f"{settings.backend}_impl.checkpointing")
+    settings.mesh.check_devices(device_count)
+    check_batch_shape(settings.batch, settings.seq_len, settings.mesh)
+    config = open_weights(settings.model, settings.seed).config
+    batches = training_batches(settings, config)
+    _, start = checkpoint_to_resume(settings, run_metadata(settings, config), checkpointing.latest_checkpoint,
+                                    checkpointing.read_metadata)
+    if check_outputs:
+        _check_outputs(settings, start)
+    return config, batches, start
+
+
+# --- the per-step report ---------------------------------------------------------------------------------------
+
+class StepReport:
+    """`on_step` of the run: computes throughput and MFU, appends OUT/train.jsonl, drives the progress display."""
+
+    def __init__(self, settings: TrainSettings, config: LlamaConfig, start_step: int, on_gpu: bool):
+        self.settings = settings
+        self.devices = settings.mesh.size
+        self.step_flops = settings.batch * settings.seq_len * model_flops_per_token(config, settings.seq_len)
+        self.on_gpu = on_gpu
+        self.jsonl = None
+        if settings.out is not None:
+            settings.out.mkdir(parents=True, exist_ok=True)
+            _drop_lines_from(settings.out / JSONL, start_step)
+            self.jsonl = open(settings.out / JSONL, "a")
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn(f"[bold]train {settings.backend}[/]"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
+        stop = settings.stop_at or settings.steps
+        self.task = self.progress.add_task("train", total=stop, completed=start_step, stats="")
+        self.records: list[dict[str, Any]] = []
+
+    def __enter__(self) -> StepReport:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.records:
+            self.progress.console.print(self.summary())
+
+    def summary(self) -> str:
+        """One line for logs: the last loss and the median throughput of the steps after this run's first (which
+        includes start-up work such as kernel compilation)."""
+        steady = self.records[1:] or self.records
+
+        def median(key: str) -> float:
+            return float(np.median([r[key] for r in steady]))
+
+        mfu = f", MFU {median('mfu'):.1%}" if steady[0]["mfu"] is not None else ""
+        peak = max(max(r["peak_memory_bytes"]) for r in self.records)
+        return (f"steps {self.records[0]['step']}..{self.records[-1]['step']}: loss {self.records[-1]['loss']:.4f}, "
+                f"median {median('tokens_per_s'):,.0f} tokens/s, {median('tflops_per_device'):.1f} TFLOP/s per "
+                f"device{mfu}, peak memory {peak / 2**30:.2f} GiB per device")
+
+    def __call__(self, *, step: int, loss: float, lr: float, grad_norm: float, seconds: float,
+                 peak_memory_bytes: list[int]) -> None:
+        tflops = self.step_flops / seconds / self.devices / 1e12
+        record: dict[str, Any] = {
+            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "seconds": seconds,
+            "tokens_per_s": self.settings.batch * self.settings.seq_len / seconds,
+            "tflops_per_device": tflops,
+            "mfu": tflops * 1e12 / PEAK_FLOPS_PER_DEVICE if self.on_gpu else None,
+            "peak_memory_bytes": list(peak_memory_bytes),
+        }
+        self.records.append(record)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        mfu = f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
+        stats = (f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | {tflops:.1f} TFLOP/s/device{mfu} | "
+                 f"peak {max(peak_memory_bytes) / 2**30:.2f} GiB")
+        self.progress.update(self.task, completed=step + 1, stats=stats)
+
+
+def _drop_lines_from(path: Path, step: int) -> None:
+    """Keeps only the lines of steps before `step` in an existing train.jsonl (atomically rewritten)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+# --- running ---------------------------------------------------------------------------------------------------------
+
+def _run_torch_worker(settings: TrainSettings) -> int:
+    """One torchrun worker: the checks again (torchrun may have been started by hand), then training."""
+    import torch
+
+    from torch_impl.train import run_training
+
+    rank0 = int(os.environ["RANK"]) == 0
+    config, batches, start = check_run(settings, int(os.environ["WORLD_SIZE"]), check_outputs=rank0)
+    if not rank0:
+        run_training(settings, batches)
+        return 0
+    with StepReport(settings, config, start, on_gpu=torch.cuda.is_available()) as report:
+        run_training(settings, batches, report)
+    return 0
+
+
+def _hand_off(settings: TrainSettings, launcher: list[str], env: dict[str, str]) -> int:
+    """Runs `launcher + [-m compare.train --settings-json FILE]` with `settings` in FILE and waits; returns its
+    exit code. The processes it starts train (`_run_handed_off`)."""
+    with tempfile.TemporaryDirectory(prefix="twinflash-train-") as tmp:
+        settings_file = Path(tmp) / "settings.json"
+        settings_file.write_text(settings.to_json())
+        command = [*launcher, "-m", "compare.train", _SETTINGS_FLAG, str(settings_file)]
+        return subprocess.run(command, env=env).returncode
+
+
+def _launch_torchrun(settings: TrainSettings, device_count: int) -> int:
+    """Starts one worker per device with torchrun on this host and waits for them; returns torchrun's exit code."""
+    check_run(settings, device_count)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // device_count)))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={device_count}"]
+    return _hand_off(settings, launcher, env)
+
+
+def _run_jax_here(settings: TrainSettings) -> int:
+    """A JAX run in this process, over all of JAX's devices."""
+    import jax
+
+    from jax_impl.train import run_training
+
+    config, batches, start = check_run(settings, jax.device_count())
+    with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu") as report:
+        run_training(settings, batches, report)
+    return 0
+
+
+def _host_devices_env(count: int) -> dict[str, str]:
+    """This process's environment with XLA_FLAGS asking for `count` host devices (replacing any such request)."""
+    env = dict(os.environ)
+    flags = [flag for flag in env.get("XLA_FLAGS", "").split() if not flag.startswith(_HOST_DEVICES_FLAG + "=")]
+    env["XLA_FLAGS"] = " ".join([*flags, f"{_HOST_DEVICES_FLAG}={count}"])
+    return env
+
+
+def _run_jax(settings: TrainSettings) -> int:
+    """A JAX run over the mesh's devices: here, or on CPU when JAX here has another number of devices, in a child
+    process with that many emulated host devices (JAX fixes its CPU device count when it first starts)."""
+    import jax
+
+    if jax.default_backend() == "cpu" and jax.device_count() != settings.mesh.size:
+        check_run(settings, settings.mesh.size)  # bad input refused here, before the child starts
+        return _hand_off(settings, [sys.executable], _host_devices_env(settings.mesh.size))
+    return _run_jax_here(settings)
+
+
+def _run_handed_off(settings: TrainSettings) -> int:
+    """A process `_hand_off` started: a torchrun worker, or the JAX child with the mesh's host devices."""
+    return _run_torch_worker(settings) if settings.backend == "torch" else _run_jax_here(settings)
+
+
+def _device_count() -> int | None:
+    """GPUs visible to torch, or None on a CPU-only machine (where the mesh says how many processes to start)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`twinflash train` after argument parsing; raises CheckpointError for bad input."""
+    if args.backend == "jax":
+        import jax
+
+        return _run_jax(settings_from_args(args, jax.device_count()))
+    if _TORCHRUN_ENV in os.environ:
+        return _run_torch_worker(settings_from_args(args, int(os.environ["WORLD_SIZE"])))
+    gpus = _device_count()
+    settings = settings_from_args(args, gpus or 1)
+    return _launch_torchrun(settings, gpus or settings.mesh.size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m compare.train ...` (what torchrun runs) with the CLI's one-line error contract."""
+    from compare.cli import OneLineParser
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv[:1] == [_SETTINGS_FLAG] and len(argv) == 2:  # `_hand_off` to the processes it starts
+            return _run_handed_off(TrainSettings.from_json(Path(argv[1]).read_text()))
+        parser = OneLineParser(prog="twinflash train", description=__doc__.splitlines()[0])
+        add_arguments(parser)
+        return run_command(parser.parse_args(argv))
+    except CheckpointError as bad:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"twinflash: error: {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

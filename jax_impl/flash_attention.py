@@ -1,0 +1,313 @@
+"""FlashAttention for JAX: public API, validation, backend dispatch, autodiff and the kernels' block-size
+table. Twin of `torch_impl/flash_attention.py`; the kernels live in `flash_forward.py` / `flash_backward.py`.
+
+Two levels:
+  - `flash_attention(q, k, v, ...)`: drop-in attention (an `AttentionFn` with the defaults), differentiable
+    through `jax.custom_vjp`; works under jit and inside `jax.shard_map`.
+  - `flash_attention_forward` / `flash_attention_backward`: the pair-level contract the ring attention
+    calls per (query shard, key shard) pair: the forward returns (out, lse) with out in fp32 on request so
+    partials merge without rounding, the backward takes the globally merged out/lse and returns fp32
+    gradients that sum over pairs to the full ones.
+
+Backends (`backend=`):
+  - "pallas" (default): our Pallas kernels. On a GPU they lower through Triton; anywhere else (CPU) they run
+    in Pallas interpret mode, chosen per call from `jax.default_backend()`.
+  - "reference": the plain-math fp32 functions of `jax_impl.attention`.
+  - "cudnn" (GPU only, bf16/fp16, head dim a multiple of 8 up to 256, causal only with Sq == Sk since cuDNN's
+    causal mask is top-left aligned): cuDNN's fused attention through jax's cuDNN module. Its forward with
+    `return_residual=True` returns the softmax statistics, which are our natural-log lse [B, H, Sq]. Its
+    custom_vjp backward ignores any lse cotangent and only uses its own residuals, so the pair backward calls
+    jax's private backward rule (`fused_attention_stablehlo._dot_product_attention_bwd_rule`, identical in
+    jax 0.10.2 and 0.11.2; checked by signature at call time) with the supplied global out and lse as the
+    residuals -- cuDNN recomputes delta = rowsum(dO * O) from that out itself. Caveats: cuDNN takes O in
+    the input dtype and returns bf16/fp16 outputs and gradients, so fp32 out/gradients requested by the
+    pair contract are exact casts of half-precision results (the ring accumulates them with that rounding).
+
+Semantics shared by every backend: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], H a multiple of Hkv (GQA: K/V are
+never repeated). `causal=True` with Sq != Sk aligns the last query with the last key (the flash-attention
+convention): query i sees key j iff j <= i + Sk - Sq. A query that sees no key (causal, Sq > Sk) gets
+out 0, lse -inf and zero gradients. lse is [B, H, Sq] float32, natural log, of the scaled scores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .attention import reference_attention_backward, reference_attention_forward
+from .flash_backward import pallas_backward
+from .flash_forward import KernelConfig, padded_head_dim, pallas_forward
+
+BACKENDS = ("pallas", "reference", "cudnn")
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashBlockSizes:
+    """Launch configs of the three kernels. forward and backward_dq: a program owns `block_q` query rows and
+    steps over K/V by `block_k`; backward_dkdv: a program owns `block_k` key rows and steps over queries by
+    `block_q` (for every query head of its GQA group)."""
+    forward: KernelConfig
+    backward_dkdv: KernelConfig
+    backward_dq: KernelConfig
+
+
+# GPU defaults for bf16/fp16 per kernel head dim (`padded_head_dim`: a power of two >= 16), starting points
+# for the H200, screened offline for sm_90 (Triton IR compiled with ptxas: no register spills, shared memory
+# within 227 KB); time them with compare/pallas_sweep.py.
+GPU_BLOCK_SIZES: dict[int, FlashBlockSizes] = {
+    16: FlashBlockSizes(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 2)),
+    32: FlashBlockSizes(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 2)),
+    64: FlashBlockSizes(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 2)),
+    128: FlashBlockSizes(KernelConfig(128, 128, 8, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 64, 8, 3)),
+    256: FlashBlockSizes(KernelConfig(64, 32, 8, 2), KernelConfig(32, 32, 8, 2), KernelConfig(64, 32, 8, 2)),
+}
+# fp32 inputs on the GPU run true-fp32 FMA dots (no tensor cores), whose operands and accumulators all sit in
+# registers: only small tiles fit (spill-free up to head dim 128). A correctness path (fp32 models), not a
+# speed path.
+GPU_FP32_BLOCK_SIZES = FlashBlockSizes(KernelConfig(32, 16, 8, 2), KernelConfig(16, 16, 8, 2),
+                                       KernelConfig(32, 16, 8, 2))
+# Interpret mode (CPU): small, unequal tiles, so short test sequences still cross several blocks and tails.
+INTERPRET_BLOCK_SIZES = FlashBlockSizes(KernelConfig(32, 16, 1, 1), KernelConfig(16, 32, 1, 1),
+                                        KernelConfig(32, 16, 1, 1))
+_block_size_overrides: dict[int, FlashBlockSizes] = {}
+
+
+def block_sizes(head_dim: int, dtype, *, interpret: bool) -> FlashBlockSizes:
+    """The block sizes the Pallas backend uses for this head dim and input dtype (an active
+    `override_block_sizes` wins over the tables)."""
+    dim = padded_head_dim(head_dim)
+    if dim in _block_size_overrides:
+        return _block_size_overrides[dim]
+    if interpret:
+        return INTERPRET_BLOCK_SIZES
+    return GPU_FP32_BLOCK_SIZES if jnp.dtype(dtype) == jnp.float32 else GPU_BLOCK_SIZES[dim]
+
+
+@contextlib.contextmanager
+def override_block_sizes(head_dim: int, sizes: FlashBlockSizes):
+    """Use `sizes` for every Pallas call with this head dim inside the block (benchmark sweeps). Sizes are read
+    when a call is traced: build a fresh jitted function per setting, a cached trace keeps the old sizes."""
+    dim = padded_head_dim(head_dim)
+    previous = _block_size_overrides.get(dim)
+    _block_size_overrides[dim] = sizes
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _block_size_overrides[dim]
+        else:
+            _block_size_overrides[dim] = previous
+
+
+def _interpret() -> bool:
+    """Pallas kernels compile through Triton on GPUs and run interpreted everywhere else."""
+    return jax.default_backend() != "gpu"
+
+
+# --- validation -----------------------------------------------------------------------------------------------
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _validate_qkv(q, k, v) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got shape {x.shape}")
+        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype must be bfloat16, float16 or float32, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    batch, seq_q, heads, head_dim = q.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"k/v batch {k.shape[0]} must equal q batch {batch}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k/v head_dim {k.shape[3]} must equal q head_dim {head_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if seq_q < 1 or k.shape[1] < 1:
+        raise ValueError(f"sequence lengths must be >= 1, got q seq {seq_q} and k/v seq {k.shape[1]}")
+    kv_heads = k.shape[2]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
+
+
+def _resolve_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive Python number or None, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def _check_causal(causal) -> bool:
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    return causal
+
+
+def _resolve_out_dtype(out_dtype, q_dtype):
+    dtype = jnp.dtype(q_dtype if out_dtype is None else out_dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype must be bfloat16, float16, float32 or None, got {out_dtype}")
+    return dtype
+
+
+def _validate_backward_inputs(dout, q, out, lse) -> None:
+    if dout.shape != q.shape:
+        raise ValueError(f"dout shape {dout.shape} must equal q shape {q.shape}")
+    if out.shape != q.shape:
+        raise ValueError(f"out shape {out.shape} must equal q shape {q.shape}")
+    batch, seq_q, heads, _ = q.shape
+    if lse.shape != (batch, heads, seq_q):
+        raise ValueError(f"lse shape {lse.shape} must be [batch, heads, seq_q] = {(batch, heads, seq_q)}")
+    for name, x in (("dout", dout), ("out", out), ("lse", lse)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating-point array, got {x.dtype}")
+
+
+# --- cuDNN ------------------------------------------------------------------------------------------------------
+
+_CUDNN_BWD_RULE_PARAMS = ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
+                          "sliding_window_length", "is_training", "return_residual", "res", "grad_output")
+
+
+def _cudnn_module(q, k, causal: bool):
+    """jax's cuDNN attention module, after checking this call is one cuDNN can serve."""
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"backend='cudnn' needs a CUDA GPU; jax's default backend is {jax.default_backend()!r}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"backend='cudnn' supports bfloat16 and float16 inputs, got {q.dtype}")
+    if q.shape[3] % 8:
+        raise ValueError(f"backend='cudnn' needs head_dim a multiple of 8, got {q.shape[3]}")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError("backend='cudnn' aligns the causal mask top-left, so causal needs Sq == Sk; "
+                         f"got Sq={q.shape[1]}, Sk={k.shape[1]}")
+    from jax._src.cudnn import fused_attention_stablehlo  # private: no public API returns lse or takes it back
+    return fused_attention_stablehlo
+
+
+def _cudnn_forward(q, k, v, *, causal, softmax_scale, out_dtype):
+    cudnn = _cudnn_module(q, k, causal)
+    mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
+    out, lse = cudnn.dot_product_attention(q, k, v, scale=softmax_scale, mask_type=mask, qkv_layout="BTNH",
+                                           return_residual=True)
+    return out.astype(out_dtype), lse
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
+    cudnn = _cudnn_module(q, k, causal)
+    rule = cudnn._dot_product_attention_bwd_rule
+    if tuple(inspect.signature(rule).parameters) != _CUDNN_BWD_RULE_PARAMS:
+        raise NotImplementedError(f"backend='cudnn' backward was written against jax 0.10/0.11's private cuDNN "
+                                  f"backward rule; jax {jax.__version__} changed it")
+    unused = jnp.zeros(0, q.dtype)  # bias, seqlens, offsets and page tables: none, as jax itself passes them
+    residuals = (q, k, v, unused, unused, unused, unused, unused, unused, unused, lse.astype(jnp.float32),
+                 out.astype(q.dtype))
+    mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
+    dq, dk, dv, *_ = rule(softmax_scale, 42, 0.0, (False, False), mask, cudnn.AttentionLayout.BTNH.value, None,
+                          cudnn.check_cudnn_version(), False, residuals, dout.astype(q.dtype))
+    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+
+# --- pair-level API ---------------------------------------------------------------------------------------------
+
+def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale=None,
+                            out_dtype=None, backend: str = "pallas") -> tuple[jax.Array, jax.Array]:
+    """One attention pair's forward: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq] float32).
+    `softmax_scale=None` means 1/sqrt(D). Not differentiable itself: pair it with `flash_attention_backward`."""
+    _check_backend(backend)
+    _validate_qkv(q, k, v)
+    causal = _check_causal(causal)
+    scale = _resolve_scale(softmax_scale, q.shape[3])
+    out_dtype = _resolve_out_dtype(out_dtype, q.dtype)
+    if backend == "reference":
+        return reference_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+    if backend == "cudnn":
+        return _cudnn_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+    interpret = _interpret()
+    sizes = block_sizes(q.shape[3], q.dtype, interpret=interpret)
+    return pallas_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=sizes.forward,
+                         interpret=interpret)
+
+
+def flash_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
+                             lse: jax.Array, *, causal: bool, softmax_scale=None, backend: str = "pallas"
+                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One attention pair's backward: (dq, dk, dv) in float32, shaped like q, k, v (dk/dv per KV head).
+
+    `out` and `lse` may be the globally merged ones of a ring step (any float dtype): delta = rowsum(dout*out)
+    is computed from the given out, and P = exp(S - lse) is then this pair's share of the global softmax.
+    """
+    _check_backend(backend)
+    _validate_qkv(q, k, v)
+    _validate_backward_inputs(dout, q, out, lse)
+    causal = _check_causal(causal)
+    scale = _resolve_scale(softmax_scale, q.shape[3])
+    if backend == "reference":
+        return reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    if backend == "cudnn":
+        return _cudnn_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    interpret = _interpret()
+    sizes = block_sizes(q.shape[3], q.dtype, interpret=interpret)
+    return pallas_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                          dkdv_config=sizes.backward_dkdv, dq_config=sizes.backward_dq, interpret=interpret)
+
+
+# --- differentiable API -----------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention_with_lse(q, k, v, causal, softmax_scale, backend):
+    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
+
+
+def _attention_fwd(q, k, v, causal, softmax_scale, backend):
+    out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(causal, softmax_scale, backend, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    dout, _ = cotangents  # lse is non-differentiable: flash_attention hands it out under stop_gradient
+    dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                          backend=backend)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_attention_with_lse.defvjp(_attention_fwd, _attention_bwd)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, softmax_scale=None,
+                    return_lse: bool = False, backend: str = "pallas"):
+    """FlashAttention: out [B, Sq, H, D] in q's dtype (and lse [B, H, Sq] float32 with return_lse=True).
+
+    q [B, Sq, H, D], k/v [B, Sk, Hkv, D] with H a multiple of Hkv (GQA, K/V not repeated); bf16, fp16 or
+    fp32 (fp32 accumulation throughout); any Sq, Sk >= 1; head_dim up to 256. `softmax_scale=None` means
+    1/sqrt(D). `causal=True` with Sq != Sk aligns the last query with the last key (flash-attention
+    convention): query i sees key j iff j <= i + Sk - Sq; a query seeing no key gets out 0 and lse -inf.
+
+    Differentiable in q, k, v (custom VJP running the backward kernels). The returned lse is wrapped in
+    `stop_gradient`: it is for inspection and merging, and gradients flow only through out. Works under jit
+    and inside `jax.shard_map`. `backend`: "pallas" (default), "reference" or "cudnn" (see module doc).
+    """
+    _check_backend(backend)
+    _validate_qkv(q, k, v)
+    causal = _check_causal(causal)
+    scale = _resolve_scale(softmax_scale, q.shape[3])
+    out, lse = _attention_with_lse(q, k, v, causal, scale, backend)
+    if return_lse:
+        return out, lax.stop_gradient(lse)
+    return out

@@ -1,0 +1,191 @@
+"""FlashAttention backward as two Pallas kernels (FlashAttention-2 split), fp32 gradients. Twin of
+`torch_impl/flash_backward.py`.
+
+Inputs are the pair contract's: dout, q, k, v and the (possibly globally merged) out and lse. Plain JAX
+first computes, in fp32, delta = rowsum(dout * out) and lse in the exp2 domain (rows whose lse is -inf, and
+padded rows, get +inf so their probabilities come out exactly 0). With a global out/lse, P = exp(S - lse) is
+this pair's share of the global softmax, so per-pair gradients sum to the full ones.
+
+  - dK/dV kernel: one program per (KV block, batch, KV head) keeps its K/V tile and fp32 dK/dV accumulators
+    and steps over every query block of every query head of its GQA group (one flat loop, so Triton pipelines
+    across head boundaries), starting at the first query block that sees the keys; blocks crossing the causal
+    diagonal are masked, the rest are not. Scores are formed transposed (K Q^T) so P^T and dS^T feed the
+    dV += P^T dO and dK += dS^T Q matmuls straight from registers. dK/dV come out per KV head.
+  - dQ kernel: one program per (query block, batch, head) steps over K/V blocks up to the diagonal, with the
+    same unmasked/masked split and reverse causal scheduling as the forward.
+The softmax scale multiplies dQ and dK once at the end instead of every dS tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .flash_forward import (LOG2E, KernelConfig, causal_visible, dot_precision, fit_block, has_masked_blocks,
+                            kv_block_range, matmul, matmul_nt, output_struct, pad_axis, padded_head_dim,
+                            program_q_block, q_block_index, q_block_range, round_up, visible)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_ref, *, causal: bool, scale: float,
+                 block_q: int, group: int, offset: int, num_q_blocks: int, precision):
+    block_k = k_ref.shape[0]
+    k_first = pl.program_id(0) * block_k
+    k = k_ref[...]
+    v = v_ref[...]
+    k_pos = k_first + jnp.arange(block_k)[:, None]
+    scale_log2 = scale * LOG2E
+
+    def step(t, carry, *, first_q_block, masked: bool):
+        dk, dv = carry
+        # Flat loop over (query block, head of the group), head fastest; t >= 0, so truncating lax ops suffice.
+        head = lax.rem(t, group) if group > 1 else 0
+        q_first = (first_q_block + (lax.div(t, group) if group > 1 else t)) * block_q
+        rows = pl.ds(q_first, block_q)
+        q = q_ref[rows, head, :]
+        dout = dout_ref[rows, head, :]
+        lse2 = lse2_ref[head, rows]
+        delta = delta_ref[head, rows]
+        probs_t = jnp.exp2(matmul_nt(k, q, precision) * scale_log2 - lse2[None, :])  # [block_k, block_q]
+        if masked:  # only causal runs have masked blocks; padded keys need no mask here, their rows are sliced off
+            q_pos = q_first + jnp.arange(block_q)[None, :]
+            probs_t = jnp.where(causal_visible(q_pos, k_pos, offset), probs_t, 0.0)
+        dv = dv + matmul(probs_t.astype(dout.dtype), dout, precision)
+        dscores_t = probs_t * (matmul_nt(v, dout, precision) - delta[None, :])
+        dk = dk + matmul(dscores_t.astype(q.dtype), q, precision)
+        return dk, dv
+
+    carry = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+    start, full_start = q_block_range(k_first, block_k, block_q, causal=causal, offset=offset,
+                                      num_q_blocks=num_q_blocks)
+    if causal:
+        carry = lax.fori_loop(0, (full_start - start) * group,
+                              functools.partial(step, first_q_block=start, masked=True), carry)
+    carry = lax.fori_loop(0, (num_q_blocks - full_start) * group,
+                          functools.partial(step, first_q_block=full_start, masked=False), carry)
+    dk, dv = carry
+    dk_ref[...] = dk * scale
+    dv_ref[...] = dv
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, *, causal: bool, scale: float,
+               block_k: int, offset: int, seq_k: int, num_q_blocks: int, num_k_blocks: int, precision):
+    block_q = q_ref.shape[0]
+    q_first = program_q_block(causal, num_q_blocks) * block_q
+    q = q_ref[...]
+    dout = dout_ref[...]
+    lse2 = lse2_ref[...]
+    delta = delta_ref[...]
+    q_pos = q_first + jnp.arange(block_q)[:, None]
+    scale_log2 = scale * LOG2E
+
+    def step(k_block, dq, *, masked: bool):
+        rows = pl.ds(k_block * block_k, block_k)
+        k = k_ref[rows, :]
+        v = v_ref[rows, :]
+        probs = jnp.exp2(matmul_nt(q, k, precision) * scale_log2 - lse2[:, None])
+        if masked:
+            k_pos = k_block * block_k + jnp.arange(block_k)[None, :]
+            probs = jnp.where(visible(q_pos, k_pos, causal=causal, offset=offset, seq_k=seq_k), probs, 0.0)
+        dscores = probs * (matmul_nt(dout, v, precision) - delta[:, None])
+        return dq + matmul(dscores.astype(k.dtype), k, precision)
+
+    n_full, n_end = kv_block_range(q_first, block_q, block_k, causal=causal, offset=offset, seq_k=seq_k,
+                                   num_k_blocks=num_k_blocks)
+    dq = jnp.zeros(dq_ref.shape, jnp.float32)
+    dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
+    if has_masked_blocks(causal, seq_k, block_k):
+        dq = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), dq)
+    dq_ref[...] = dq * scale
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "dkdv_config", "dq_config", "interpret"))
+def pallas_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, *,
+                   causal: bool, softmax_scale: float, dkdv_config: KernelConfig, dq_config: KernelConfig,
+                   interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pallas backward on validated inputs: (dq, dk, dv) in float32, shaped like q, k, v."""
+    batch, seq_q, heads, head_dim = q.shape
+    seq_k, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    dkdv_block_q, dkdv_block_k = fit_block(dkdv_config.block_q, seq_q), fit_block(dkdv_config.block_k, seq_k)
+    dq_block_q, dq_block_k = fit_block(dq_config.block_q, seq_q), fit_block(dq_config.block_k, seq_k)
+    q_len = round_up(seq_q, math.lcm(dkdv_block_q, dq_block_q))
+    k_len = round_up(seq_k, math.lcm(dkdv_block_k, dq_block_k))
+    dim = padded_head_dim(head_dim)
+    offset = seq_k - seq_q
+    precision = dot_precision(q.dtype)
+
+    # Row statistics in fp32 plain JAX, padded rows neutral: delta 0 and lse2 +inf make their P and dS exactly 0.
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
+    delta = pad_axis(delta, 2, q_len)
+    lse2 = pad_axis(lse2, 2, q_len, value=jnp.inf)
+    q = pad_axis(pad_axis(q, 1, q_len), 3, dim)
+    dout = pad_axis(pad_axis(dout.astype(q.dtype), 1, q_len), 3, dim)
+    k = pad_axis(pad_axis(k, 1, k_len), 3, dim)
+    v = pad_axis(pad_axis(v, 1, k_len), 3, dim)
+    inputs = (q, k, v, dout, lse2, delta)
+
+    # dK/dV: grid over (KV block, batch, KV head); Q-side refs hold the whole group's heads.
+    def kv_block_map(j, b, g):
+        return b, j, g, 0
+
+    def group_rows_map(j, b, g):
+        return b, 0, g, 0
+
+    def group_stats_map(j, b, g):
+        return b, g, 0
+
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, causal=causal, scale=softmax_scale, block_q=dkdv_block_q, group=group,
+                          offset=offset, num_q_blocks=q_len // dkdv_block_q, precision=precision),
+        grid=(k_len // dkdv_block_k, batch, kv_heads),
+        in_specs=[pl.BlockSpec((pl.squeezed, q_len, group, dim), group_rows_map),
+                  pl.BlockSpec((pl.squeezed, dkdv_block_k, pl.squeezed, dim), kv_block_map),
+                  pl.BlockSpec((pl.squeezed, dkdv_block_k, pl.squeezed, dim), kv_block_map),
+                  pl.BlockSpec((pl.squeezed, q_len, group, dim), group_rows_map),
+                  pl.BlockSpec((pl.squeezed, group, q_len), group_stats_map),
+                  pl.BlockSpec((pl.squeezed, group, q_len), group_stats_map)],
+        out_specs=[pl.BlockSpec((pl.squeezed, dkdv_block_k, pl.squeezed, dim), kv_block_map),
+                   pl.BlockSpec((pl.squeezed, dkdv_block_k, pl.squeezed, dim), kv_block_map)],
+        out_shape=[output_struct(k.shape, jnp.float32, *inputs), output_struct(v.shape, jnp.float32, *inputs)],
+        compiler_params=plgpu.CompilerParams(num_warps=dkdv_config.num_warps, num_stages=dkdv_config.num_stages),
+        interpret=interpret,
+        name="twinflash_backward_dkdv",
+    )(*inputs)
+
+    # dQ: grid over (query block, batch, head); K/V refs hold the whole sequence of the head's KV head.
+    num_q_blocks = q_len // dq_block_q
+
+    def q_block_map(i, b, h):
+        return b, q_block_index(causal, num_q_blocks, i), h, 0
+
+    def kv_rows_map(i, b, h):
+        return b, 0, h // group, 0
+
+    def q_stats_map(i, b, h):
+        return b, h, q_block_index(causal, num_q_blocks, i)
+
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, causal=causal, scale=softmax_scale, block_k=dq_block_k, offset=offset,
+                          seq_k=seq_k, num_q_blocks=num_q_blocks, num_k_blocks=k_len // dq_block_k,
+                          precision=precision),
+        grid=(num_q_blocks, batch, heads),
+        in_specs=[pl.BlockSpec((pl.squeezed, dq_block_q, pl.squeezed, dim), q_block_map),
+                  pl.BlockSpec((pl.squeezed, k_len, pl.squeezed, dim), kv_rows_map),
+                  pl.BlockSpec((pl.squeezed, k_len, pl.squeezed, dim), kv_rows_map),
+                  pl.BlockSpec((pl.squeezed, dq_block_q, pl.squeezed, dim), q_block_map),
+                  pl.BlockSpec((pl.squeezed, pl.squeezed, dq_block_q), q_stats_map),
+                  pl.BlockSpec((pl.squeezed, pl.squeezed, dq_block_q), q_stats_map)],
+        out_specs=pl.BlockSpec((pl.squeezed, dq_block_q, pl.squeezed, dim), q_block_map),
+        out_shape=output_struct(q.shape, jnp.float32, *inputs),
+        compiler_params=plgpu.CompilerParams(num_warps=dq_config.num_warps, num_stages=dq_config.num_stages),
+        interpret=interpret,
+        name="twinflash_backward_dq",
+    )(*inputs)
+    return dq[:, :seq_q, :, :head_dim], dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim]

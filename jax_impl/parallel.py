@@ -1,0 +1,103 @@
+"""Parallelism for the JAX backend: the 2-D device mesh (`fsdp` x `sp`), the `NamedSharding` of every parameter and
+activation built from the shared tables in `weights/parallel.py`, the ring attention wrapped in `jax.shard_map` as
+the model's attention function, and a global batch placed on the mesh. Twin of `torch_impl/parallel.py`
+(DeviceMesh, FSDP2 `fully_shard`, the ring's sub-group there).
+
+How the pieces fit:
+  mesh        `make_mesh` builds the (fsdp, sp) mesh, names from `weights.parallel.MESH_AXES`, Auto axis types.
+  data        tokens [batch, seq] split over `fsdp` on the batch and over `sp` on the sequence, whose order is the
+              ring layout's (`ACTIVATION_SHARDING["tokens"]`, `RING_LAYOUT`, `weights.layout.layout_order`): the
+              global arrays are reordered on the host, then each device receives its contiguous slice.
+  attention   `ring_attention` inside `jax.shard_map` over both axes, the ring going around `sp`; its in/out specs
+              pin every layer's activations to the (fsdp, sp) layout.
+  parameters  `PartitionSpec(*entry)` of the table `weights.parallel.PARAMETER_SHARDING`; under `jax.jit` XLA's
+              partitioner gathers each weight where a matmul needs it and reduce-scatters its gradient back (the
+              FSDP pattern).
+
+The table splits every parameter, the 1-D norm weights included, on dim 0 over both mesh axes together, i.e.
+the parameters, their gradients and the AdamW state are split over every device rather than replicated over
+`sp`, exactly as the torch twin's FSDP2 over the flattened mesh (the table's docstring says why).
+
+Per-layer activation checkpointing is the model's `remat` option (`jax_impl/model.py`, `nnx.remat` per layer).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_impl.attention import AttentionFn
+from jax_impl.ring_attention import ring_attention
+from weights.errors import CheckpointError
+from weights.layout import layout_order
+from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, RING_LAYOUT, MeshShape, parameter_sharding
+from weights.training import check_batch_shape, next_token_targets
+
+
+def make_mesh(shape: MeshShape, devices=None) -> Mesh:
+    """The (fsdp, sp) mesh over `devices` (default: all of jax's devices, whose count must equal the mesh size)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape.check_devices(len(devices))
+    return jax.make_mesh((shape.fsdp, shape.sp), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=devices)
+
+
+def mesh_shape(mesh: Mesh) -> MeshShape:
+    return MeshShape(fsdp=mesh.shape["fsdp"], sp=mesh.shape["sp"])
+
+
+def parameter_spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec of parameter `name`: its entry of the shared table; a split dim must divide evenly."""
+    spec = parameter_sharding(name)
+    if len(spec) != len(shape):
+        raise ValueError(f"sharding rule for {name} has {len(spec)} dims, the tensor has shape {list(shape)}")
+    for dim, axes in enumerate(spec):
+        devices = 1 if axes is None else int(np.prod([mesh.shape[a] for a in axes]))
+        if shape[dim] % devices:
+            raise CheckpointError(f"parameter {name} has {shape[dim]} rows on dim {dim}, which do not split "
+                                  f"evenly over the mesh's {devices} devices")
+    return PartitionSpec(*spec)
+
+
+def parameter_shardings(mesh: Mesh, shapes: dict[str, tuple[int, ...]]) -> dict[str, NamedSharding]:
+    """Canonical parameter name -> NamedSharding, for every name in `shapes`."""
+    return {name: NamedSharding(mesh, parameter_spec(name, shape, mesh)) for name, shape in shapes.items()}
+
+
+def activation_sharding(mesh: Mesh, kind: str) -> NamedSharding:
+    """NamedSharding of an activation kind of `weights.parallel.ACTIVATION_SHARDING` ("tokens", "hidden")."""
+    return NamedSharding(mesh, PartitionSpec(*ACTIVATION_SHARDING[kind]))
+
+
+def put_sharded(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array placed on the mesh as one global array, each device receiving only its own slice."""
+    return jax.make_array_from_callback(array.shape, sharding, array.__getitem__)
+
+
+def ring_attention_fn(mesh: Mesh, *, backend: str = "pallas", variant: str = "ring") -> AttentionFn:
+    """The model's attention function on GLOBAL q/k/v [B, S, H, D] whose sequence is in the ring layout's order:
+    `ring_attention` in `jax.shard_map`, batch over `fsdp`, sequence around `sp`."""
+    spec = PartitionSpec(*ACTIVATION_SHARDING["hidden"][:2], None, None)
+    return jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=True, layout=RING_LAYOUT,
+                                           variant=variant, backend=backend),
+                         mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+
+
+def sharded_batch(tokens: np.ndarray, mesh: Mesh) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(tokens, targets, positions) of a global int64 batch [batch, seq] as int32 global arrays on the mesh, split
+    as `ACTIVATION_SHARDING["tokens"]` says (batch over fsdp, sequence over sp in the ring layout's order).
+    Targets are built on the full sequence before the reordering; positions [seq] are each token's global
+    position (for RoPE), split over sp like the sequence."""
+    shape = mesh_shape(mesh)
+    check_batch_shape(tokens.shape[0], tokens.shape[1], shape)
+    order = layout_order(tokens.shape[1], shape.sp, RING_LAYOUT)
+    sharding = activation_sharding(mesh, "tokens")
+
+    def place(x: np.ndarray) -> jax.Array:
+        return put_sharded(x[:, order].astype(np.int32), sharding)
+
+    sequence = NamedSharding(mesh, PartitionSpec(ACTIVATION_SHARDING["tokens"][1]))
+    return place(tokens), place(next_token_targets(tokens)), put_sharded(order.astype(np.int32), sequence)

@@ -1,0 +1,396 @@
+"""Sequence-parallel (ring) attention for JAX: every device holds a slice of the sequence's tokens, K/V blocks go
+around a named `jax.shard_map` mesh axis, and each device merges its queries' partial results by log-sum-exp. Twin
+of `torch_impl/ring_attention.py` (same names; torch.distributed there, JAX collectives here).
+
+Public API (kept stable for the models and for `compare/ring_bench.py`):
+
+  ring_attention(q, k, v, *, axis_name="sp", causal=True, layout="zigzag", variant="ring", return_lse=False,
+                 softmax_scale=None, backend="pallas")
+      Called INSIDE `jax.shard_map` over the mesh axis `axis_name`; q [B, S_local, H, D], k/v [B, S_local, Hkv, D]
+      are this device's tokens in the layout's order (`weights.layout.rank_positions`: increasing positions).
+      Returns out [B, S_local, H, D] in q's dtype, or (out, lse [B, H, S_local] float32) with `return_lse`; lse is
+      returned as a constant (gradients flow through `out` only). Differentiable (a `jax.custom_vjp`), composes
+      with `jax.jit` and with other mesh axes (e.g. batch sharded over "fsdp"). With its keywords bound by
+      `functools.partial`, it is the model's `AttentionFn` (`fn(q, k, v) -> out`, causal).
+  ring_attention_sharded(q, k, v, mesh, *, axis_name="sp", batch_axis=None, ...same keywords)
+      GLOBAL arrays in natural position order: reorders them into the layout's order, runs `ring_attention` in
+      `jax.shard_map` (sequence over `axis_name`, batch over `batch_axis` if given) and returns the global
+      result in natural order.
+  shard_for_ring(x, world, layout, axis=1) / gather_from_ring(x, world, layout, axis=1)
+      Reorder a GLOBAL array between natural position order and layout order (rank 0's positions, then rank 1's,
+      ...), so that sharding `axis` evenly over the ring's mesh axis gives each device its layout positions. (The
+      torch twins take a process group and return / take one rank's part; here the mesh does the splitting.)
+
+Layouts ("contiguous", "zigzag") are defined once in `weights.layout`. Only the Hkv K/V heads travel (GQA is never
+expanded on the wire).
+
+Variant "ring": at step s device r holds the K/V block of device j = (r - s) mod P, passed on with
+`jax.lax.ppermute` (P-1 hops; a hop depends only on the previous block, so XLA can overlap it with the step's
+compute). j == r only at step 0 (static); later j < r exactly when r >= s, which depends on the traced
+`jax.lax.axis_index`, so the step's block is chosen with `jax.lax.cond`. Causal work per step:
+  j == r      causal block (local positions increase, so the ordinary lower-triangular mask is right)
+  contiguous  j < r full block; j > r nothing
+  zigzag      j < r all local queries vs the FIRST half of the received K/V (its early chunk), full;
+              j > r the SECOND half of the local queries (the late chunk) vs all received K/V, full;
+              both are half a block, so every device is equally busy.
+Non-causal attention is a full block at every step. Partial results are merged in float32; a row that saw no
+key keeps lse -inf and output 0, without NaN. Backward: K/V go around again with float32 dK/dV accumulators
+travelling with their block (a separate ppermute, so the K/V hop need not wait for the gradients), arriving back
+at their owner after P hops; dq accumulates locally in float32; the pair backward gets the GLOBAL merged out and
+lse, so per-pair gradients sum to the exact ones. Results are cast to the inputs' dtypes.
+
+Variant "allgather" (Llama-3's context parallelism): K/V are all-gathered once and put in position order; each run
+of consecutive positions among the local queries (one for contiguous, two for zigzag) then attends, in one kernel
+call, to the key prefix that ends at its last position, with the bottom-right-aligned causal mask; no merge is
+needed. The prefix lengths depend on the traced rank, so the calls sit in a `jax.lax.switch` with one branch per
+rank (static shapes in each). Its backward gathers K/V again (instead of keeping P copies alive) and
+`psum_scatter`s float32 dK/dV.
+
+Per-pair work goes to `jax_impl.flash_attention` (`backend="pallas"` kernels, `"reference"` plain math, or
+`"cudnn"`). Shapes are static in JAX, so inside `shard_map` every device has the same local shapes and settings:
+the cross-rank mismatch the torch twin checks at run time cannot occur. P = 1 runs the single diagonal step
+without collectives (for either variant).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from jax_impl.flash_attention import flash_attention_backward, flash_attention_forward
+from weights.layout import (LAYOUTS, LayoutError, check_split, inverse_order, layout_order, position_runs)
+
+VARIANTS = ("ring", "allgather")
+
+
+@dataclass(frozen=True)
+class _RingConfig:
+    """The static (hashable) settings of one call: the custom_vjp's non-differentiable argument."""
+
+    axis_name: str
+    causal: bool
+    layout: str
+    variant: str
+    softmax_scale: float
+    backend: str
+
+
+@dataclass(frozen=True)
+class _Block:
+    """The part of one step's pair that has work: local query rows x key columns of the block in hand."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+
+
+_ALL = slice(None)
+
+
+def _ring_block(cfg: _RingConfig, source_vs_rank: str, local_len: int) -> _Block | None:
+    """The work of local queries against a K/V block from the "same", an "earlier" or a "later" rank; None when
+    the mask hides all of it."""
+    if not cfg.causal:
+        return _Block(_ALL, _ALL, False)
+    if source_vs_rank == "same":
+        return _Block(_ALL, _ALL, True)
+    if cfg.layout == "contiguous":
+        return _Block(_ALL, _ALL, False) if source_vs_rank == "earlier" else None
+    half = local_len // 2
+    if source_vs_rank == "earlier":
+        return _Block(_ALL, slice(None, half), False)
+    return _Block(slice(half, None), _ALL, False)
+
+
+def _updated(acc, index: slice, axis: int, value, *, add: bool = False):
+    """`acc` with `value` written (or added) at the static slice `index` of `axis`: a dynamic-update-slice that
+    XLA does in place, where `.at[...]` would be a scatter."""
+    start = index.start or 0
+    if add:
+        value = jax.lax.slice_in_dim(acc, start, start + value.shape[axis], axis=axis) + value
+    if value.shape[axis] == acc.shape[axis]:
+        return value
+    return jax.lax.dynamic_update_slice_in_dim(acc, value, start, axis=axis)
+
+
+def _run_step(step_fn, step: int, rank, cfg: _RingConfig, local_len: int, *operands):
+    """`step_fn(block, *operands)` for the block of step `step`, whose source rank is (rank - step) mod P. Only
+    step 0 holds the local block; later, the source is an earlier rank exactly when rank >= step (no wrap-around),
+    which depends on the traced rank, so the choice is a `lax.cond` when the two blocks differ."""
+    if step == 0:
+        return step_fn(_ring_block(cfg, "same", local_len), *operands, cfg=cfg)
+    earlier, later = _ring_block(cfg, "earlier", local_len), _ring_block(cfg, "later", local_len)
+    if earlier == later:
+        return step_fn(earlier, *operands, cfg=cfg)
+    return jax.lax.cond(rank >= step, functools.partial(step_fn, earlier, cfg=cfg),
+                        functools.partial(step_fn, later, cfg=cfg), *operands)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Variant "ring"
+# ---------------------------------------------------------------------------------------------------------------
+
+def _merge(acc_out, acc_lse, out, lse):
+    """Log-sum-exp merge of two float32 partial results; rows where both are empty stay (0, -inf), no NaN."""
+    new_lse = jnp.logaddexp(acc_lse, lse)
+    safe_lse = jnp.where(jnp.isfinite(new_lse), new_lse, 0.0)
+
+    def weight(part_lse):  # [B, H, S] -> [B, S, H, 1], the share of the merged softmax denominator
+        return jnp.exp(part_lse - safe_lse).transpose(0, 2, 1)[..., None]
+
+    return weight(acc_lse) * acc_out + weight(lse) * out, new_lse
+
+
+def _to_next(arrays, cfg: _RingConfig, world: int):
+    """Sends each array to the next rank (r -> r+1 mod P) and returns the ones received from the previous."""
+    return jax.lax.ppermute(arrays, cfg.axis_name, perm=[(r, (r + 1) % world) for r in range(world)])
+
+
+def _forward_step(block: _Block | None, acc, q, k_block, v_block, cfg: _RingConfig):
+    """The accumulated (out float32, lse) of the local queries with this block's partial result merged in."""
+    if block is None:
+        return acc
+    out, lse = flash_attention_forward(q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols],
+                                       causal=block.causal, softmax_scale=cfg.softmax_scale, out_dtype=jnp.float32,
+                                       backend=cfg.backend)
+    acc_out, acc_lse = acc
+    out, lse = _merge(acc_out[:, block.rows], acc_lse[:, :, block.rows], out, lse)
+    return _updated(acc_out, block.rows, 1, out), _updated(acc_lse, block.rows, 2, lse)
+
+
+def _backward_step(block: _Block | None, grads, dout, q, k_block, v_block, out, lse, cfg: _RingConfig):
+    """(dq, dk, dv) float32 accumulators with this block's gradients added (dk/dv: those of the block in hand)."""
+    if block is None:
+        return grads
+    dq_part, dk_part, dv_part = flash_attention_backward(
+        dout[:, block.rows], q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols], out[:, block.rows],
+        lse[:, :, block.rows], causal=block.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend)
+    dq, dk, dv = grads
+    return (_updated(dq, block.rows, 1, dq_part, add=True), _updated(dk, block.cols, 1, dk_part, add=True),
+            _updated(dv, block.cols, 1, dv_part, add=True))
+
+
+def _ring_forward(cfg: _RingConfig, world: int, rank, q, k, v):
+    """(out float32, lse float32) of the local queries."""
+    local_len = q.shape[1]
+    # Step 0 is the whole diagonal block, so merging into an empty accumulator (0, -inf) starts it exactly.
+    acc = (jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], -jnp.inf, jnp.float32).transpose(0, 2, 1))
+    k_block, v_block = k, v
+    for step in range(world):
+        if step:
+            k_block, v_block = _to_next((k_block, v_block), cfg, world)
+        acc = _run_step(_forward_step, step, rank, cfg, local_len, acc, q, k_block, v_block)
+    return acc
+
+
+def _ring_backward(cfg: _RingConfig, world: int, rank, dout, q, k, v, out, lse):
+    """(dq, dk, dv) float32; the dk/dv accumulators travel with their K/V block and end at their owner."""
+    local_len = q.shape[1]
+    # zeros_like keeps the inputs' varying-over-mesh-axes type, which both cond branches must return.
+    grads = tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
+    k_block, v_block = k, v
+    for step in range(world):
+        if step:  # two transfers: the K/V one does not wait for the previous step's gradients
+            k_block, v_block = _to_next((k_block, v_block), cfg, world)
+            grads = (grads[0], *_to_next(grads[1:], cfg, world))
+        grads = _run_step(_backward_step, step, rank, cfg, local_len, grads, dout, q, k_block, v_block, out, lse)
+    dq, dk, dv = grads
+    if world > 1:  # the last hop brings each rank its own block's accumulators
+        dk, dv = _to_next((dk, dv), cfg, world)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Variant "allgather"
+# ---------------------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=32)
+def _query_runs(cfg: _RingConfig, world: int, rank: int, local_len: int) -> tuple[tuple[slice, int, bool], ...]:
+    """(local rows, key prefix length, causal) of the kernel calls: one per run of consecutive positions."""
+    seq_len = local_len * world
+    if not cfg.causal:
+        return ((_ALL, seq_len, False),)
+    return tuple((rows, end, True) for rows, end in position_runs(seq_len, world, rank, cfg.layout))
+
+
+def _gather_kv_in_position_order(cfg: _RingConfig, world: int, k, v):
+    """The full K and V [B, S_total, Hkv, D] in position order (one all-gather of both)."""
+    gathered = jax.lax.all_gather(jnp.stack([k, v]), cfg.axis_name, axis=2, tiled=True)  # layout order
+    kv = gather_from_ring(gathered, world, cfg.layout, axis=2)
+    return kv[0], kv[1]
+
+
+def _for_each_rank(cfg: _RingConfig, world: int, rank, local_len: int, run_fn, *operands):
+    """`run_fn(runs, *operands)` with this rank's query runs. Their key prefixes are static shapes that depend on
+    the traced rank, so ranks with different runs go through a `lax.switch` with one branch per rank."""
+    runs = [_query_runs(cfg, world, r, local_len) for r in range(world)]
+    if all(r == runs[0] for r in runs):
+        return run_fn(runs[0], *operands)
+    return jax.lax.switch(rank, [functools.partial(run_fn, r) for r in runs], *operands)
+
+
+def _allgather_forward(cfg: _RingConfig, world: int, rank, q, k, v):
+    """(out in q's dtype, lse float32) of the local queries; no merge, each query run is one kernel call."""
+    def attend(runs, q, k_all, v_all):
+        parts = [flash_attention_forward(q[:, rows], k_all[:, :end], v_all[:, :end], causal=causal,
+                                         softmax_scale=cfg.softmax_scale, backend=cfg.backend)
+                 for rows, end, causal in runs]
+        return jnp.concatenate([o for o, _ in parts], axis=1), jnp.concatenate([lse for _, lse in parts], axis=2)
+
+    return _for_each_rank(cfg, world, rank, q.shape[1], attend, q, *_gather_kv_in_position_order(cfg, world, k, v))
+
+
+def _allgather_backward(cfg: _RingConfig, world: int, rank, dout, q, k, v, out, lse):
+    """(dq, dk, dv) float32; K/V gathered again (rather than keeping P copies alive from the forward), dK/dV of
+    the whole sequence reduce-scattered back to their owners."""
+    def grads(runs, dout, q, k_all, v_all, out, lse):
+        dq_parts = []
+        dk_all, dv_all = (jnp.zeros_like(x, jnp.float32) for x in (k_all, v_all))  # position order
+        for rows, end, causal in runs:
+            dq_part, dk, dv = flash_attention_backward(
+                dout[:, rows], q[:, rows], k_all[:, :end], v_all[:, :end], out[:, rows], lse[:, :, rows],
+                causal=causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend)
+            dq_parts.append(dq_part)
+            dk_all = _updated(dk_all, slice(None, end), 1, dk, add=True)
+            dv_all = _updated(dv_all, slice(None, end), 1, dv, add=True)
+        return jnp.concatenate(dq_parts, axis=1), jnp.stack([dk_all, dv_all])
+
+    k_all, v_all = _gather_kv_in_position_order(cfg, world, k, v)
+    dq, dkv_all = _for_each_rank(cfg, world, rank, q.shape[1], grads, dout, q, k_all, v_all, out, lse)
+    dkv_all = shard_for_ring(dkv_all, world, cfg.layout, axis=2)  # layout order: rank r's part is the r-th
+    dk, dv = jax.lax.psum_scatter(dkv_all, cfg.axis_name, scatter_dimension=2, tiled=True)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# custom_vjp
+# ---------------------------------------------------------------------------------------------------------------
+
+def _uses_allgather(cfg: _RingConfig, world: int) -> bool:
+    return cfg.variant == "allgather" and world > 1
+
+
+def _ring_attention_fwd(q, k, v, cfg: _RingConfig):
+    world, rank = jax.lax.axis_size(cfg.axis_name), jax.lax.axis_index(cfg.axis_name)
+    run = _allgather_forward if _uses_allgather(cfg, world) else _ring_forward
+    out, lse = run(cfg, world, rank, q, k, v)
+    out = out.astype(q.dtype)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _ring_attention_bwd(cfg: _RingConfig, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    dout = cotangents[0]  # lse leaves the public API as a constant, so its cotangent is ignored
+    world, rank = jax.lax.axis_size(cfg.axis_name), jax.lax.axis_index(cfg.axis_name)
+    run = _allgather_backward if _uses_allgather(cfg, world) else _ring_backward
+    dq, dk, dv = run(cfg, world, rank, dout, q, k, v, out, lse)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ring_attention(q, k, v, cfg: _RingConfig):
+    return _ring_attention_fwd(q, k, v, cfg)[0]
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------------------------
+
+def _check_choices(layout: str, variant: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+
+
+def _check_local_shapes(q, k, v, world: int, layout: str) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local sequence length "
+                         "and head_dim (ring attention is self-attention over one sharded sequence)")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} heads")
+    try:
+        check_split(q.shape[1] * world, world, layout)
+    except LayoutError as err:
+        raise LayoutError(f"q has {q.shape[1]} tokens on each of {world} devices, so the {err}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------------
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = "sp", causal: bool = True,
+                   layout: str = "zigzag", variant: str = "ring", return_lse: bool = False,
+                   softmax_scale: float | None = None, backend: str = "pallas"):
+    """Attention over the sequence sharded along mesh axis `axis_name`; call inside `jax.shard_map`.
+
+    q [B, S_local, H, D], k/v [B, S_local, Hkv, D]: this device's tokens in `layout` order. Returns out in q's
+    dtype, or (out, lse [B, H, S_local] float32, a constant for autodiff) when `return_lse`. `softmax_scale`
+    defaults to 1/sqrt(D). Raises ValueError for bad arguments, LayoutError (a ValueError) when zigzag's local
+    length is odd. See the module docstring for the per-step work and the backward.
+    """
+    _check_choices(layout, variant)
+    try:
+        world = jax.lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(f"axis_name {axis_name!r} is not a mesh axis in scope: call ring_attention inside "
+                         "jax.shard_map over a mesh with that axis (or use ring_attention_sharded)") from err
+    _check_local_shapes(q, k, v, world, layout)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _ring_attention(q, k, v, _RingConfig(axis_name, bool(causal), layout, variant, scale, backend))
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+def shard_for_ring(x: jax.Array, world: int, layout: str, axis: int = 1) -> jax.Array:
+    """Reorders a global array from natural position order to layout order along `axis` (rank 0's positions,
+    then rank 1's, ...): sharding `axis` evenly over `world` devices then gives each its layout positions."""
+    order = layout_order(x.shape[axis], world, layout)
+    return jnp.take(x, order.astype(np.int32), axis=axis)
+
+
+def gather_from_ring(x: jax.Array, world: int, layout: str, axis: int = 1) -> jax.Array:
+    """Inverse of `shard_for_ring`: restores natural position order along `axis`."""
+    order = layout_order(x.shape[axis], world, layout)
+    return jnp.take(x, inverse_order(order).astype(np.int32), axis=axis)
+
+
+def ring_attention_sharded(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh, *, axis_name: str = "sp",
+                           batch_axis: str | None = None, causal: bool = True, layout: str = "zigzag",
+                           variant: str = "ring", return_lse: bool = False, softmax_scale: float | None = None,
+                           backend: str = "pallas"):
+    """`ring_attention` on GLOBAL arrays in natural position order (q [B, S, H, D], k/v [B, S, Hkv, D]): the
+    sequence is sharded over mesh axis `axis_name` in `layout`, the batch over `batch_axis` (None: replicated).
+    Returns out [B, S, H, D] (and lse [B, H, S] with `return_lse`) in natural order. Jittable; raises LayoutError
+    when S does not split over the axis in that layout."""
+    _check_choices(layout, variant)
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh (axes: {mesh.axis_names})")
+    if batch_axis is not None and batch_axis not in mesh.axis_names:
+        raise ValueError(f"batch_axis {batch_axis!r} is not an axis of the mesh (axes: {mesh.axis_names})")
+    world = mesh.shape[axis_name]
+    check_split(q.shape[1], world, layout)
+    tokens = PartitionSpec(batch_axis, axis_name, None, None)
+    attend = jax.shard_map(
+        functools.partial(ring_attention, axis_name=axis_name, causal=causal, layout=layout, variant=variant,
+                          return_lse=return_lse, softmax_scale=softmax_scale, backend=backend),
+        mesh=mesh, in_specs=(tokens, tokens, tokens),
+        out_specs=(tokens, PartitionSpec(batch_axis, None, axis_name)) if return_lse else tokens)
+    result = attend(*(shard_for_ring(x, world, layout) for x in (q, k, v)))
+    if not return_lse:
+        return gather_from_ring(result, world, layout)
+    out, lse = result
+    return gather_from_ring(out, world, layout), gather_from_ring(lse, world, layout, axis=2)

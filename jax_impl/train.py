@@ -1,0 +1,249 @@
+"""Distributed Llama training for the JAX backend: the sequence-sharded next-token loss, AdamW with global grad-norm
+clipping, the jitted train step and the training loop. Twin of `torch_impl/train.py`. Mesh, shardings and the data
+split are `jax_impl/parallel.py`; checkpoints and weight export are `jax_impl/checkpointing.py`; the
+`twinflash train` command that builds the batches and reports the steps is `compare/train.py`.
+
+Numerics both backends follow, so that their per-step losses agree (fp32):
+  loss       sum of next-token cross-entropy over the valid target positions of the whole global batch, divided by
+             their global count. Each device sums over its own tokens inside `jax.shard_map` (the sequence-sharded
+             hidden states never leave their device), the sums are `psum`-ed, autodiff does the rest. The logits
+             are made chunk by chunk of the device's rows (`loss_chunk_tokens` at a time, `lax.scan` over
+             `jax.checkpoint`-ed chunks, so they are recomputed in the backward): neither the full [S, V] nor the
+             local [S_local, V] logits ever exist at once.
+  clipping   global L2 norm of all gradients; every gradient is multiplied by min(1, max_norm / (norm + 1e-6)),
+             torch's clip_grad_norm_ formula (optax's clip_by_global_norm divides by the norm without the 1e-6).
+  AdamW      torch.optim.AdamW semantics: p *= 1 - lr * wd (2-D parameters only) before the Adam update;
+             m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t)
+             + eps) with t = step + 1; lr = OptimizerConfig.learning_rate(step). The scalar coefficients are
+             computed on the host in float64 each step, as torch does, and enter the jitted step as float32
+             arguments (no recompilation when they change). Written out rather than optax so the arithmetic is
+             torch's operation for operation.
+  precision  fp32 master weights and optimizer state; with bf16 the loss casts the (sharded) parameters to bf16
+             before use, so the gathers move bf16 and the gradients come back fp32 through the cast. Unlike the
+             torch twin (FSDP2 reduce_dtype=fp32), the cross-device sums of the weight gradients happen in the
+             matmuls' output dtype, bf16: XLA reduces a gradient where its matmul contracts over the sharded
+             batch/sequence dims. fp32 runs are unaffected.
+
+Weights for the compute: each (compute-dtype) parameter is constrained to be replicated at the start of the loss,
+so XLA all-gathers it over the mesh once per step and reduce-scatters its gradient back into the fp32 shard.
+Leaving the weights sharded inside the layers instead lets XLA's sharding propagation pick the weights' row
+sharding for activations in the backward, which it then undoes by replicating whole activations ("involuntary
+full rematerialization"). The cost: the whole model in the compute dtype is resident on every device during the
+step (2 bytes per parameter in bf16). Gathering layer by layer inside the checkpointed layer would need a hook in
+the model's layer loop.
+
+The step is one `jax.jit` over the global (sharded) arrays, compiled once per `StepSpec`; the training state it
+donates and returns is {"model": {name: param}, "optimizer": {"exp_avg": {...}, "exp_avg_sq": {...}}}, each leaf
+sharded like its parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_impl import checkpointing
+from jax_impl.model import DTYPES, Llama
+from jax_impl.parallel import make_mesh, parameter_shardings, put_sharded, ring_attention_fn, sharded_batch
+from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
+from weights.parallel import ACTIVATION_SHARDING, MESH_AXES
+from weights.schedule import OptimizerConfig
+from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
+                              checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens, host_peak_rss_bytes,
+                              run_metadata, valid_target_count)
+
+State = dict[str, dict]
+StepCallback = Callable[..., None]
+
+
+# --- loss ---------------------------------------------------------------------------------------------------------
+
+def _chunk_cross_entropy_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array) -> jax.Array:
+    """float32 cross-entropy sum of rows hidden [T, hidden] against targets [T] (IGNORE_INDEX rows count 0); the
+    logits are the model's (`Llama.logits`: compute-dtype matmul, float32 result)."""
+    logits = jnp.einsum("th,vh->tv", hidden, head).astype(jnp.float32)
+    valid = targets != IGNORE_INDEX
+    picked = jnp.take_along_axis(logits, jnp.where(valid, targets, 0)[:, None], axis=-1)[:, 0]
+    return jnp.sum(jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0))
+
+
+def cross_entropy_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk_tokens: int) -> jax.Array:
+    """float32 sum of next-token cross-entropy over the rows of hidden [B, S, hidden] (one device's) whose target
+    [B, S] is not IGNORE_INDEX, `chunk_tokens` rows at a time, each chunk's logits recomputed in the backward."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(-1)
+    chunk = jax.checkpoint(_chunk_cross_entropy_sum)
+    full = hidden.shape[0] // chunk_tokens * chunk_tokens
+    # zeros_like keeps the targets' varying-over-mesh-axes type, which the scan's carry must have inside shard_map.
+    total = jnp.zeros_like(targets[0], jnp.float32)
+    if full:
+        chunks = (hidden[:full].reshape(-1, chunk_tokens, hidden.shape[-1]), targets[:full].reshape(-1, chunk_tokens))
+        total, _ = jax.lax.scan(lambda acc, xs: (acc + chunk(xs[0], head, xs[1]), None), total, chunks)
+    if full < hidden.shape[0]:
+        total = total + chunk(hidden[full:], head, targets[full:])
+    return total
+
+
+def sharded_cross_entropy_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mesh: Mesh,
+                              chunk_tokens: int) -> jax.Array:
+    """`cross_entropy_sum` of GLOBAL hidden [B, S, hidden] / targets [B, S] sharded (fsdp, sp): every device
+    reduces its own rows against the whole (gathered) LM head, then the sums are added over the mesh."""
+    rows = PartitionSpec(*ACTIVATION_SHARDING["hidden"])
+    local_sum = jax.shard_map(
+        lambda h, w, t: jax.lax.psum(cross_entropy_sum(h, w, t, chunk_tokens), MESH_AXES),
+        mesh=mesh, in_specs=(rows, PartitionSpec(), PartitionSpec(*ACTIVATION_SHARDING["tokens"])),
+        out_specs=PartitionSpec())
+    return local_sum(hidden, head, targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Everything static about a train step (hashable: the jit cache key, one compilation per spec)."""
+
+    config: LlamaConfig
+    mesh: Mesh
+    dtype: str
+    remat: bool
+    attention_backend: str
+    ring_variant: str
+    loss_chunk_tokens: int
+    optimizer: OptimizerConfig
+
+
+def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: jax.Array, positions: jax.Array,
+                    spec: StepSpec) -> jax.Array:
+    """Mean next-token cross-entropy of the global batch (module docstring), from float32 master `params`."""
+    replicated = NamedSharding(spec.mesh, PartitionSpec())
+    compute = {name: jax.lax.with_sharding_constraint(p.astype(DTYPES[spec.dtype]), replicated)
+               for name, p in params.items()}
+    attention = ring_attention_fn(spec.mesh, backend=spec.attention_backend, variant=spec.ring_variant)
+    llama = Llama(spec.config, compute, attention, remat=spec.remat)
+    hidden = llama.hidden_states(tokens, positions)
+    head = compute["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
+    valid_count = valid_target_count(*tokens.shape)
+    return sharded_cross_entropy_sum(hidden, head, targets, spec.mesh, spec.loss_chunk_tokens) / valid_count
+
+
+# --- optimizer ----------------------------------------------------------------------------------------------------
+
+def clip_gradients(grads: dict[str, jax.Array], max_norm: float) -> tuple[dict[str, jax.Array], jax.Array]:
+    """(grads scaled by min(1, max_norm / (norm + 1e-6)), the global L2 norm before clipping): torch's formula."""
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values()))
+    scale = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+    return {name: g * scale for name, g in grads.items()}, norm
+
+
+def init_optimizer_state(params: dict[str, jax.Array]) -> dict[str, dict[str, jax.Array]]:
+    """float32 zeros `exp_avg` and `exp_avg_sq` per parameter, sharded like it (made on the devices)."""
+    def zeros(p: jax.Array) -> jax.Array:
+        return jax.jit(functools.partial(jnp.zeros, p.shape, jnp.float32), out_shardings=p.sharding)()
+
+    return {"exp_avg": {n: zeros(p) for n, p in params.items()},
+            "exp_avg_sq": {n: zeros(p) for n, p in params.items()}}
+
+
+def adamw_update(params: dict[str, jax.Array], grads: dict[str, jax.Array], state: dict[str, dict[str, jax.Array]],
+                 coefficients: dict[str, jax.Array], config: OptimizerConfig
+                 ) -> tuple[dict[str, jax.Array], dict[str, dict[str, jax.Array]]]:
+    """One torch.optim.AdamW step (module docstring); weight decay on 2-D parameters only. `coefficients` are the
+    step's host scalars (`weights.training.adamw_coefficients`, without "lr") as float32 arrays."""
+    new_params, exp_avg, exp_avg_sq = {}, {}, {}
+    for name, p in params.items():
+        g = grads[name]
+        if p.ndim == 2:
+            p = p * coefficients["decay"]
+        m = state["exp_avg"][name] + (1 - config.beta1) * (g - state["exp_avg"][name])  # torch's lerp
+        v = state["exp_avg_sq"][name] * config.beta2 + (1 - config.beta2) * g * g
+        denom = jnp.sqrt(v) / coefficients["bias_correction2_sqrt"] + config.eps
+        new_params[name] = p - coefficients["step_size"] * (m / denom)
+        exp_avg[name], exp_avg_sq[name] = m, v
+    return new_params, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+# --- the step -----------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: jax.Array,
+               coefficients: dict[str, jax.Array], spec: StepSpec) -> tuple[State, jax.Array, jax.Array]:
+    """(new state, loss, grad norm before clipping) of one optimizer step on a global batch."""
+    loss, grads = jax.value_and_grad(next_token_loss)(state["model"], tokens, targets, positions, spec)
+    grads, grad_norm = clip_gradients(grads, spec.optimizer.grad_clip_norm)
+    params, optimizer = adamw_update(state["model"], grads, state["optimizer"], coefficients, spec.optimizer)
+    shardings = parameter_shardings(spec.mesh, parameter_shapes(spec.config))
+    keep = functools.partial(jax.tree.map, jax.lax.with_sharding_constraint)
+    return {"model": keep(params, shardings),
+            "optimizer": {k: keep(v, shardings) for k, v in optimizer.items()}}, loss, grad_norm
+
+
+# --- the loop -----------------------------------------------------------------------------------------------------
+
+def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh) -> dict[str, jax.Array]:
+    """float32 parameters from a converted checkpoint or random preset weights, read one tensor at a time on the
+    host (random weights are drawn once per tensor, not once per device), each device receiving its own slice."""
+    return {name: put_sharded(source.tensor(name).astype(np.float32, copy=False), sharding)
+            for name, sharding in parameter_shardings(mesh, parameter_shapes(source.config)).items()}
+
+
+def _peak_memory_bytes(mesh: Mesh) -> list[int]:
+    """Per device: peak bytes in use where the runtime reports it (GPU), else this process's peak host RSS."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.devices.flat]
+    if all(p is not None for p in peaks):
+        return [int(p) for p in peaks]
+    return [host_peak_rss_bytes()]  # one process
+
+
+def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = None,
+                 devices: Sequence[jax.Device] | None = None) -> State:
+    """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches) in this process over
+    `devices` (default: all of JAX's, whose count must match `settings.mesh`); see compare/train.py's
+    `TrainSettings` for the fields read here. Calls `on_step(step=, loss=, lr=, grad_norm=, seconds=,
+    peak_memory_bytes=[per device])` after every step. Resumes from the latest checkpoint with `settings.resume`,
+    saves every `settings.ckpt_every` steps and at the end of the run, exports the final weights to
+    `settings.export_paths` when set. Returns the final training state. Bad input (mesh, batch shape, checkpoint)
+    raises CheckpointError before anything is computed or written."""
+    check_attention_backend(settings)
+    mesh = make_mesh(settings.mesh, devices)
+    check_batches(settings, batches)
+    source = open_weights(settings.model, settings.seed)
+    config = source.config
+    meta = run_metadata(settings, config)
+    latest, start = checkpoint_to_resume(settings, meta, checkpointing.latest_checkpoint, checkpointing.read_metadata)
+
+    spec = StepSpec(config=config, mesh=mesh, dtype=settings.dtype, remat=settings.activation_checkpointing,
+                    attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
+                    loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
+                    optimizer=settings.optimizer)
+    params = load_parameters(source, mesh)
+    state = {"model": params, "optimizer": init_optimizer_state(params)}
+    manager = None if settings.ckpt_dir is None else checkpointing.open_manager(settings.ckpt_dir, settings.keep)
+    try:
+        if latest is not None:
+            state = checkpointing.load_checkpoint(manager, latest, state)
+            print(f"resumed from {latest} (step {start})", flush=True)
+        stop = settings.stop_at or batches.shape[0]
+        for step in range(start, stop):
+            began = time.perf_counter()
+            tokens, targets, positions = sharded_batch(batches[step], mesh)
+            coefficients = adamw_coefficients(settings.optimizer, step)
+            scalars = {k: jnp.float32(v) for k, v in coefficients.items() if k != "lr"}
+            state, loss, grad_norm = train_step(state, tokens, targets, positions, scalars, spec=spec)
+            loss = float(loss)  # synchronises the devices: the step's time is complete
+            seconds = time.perf_counter() - began
+            if on_step is not None:
+                on_step(step=step, loss=loss, lr=coefficients["lr"], grad_norm=float(grad_norm), seconds=seconds,
+                        peak_memory_bytes=_peak_memory_bytes(mesh))
+            if checkpoint_due(settings, step + 1, stop):
+                checkpointing.save_checkpoint(manager, step + 1, state, meta)
+    finally:
+        if manager is not None:
+            manager.close()  # waits for a save in flight; raises if it failed
+    if settings.export_paths is not None:
+        checkpointing.export_trained_weights(state["model"], config, *settings.export_paths, source)
+    return state

@@ -1,0 +1,505 @@
+"""Tests of the PyTorch FlashAttention (`torch_impl/flash_attention.py` and its Triton kernels). Twin of
+`tests/test_flash_attention_jax.py`.
+
+Without CUDA the kernels run in Triton's interpreter, so shapes stay small; with CUDA every test here runs on the
+GPU and the `gpu`-marked tests add real sizes and the CUDA-only backends.
+
+Accuracy rule (FlashAttention's own test criterion): against an exact float64 oracle, each of out, lse, dq, dk, dv
+from the kernel must be within 2x the error of a naive implementation computing in the same dtype
+(`reference_attention`: matmuls in the input dtype, softmax in float32), plus a small absolute floor. A kernel may
+round differently from the naive code, but not worse than twice as much.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch_impl import flash_forward
+from torch_impl.attention import reference_attention
+from torch_impl.flash_attention import BACKENDS, flash_attention, flash_attention_backward, flash_attention_forward
+from torch_impl.flash_backward import DKDV_SHAPES, DQ_SHAPES, dkdv_shared_bytes, dq_shared_bytes
+from torch_impl.flash_forward import FORWARD_SHAPES, INTERPRETED, fitting, forward_shared_bytes, round_to
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HALF = (torch.bfloat16, torch.float16)
+# Absolute floor of the rule: where the naive result is exact (a single key: out = v, dq = 0), ours still differs
+# by float32 summation order, ~1e-6.
+ATOL = 1e-4
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def _inputs(batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, seed=0, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(batch, seq_q, heads, head_dim), (batch, seq_k, kv_heads, head_dim),
+              (batch, seq_k, kv_heads, head_dim), (batch, seq_q, heads, head_dim)]
+    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
+
+
+def _exact(q, k, v, dout, causal, scale):
+    """float64 forward and backward from the textbook formulas: the oracle."""
+    q, k, v, dout = (x.double() for x in (q, k, v, dout))
+    batch, seq_q, heads, head_dim = q.shape
+    seq_k, group = k.shape[1], heads // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        visible = torch.arange(seq_k, device=q.device) <= torch.arange(seq_q, device=q.device)[:, None] + seq_k - seq_q
+        scores = scores.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    dprobs = torch.einsum("bqhd,bkhd->bhqk", dout, v)
+    delta = (dout * out).sum(-1).transpose(1, 2)
+    dscores = probs * (dprobs - delta[..., None]) * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k)
+    dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q).reshape(batch, seq_k, heads // group, group, head_dim).sum(3)
+    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout).reshape(batch, seq_k, heads // group, group, head_dim).sum(3)
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+def _with_grads(attend, q, k, v, dout):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = attend(q, k, v)
+    out.backward(dout)
+    return dict(out=out.detach(), lse=lse, dq=q.grad, dk=k.grad, dv=v.grad)
+
+
+def _ours(q, k, v, dout, causal, scale, backend="triton"):
+    return _with_grads(lambda *x: flash_attention(*x, causal=causal, softmax_scale=scale, return_lse=True,
+                                                  backend=backend), q, k, v, dout)
+
+
+def _naive(q, k, v, dout, causal, scale):
+    return _with_grads(lambda *x: reference_attention(*x, causal=causal, softmax_scale=scale, return_lse=True),
+                       q, k, v, dout)
+
+
+def _errors(result, exact):
+    errors = {}
+    for name in NAMES:
+        got, want = result[name].double(), exact[name]
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), finite), f"{name}: non-finite entries differ from the oracle's"
+        errors[name] = (got - want)[finite].abs().max().item() if finite.any() else 0.0
+    return errors
+
+
+def _rule_violations(ours, naive, exact):
+    """Names breaking err(ours) <= 2 * err(naive) + ATOL (module docstring)."""
+    mine, theirs = _errors(ours, exact), _errors(naive, exact)
+    return {n: (mine[n], theirs[n]) for n in NAMES if mine[n] > 2 * theirs[n] + ATOL}
+
+
+def _check_rule(q, k, v, dout, causal, scale=None):
+    scale = scale or 1 / math.sqrt(q.shape[-1])
+    exact = _exact(q, k, v, dout, causal, scale)
+    violations = _rule_violations(_ours(q, k, v, dout, causal, scale), _naive(q, k, v, dout, causal, scale), exact)
+    assert not violations, f"(ours, naive) errors beyond the rule: {violations}"
+
+
+# (Sq, Sk, H, Hkv, D): GQA ratios 1, 2 and 4; head dims 32..256; lengths 1, 37, 97, 200; Sq < Sk and Sq > Sk
+# (the latter with causal rows that see no key).
+CASES = [(97, 97, 2, 2, 64), (200, 200, 4, 1, 32), (1, 1, 1, 1, 128), (97, 200, 4, 1, 64), (200, 97, 2, 2, 32),
+         (64, 80, 2, 1, 128), (37, 37, 1, 1, 96), (40, 24, 2, 1, 256)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "sq{}-sk{}-h{}-kv{}-d{}".format(*c))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_matches_exact_within_twice_naive_error(dtype, causal, case):
+    # Under the interpreter this is the proof that the bf16 path is right: the kernels upcast tiles and round
+    # operands themselves there (flash_forward's docstring), and must still meet the rule.
+    seq_q, seq_k, heads, kv_heads, head_dim = case
+    _check_rule(*_inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, dtype), causal)
+
+
+def test_rule_fails_for_wrong_attention():
+    """Negative control: the comparison above would catch a wrong scale or swapped k/v."""
+    q, k, v, dout = _inputs(1, 97, 97, 2, 2, 64, torch.bfloat16)
+    scale = 1 / 8
+    exact = _exact(q, k, v, dout, True, scale)
+    naive = _naive(q, k, v, dout, True, scale)
+    assert "out" in _rule_violations(_ours(q, k, v, dout, True, scale * 1.25), naive, exact)
+    assert "out" in _rule_violations(_ours(q, v, k, dout, True, scale), naive, exact)
+
+
+def test_fully_masked_rows_are_zero_with_lse_minus_inf():
+    q, k, v, dout = _inputs(1, 50, 20, 2, 1, 32, torch.bfloat16)
+    result = _ours(q, k, v, dout, True, 0.2)
+    blind = slice(0, 30)  # query i sees key j iff j <= i - 30
+    assert torch.all(result["out"][:, blind] == 0) and torch.all(result["dq"][:, blind] == 0)
+    assert torch.all(result["lse"][:, :, blind] == -math.inf)
+    assert all(torch.isfinite(result[n]).all() for n in ("out", "dq", "dk", "dv"))
+
+
+def test_float32_matches_exact_with_any_strides():
+    # float32 runs IEEE dots (no TF32) so the model's float32 tests can use this kernel: ~1e-6 relative errors.
+    # The tensors are [B, H, S, D] in memory (as after a transpose) and dout has a non-unit last stride.
+    q, k, v, dout = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in _inputs(2, 45, 70, 4, 2, 32,
+                                                                                        torch.float32))
+    dout = dout.transpose(2, 3).contiguous().transpose(2, 3)
+    assert dout.stride(-1) != 1
+    ours, exact = _ours(q, k, v, dout, True, 0.3), _exact(q, k, v, dout, True, 0.3)
+    for name in NAMES:
+        torch.testing.assert_close(ours[name].double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pair_functions_with_global_out_and_lse_sum_to_full_gradients(dtype, causal):
+    """A ring step's contract: pairs of (query chunk, key chunk) computed with float32 partial outputs, merged by
+    lse, and differentiated with the merged (global) out/lse, add up to full attention."""
+    seq, half = 96, 48
+    q, k, v, dout = _inputs(1, seq, seq, 4, 2, 64, dtype)
+    kw = dict(causal=causal, softmax_scale=0.125)
+    full_out, full_lse = flash_attention_forward(q, k, v, out_dtype=torch.float32, **kw)
+    full_grads = flash_attention_backward(dout, q, k, v, full_out, full_lse, **kw)
+
+    chunks = [slice(0, half), slice(half, seq)]
+    # causal ring: chunk i attends to earlier chunks in full and to itself causally; full: to every chunk.
+    pairs = [(i, j, causal and i == j) for i in range(2) for j in range(2) if not causal or j <= i]
+    partial = {}
+    for i, j, pair_causal in pairs:
+        partial[i, j] = flash_attention_forward(q[:, chunks[i]], k[:, chunks[j]], v[:, chunks[j]], causal=pair_causal,
+                                                softmax_scale=0.125, out_dtype=torch.float32)
+    merged = {}
+    for i in range(2):
+        outs, lses = zip(*(partial[p[:2]] for p in pairs if p[0] == i))
+        lse = torch.logsumexp(torch.stack(lses), dim=0)
+        out = sum(o * torch.exp(part - lse).transpose(1, 2)[..., None] for o, part in zip(outs, lses))
+        merged[i] = out, lse
+    # float32: merging changes only the summation order (~1e-6). bf16: P is rounded to bf16 for the P @ V matmul
+    # relative to each pass's running row max, so split and full passes round differently (bf16 eps 2^-8).
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(torch.cat([merged[i][0] for i in range(2)], 1), full_out, **tol)
+    torch.testing.assert_close(torch.cat([merged[i][1] for i in range(2)], 2), full_lse, **tol)
+
+    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
+    for i, j, pair_causal in pairs:
+        out, lse = merged[i]
+        grads = flash_attention_backward(dout[:, chunks[i]], q[:, chunks[i]], k[:, chunks[j]], v[:, chunks[j]],
+                                         out, lse, causal=pair_causal, softmax_scale=0.125)
+        assert all(g.dtype == torch.float32 for g in grads)
+        dq[:, chunks[i]] += grads[0]
+        dk[:, chunks[j]] += grads[1]
+        dv[:, chunks[j]] += grads[2]
+    for got, want in zip((dq, dk, dv), full_grads):
+        torch.testing.assert_close(got, want, **tol)
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=st.integers(1, 2), seq_q=st.integers(1, 70), seq_k=st.integers(1, 70), kv_heads=st.integers(1, 2),
+       group=st.sampled_from([1, 3]), head_dim=st.sampled_from([32, 64]), causal=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_random_shapes(batch, seq_q, seq_k, kv_heads, group, head_dim, causal, dtype, seed):
+    q, k, v, dout = _inputs(batch, seq_q, seq_k, kv_heads * group, kv_heads, head_dim, dtype, seed)
+    if dtype == torch.float32:
+        ours, exact = _ours(q, k, v, dout, causal, 0.2), _exact(q, k, v, dout, causal, 0.2)
+        for name in NAMES:  # IEEE float32 throughout: errors ~1e-6 relative
+            torch.testing.assert_close(ours[name].double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)
+    else:
+        _check_rule(q, k, v, dout, causal, 0.2)
+
+
+def test_reference_backend_agrees_with_triton():
+    q, k, v, dout = _inputs(1, 33, 40, 4, 2, 32, torch.float32)
+    ours, ref = _ours(q, k, v, dout, True, 0.2), _ours(q, k, v, dout, True, 0.2, backend="reference")
+    for name in NAMES:  # both float32 math on identical inputs
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+@triton.jit
+def _round_kernel(X, Y, N: tl.constexpr, EMULATE: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, round_to(tl.load(X + offs), Y.dtype.element_ty, EMULATE).to(Y.dtype.element_ty))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_round_to_rounds_to_nearest_even(dtype):
+    """The kernels' operand rounding equals torch's casts, ties included (the interpreter's own fp32 -> bf16
+    cast truncates, which is what `round_to` replaces)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=gen) * 8
+    bits = x.view(torch.int32)
+    ties = ((bits & ~0xFFFF) | 0x8000).view(torch.float32)  # exactly halfway between two bf16 values
+    x = torch.cat([x, ties]).to(DEVICE)
+    y = torch.empty_like(x, dtype=dtype)
+    _round_kernel[(1,)](x, y, N=x.numel(), EMULATE=INTERPRETED)
+    assert torch.equal(y, x.to(dtype))
+
+
+def _cpu_sdpa_stand_ins():
+    """CPU stand-ins with the exact signatures of the CUDA-only SDPA ops (the adapters call them positionally),
+    computing with torch's CPU flash attention: they check the adapters' layout, GQA and lse handling here."""
+    cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+              return_debug_mask=False, *, scale=None):
+        assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not return_debug_mask
+        out, lse = cpu_fwd(query, key, value, dropout_p, is_causal, scale=scale)
+        return out, lse[..., None], None, None, query.shape[2], key.shape[2], None, None, None
+
+    def cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
+                       cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+        assert logsumexp.shape == (*query.shape[:3], 1) and (max_q, max_k) == (query.shape[2], key.shape[2])
+        return cpu_bwd(grad_out, query, key, value, out, logsumexp[..., 0], dropout_p, is_causal, scale=scale)
+
+    def flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        out, lse = cpu_fwd(query, key, value, dropout_p, is_causal, scale=scale)
+        return out, lse, None, None, query.shape[2], key.shape[2], None, None, None
+
+    def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                       is_causal, philox_seed, philox_offset, *, scale=None):
+        assert (max_q, max_k) == (query.shape[2], key.shape[2])
+        return cpu_bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
+
+    return types.SimpleNamespace(_scaled_dot_product_cudnn_attention=cudnn,
+                                 _scaled_dot_product_cudnn_attention_backward=cudnn_backward,
+                                 _scaled_dot_product_flash_attention=flash,
+                                 _scaled_dot_product_flash_attention_backward=flash_backward)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the real ops")
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_sdpa_adapters_on_cpu_stand_ins(monkeypatch, backend, causal):
+    from torch_impl import flash_attention as module
+
+    monkeypatch.setattr(module, "aten", _cpu_sdpa_stand_ins())
+    q, k, v, dout = _inputs(2, 24, 24, 4, 2, 32, torch.float32)
+    out, lse = module._sdpa_forward(q, k, v, causal, 0.2, torch.float32, backend)
+    grads = module._sdpa_backward(dout, q, k, v, out, lse, causal, 0.2, backend)
+    exact = _exact(q, k, v, dout, causal, 0.2)
+    for name, got in zip(NAMES, (out, lse, *grads)):
+        assert got.shape == exact[name].shape and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)  # float32 math
+
+
+def _flash_attn_stand_in(version):
+    """A stand-in `flash_attn` package with flash-attn 2.x's signatures, computing with the reference functions:
+    `_flash_attn_backward` as 2.6 wrote it (window_size tuple) or as 2.7+ registers it (a torch custom op whose
+    Python function is `_init_fn`, separate window sizes). Empty rows carry lse +inf, as flash-attn's do."""
+    from torch_impl.attention import reference_attention_backward, reference_attention_forward
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        out, lse = reference_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        return out, lse.masked_fill(lse == -math.inf, math.inf), None
+
+    def compute(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window):
+        assert window == (-1, -1) and not (softmax_lse == -math.inf).any()  # flash-attn: +inf for empty rows
+        lse = softmax_lse.masked_fill(softmax_lse == math.inf, -math.inf)
+        grads = reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+        for buffer, grad in zip((dq, dk, dv), grads):
+            buffer.copy_(grad)
+
+    def backward_2_6(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
+                     softcap, alibi_slopes, deterministic, rng_state=None):
+        compute(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
+
+    def backward_2_7(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                     window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+        compute(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal,
+                (window_size_left, window_size_right))
+
+    backward = backward_2_6 if version == "2.6" else _CustomOpDef(backward_2_7)
+    return types.SimpleNamespace(flash_attn_interface=types.SimpleNamespace(flash_attn_func=flash_attn_func,
+                                                                            _flash_attn_backward=backward))
+
+
+class _CustomOpDef:
+    """Like torch.library's CustomOpDef: callable, its signature hidden, the Python function kept as `_init_fn`."""
+
+    def __init__(self, init_fn):
+        self._init_fn = init_fn
+
+    def __call__(self, *args, **kwargs):
+        return self._init_fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("version", ["2.6", "2.7"])
+def test_flash_attn_adapter_on_a_stand_in_package(monkeypatch, version):
+    from torch_impl import flash_attention as module
+
+    package = _flash_attn_stand_in(version)
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", package.flash_attn_interface)
+    q, k, v, dout = _inputs(1, 30, 20, 4, 2, 32, torch.float32)  # Sq > Sk: causal rows that see no key
+    out, lse = module._flash_attn_forward(q, k, v, True, 0.2, torch.float32)
+    grads = module._flash_attn_backward(dout, q, k, v, out, lse, True, 0.2)
+    exact = _exact(q, k, v, dout, True, 0.2)
+    assert torch.all(lse[:, :, :10] == -math.inf)
+    for name, got in zip(NAMES, (out, lse, *grads)):
+        torch.testing.assert_close(got.double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)  # float32 math
+
+
+def test_autotuning_keeps_the_configs_that_fit_in_shared_memory(monkeypatch):
+    """The pruning the GPU autotuner runs, here on CPU: the expected sets are what an ahead-of-time compile for
+    sm_90 (triton 3.9 and 3.6, bf16) allocated, against the 227 KB an H100/H200 block may use."""
+    monkeypatch.setattr(flash_forward, "_max_shared_memory", lambda device_index: 232448)
+
+    def kept(shared_bytes, shapes, head_dim, dtype=torch.bfloat16, seq_bucket=65536):
+        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+        named_args = {"Q": torch.empty(0, dtype=dtype), "SEQ_BUCKET": seq_bucket}
+        pruned = fitting(shared_bytes)(configs, named_args, HEAD_DIM=head_dim)
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in pruned]
+
+    for shapes, shared_bytes in ((FORWARD_SHAPES, forward_shared_bytes), (DKDV_SHAPES, dkdv_shared_bytes),
+                                 (DQ_SHAPES, dq_shared_bytes)):
+        assert kept(shared_bytes, shapes, 128) == shapes
+        assert kept(shared_bytes, shapes, 64, torch.float32) == [s for s in shapes if s[0] * s[1] <= 64 * 64]
+    assert kept(forward_shared_bytes, FORWARD_SHAPES, 256) == [(64, 64, 4, 3), (64, 32, 4, 3)]
+    assert kept(dkdv_shared_bytes, DKDV_SHAPES, 256) == [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3),
+                                                         (32, 64, 4, 4), (16, 64, 8, 2)]
+    assert kept(dq_shared_bytes, DQ_SHAPES, 256) == [(128, 32, 8, 3), (64, 32, 4, 4)]
+    # short calls are not tuned: the first fitting config
+    assert kept(dq_shared_bytes, DQ_SHAPES, 256, seq_bucket=2048) == [(128, 32, 8, 3)]
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+def _good():
+    return _inputs(1, 8, 8, 4, 2, 32, torch.float32)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda q, k, v: (q[0], k, v), "q must be 4-D"),
+    (lambda q, k, v: (q, k.double(), v), "k has dtype torch.float64"),
+    (lambda q, k, v: (q.double(), k.double(), v.double()), "q has dtype torch.float64"),
+    (lambda q, k, v: (q, k.half(), v.half()), "share one dtype"),
+    (lambda q, k, v: (q[..., :16], k[..., :16], v[..., :16]), "head_dim 16 is not supported"),
+    (lambda q, k, v: (q, k[..., :16], v[..., :16]), "head_dim mismatch"),
+    (lambda q, k, v: (q[:, :, :3], k, v), "multiple of KV heads"),
+    (lambda q, k, v: (q.expand(2, -1, -1, -1), k, v), "batch size mismatch"),
+    (lambda q, k, v: (q, k, v[:, :4]), "k and v must have the same shape"),
+    (lambda q, k, v: (q, k.to("meta"), v.to("meta")), "one device"),
+    (lambda q, k, v: (q[:, :0], k, v), "empty input"),
+])
+def test_bad_inputs_raise_value_error(mutate, message):
+    q, k, v = mutate(*_good()[:3])
+    with pytest.raises(ValueError, match=message):
+        flash_attention(q, k, v)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(softmax_scale=0.0), "softmax_scale"), (dict(softmax_scale=float("nan")), "softmax_scale"),
+    (dict(backend="cudnn"), "choose one of 'triton', 'reference'"),
+])
+def test_bad_options_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        flash_attention(*_good()[:3], **kwargs)
+
+
+def test_bad_pair_arguments_raise_value_error():
+    q, k, v, dout = _good()
+    out, lse = flash_attention_forward(q, k, v, causal=True, softmax_scale=None)
+    kw = dict(causal=True, softmax_scale=None)
+    with pytest.raises(ValueError, match="out_dtype"):
+        flash_attention_forward(q, k, v, out_dtype=torch.int32, **kw)
+    with pytest.raises(ValueError, match="dout must have q's shape"):
+        flash_attention_backward(dout[:, :4], q, k, v, out, lse, **kw)
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        flash_attention_backward(dout, q, k, v, out[..., :16], lse, **kw)
+    with pytest.raises(ValueError, match=r"lse must have shape \[B, H, Sq\]"):
+        flash_attention_backward(dout, q, k, v, out, lse[:, :2], **kw)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        flash_attention_backward(dout, q, k, v, out, lse.double(), **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
+def test_sdpa_backends_need_cuda(backend):
+    with pytest.raises(ValueError, match=f"backend '{backend}' needs CUDA"):
+        flash_attention(*_good()[:3], backend=backend)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
+def test_missing_flash_attn_package_is_a_clean_error():
+    message = r"needs the optional flash-attn package: pip install 'twinflash\[flash-attn\]'"
+    with pytest.raises(ValueError, match=message):
+        flash_attention(*_good()[:3], backend="flash_attn")
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+GPU_CASES = [(2, 2048, 2048, 32, 8, 128, torch.bfloat16), (1, 4096, 4096, 16, 16, 64, torch.bfloat16),
+             (1, 1000, 3001, 8, 2, 128, torch.bfloat16), (1, 3001, 1000, 8, 8, 128, torch.float16),
+             (1, 1024, 1024, 8, 4, 256, torch.bfloat16), (1, 1500, 1500, 8, 8, 96, torch.float16),
+             (1, 2048, 2048, 8, 1, 32, torch.bfloat16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "b{}-sq{}-sk{}-h{}-kv{}-d{}-{}".format(*c[:6], str(c[6])[6:]))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_real_sizes(case, causal):
+    batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype = case
+    _check_rule(*_inputs(batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, device="cuda"), causal)
+
+
+@pytest.mark.gpu
+def test_gpu_float32_is_ieee():
+    q, k, v, dout = _inputs(1, 700, 900, 8, 2, 128, torch.float32, device="cuda")
+    ours, exact = _ours(q, k, v, dout, True, 0.1), _exact(q, k, v, dout, True, 0.1)
+    for name in NAMES:  # TF32 would give ~1e-3 errors here
+        torch.testing.assert_close(ours[name].double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic():
+    q, k, v, dout = _inputs(1, 2048, 2048, 16, 4, 128, torch.bfloat16, device="cuda")
+    first, second = _ours(q, k, v, dout, True, 0.1), _ours(q, k, v, dout, True, 0.1)
+    assert all(torch.equal(first[n], second[n]) for n in NAMES)  # no atomics anywhere
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_other_backends(backend, kv_heads, causal):
+    if backend == "flash_attn":
+        pytest.importorskip("flash_attn")
+    q, k, v, dout = _inputs(2, 1024, 1024, 8, kv_heads, 128, torch.bfloat16, device="cuda")
+    scale = 1 / math.sqrt(128)
+    exact, naive = _exact(q, k, v, dout, causal, scale), _naive(q, k, v, dout, causal, scale)
+    violations = _rule_violations(_ours(q, k, v, dout, causal, scale, backend=backend), naive, exact)
+    assert not violations, f"(backend, naive) errors beyond the rule: {violations}"
+    # and the pair-level functions (float32 out and gradients)
+    out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32,
+                                       backend=backend)
+    grads = flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, backend=backend)
+    assert lse.shape == (2, 8, 1024) and all(x.dtype == torch.float32 for x in (out, lse, *grads))
+    pair = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+    violations = _rule_violations(pair, naive, exact)
+    assert not violations, f"(pair-level backend, naive) errors beyond the rule: {violations}"
+
+
+def test_interpreter_works_when_triton_was_imported_first(tmp_path):
+    """Triton's own library functions are decorated when triton is imported; the kernels avoid them, so
+    importing triton before `torch_impl.flash_attention` sets TRITON_INTERPRET still interprets correctly."""
+    script = tmp_path / "late_interpret.py"
+    script.write_text(
+        "import triton.language\n"
+        "import torch\n"
+        "from torch_impl.attention import reference_attention\n"
+        "from torch_impl.flash_attention import flash_attention\n"
+        "q, k, v = torch.randn(1, 40, 2, 32), torch.randn(1, 40, 1, 32), torch.randn(1, 40, 1, 32)\n"
+        "torch.testing.assert_close(flash_attention(q, k, v), reference_attention(q, k, v), rtol=1e-4, atol=1e-4)\n"
+        "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU: the module must switch the interpreter on by itself
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

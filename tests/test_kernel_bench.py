@@ -1,0 +1,95 @@
+"""Tests of `twinflash bench kernels` (compare/kernel_bench.py) that need no GPU: the FLOP count, the merge of the
+two parts' rows into one table with ratios, the rendering, the JSON report and the no-CUDA exit."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from compare import kernel_bench
+from weights.flops import attention_flops
+
+
+def test_attention_flops():
+    full = 4 * 1 * 32 * 4096 * 4096 * 128
+    assert attention_flops(1, 32, 4096, 4096, 128, causal=False, backward=False) == full
+    assert attention_flops(1, 32, 4096, 4096, 128, causal=True, backward=False) == full / 2
+    assert attention_flops(1, 32, 4096, 4096, 128, causal=True, backward=True) == 3.5 * full / 2
+
+
+def _row(impl, tflops=None, error=None, seq=4096, causal=True, kv_heads=32, part="torch"):
+    row = dict(impl=impl, S=seq, causal=causal, kv_heads=kv_heads, heads=32, head_dim=128, batch=1, part=part)
+    if error:
+        row["error"] = error
+    else:
+        row.update(fwd_ms=1.0, fwd_tflops=tflops, fwdbwd_ms=3.0, fwdbwd_tflops=tflops / 2)
+    return row
+
+
+ROWS = [_row("triton", 500.0), _row("sdpa_flash", 250.0), _row("sdpa_cudnn", 400.0),
+        _row("pallas", 300.0, part="jax"), _row("pallas_mha", error="RESOURCE_EXHAUSTED: out of memory", part="jax"),
+        _row("jax_cudnn", 600.0, part="jax"),
+        _row("triton", 100.0, seq=16384, causal=False, kv_heads=8),
+        _row("sdpa_cudnn", error="RuntimeError: No available kernel", seq=16384, causal=False, kv_heads=8),
+        dict(part="jax", impl="jax part", error="exited with code 1")]
+
+
+def test_merge_rows_one_row_per_point_and_pass_with_ratios():
+    table = kernel_bench.merge_rows(ROWS)
+    assert [(e["S"], e["causal"], e["kv_heads"], e["pass"]) for e in table] == [
+        (4096, True, 32, "fwd"), (4096, True, 32, "fwd+bwd"), (16384, False, 8, "fwd"), (16384, False, 8, "fwd+bwd")]
+    fwd, fwdbwd = table[0], table[1]
+    assert fwd["triton"] == 500.0 and fwdbwd["triton"] == 250.0
+    assert fwd["ours/FA2"] == pytest.approx(2.0) and fwd["ours/cuDNN"] == pytest.approx(1.25)
+    assert fwd["pallas/jax-cuDNN"] == pytest.approx(0.5)
+    assert fwd["pallas_mha"].startswith("error: RESOURCE_EXHAUSTED") and "pallas/mha" not in fwd
+    later = table[2]
+    assert later["sdpa_cudnn"].startswith("error:") and "ours/cuDNN" not in later and "sdpa_flash" not in later
+
+
+def test_render_table_shows_numbers_ratios_and_failures():
+    console = Console(record=True, width=250)
+    console.print(kernel_bench.render_table(kernel_bench.merge_rows(ROWS)))
+    text = console.export_text()
+    for expected in ("4k", "16k", "500", "1.25", "2.00", "OOM", "err", "ours/FA2", "pallas/mha"):
+        assert expected in text
+
+
+def test_report_writes_one_json_with_command_versions_rows_and_table(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    meta = {"gpu": "NVIDIA H200", "torch": "2.11.0", "jax": "0.11.2"}
+    assert kernel_bench.report(ROWS, meta, ["--quick"], out) == out
+    document = json.loads(out.read_text())
+    assert document["command"] == "twinflash bench kernels --quick"
+    assert document["versions"] == meta and document["rows"] == ROWS
+    assert document["table"] == kernel_bench.merge_rows(ROWS)
+    assert "error: pallas_mha" in capsys.readouterr().err
+
+
+def test_default_out_path_names_date_and_gpu():
+    path = kernel_bench.default_out_path({"gpu": "NVIDIA H200"}, datetime.date(2026, 11, 21))
+    assert path == Path("compare/results") / "kernels-2026-11-21-h200.json"
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    assert kernel_bench.main(["--kv-heads", "5"]) == 2
+    assert capsys.readouterr().err.strip() == "twinflash: error: --kv-heads: 5 does not divide --heads 32"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
+def test_without_cuda_exits_2_with_one_line(capsys):
+    assert kernel_bench.main(["--quick"]) == 2
+    assert capsys.readouterr().err == f"twinflash: error: {kernel_bench.NO_CUDA}\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs the torch part to fail")
+def test_a_part_that_crashes_is_one_error_row():
+    args = kernel_bench.build_parser().parse_args(["--quick"])
+    kernel_bench._check_args(args)
+    meta, rows = kernel_bench.run_part("torch", args)
+    assert rows == [dict(part="torch", impl="torch part", error="exited with code 1")]

@@ -1,0 +1,140 @@
+"""CPU tests of `twinflash bench ring`'s plumbing (compare/ring_bench.py): the plan, the worker relaunch protocol
+(with stand-in workers that crash or hang), the derived columns on synthetic rows, the table, the JSON, and the
+one-line exit without 4 GPUs. The measurements themselves need 4 GPUs (see the module's docstring)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from compare import ring_bench
+from weights.flops import attention_flops
+
+
+def _args(*argv):
+    args = ring_bench.build_parser().parse_args(list(argv))
+    ring_bench._check_args(args)
+    return args
+
+
+def test_plan_has_every_implementation_once_per_point():
+    tasks = ring_bench.plan_tasks(_args("--seq-lens", "32k,128k"))
+    assert {part: len(t) for part, t in tasks.items()} == {"torch": 12, "peer": 12, "jax": 12}
+    ids = [t["id"] for part in tasks.values() for t in part]
+    assert len(ids) == len(set(ids))
+    rings = [t for t in tasks["torch"] if t["kind"] == "ring"]
+    assert {(t["variant"], t["layout"], t["gpus"]) for t in rings} == {("ring", "zigzag", 4),
+                                                                       ("allgather", "zigzag", 4)}
+    assert {t["seq_len"] for t in rings} == {32768, 131072} and {t["kv_heads"] for t in rings} == {32, 8}
+
+
+def _row(part, kind, gpus, ms, variant=None, **extra):
+    impl = f"{kind} {variant or ''}".strip()
+    return dict(id=f"{part}/{kind}/{variant}", part=part, kind=kind, impl=impl, gpus=gpus, variant=variant,
+                seq_len=32768, heads=32, kv_heads=8, head_dim=128, batch=1, ms=ms, **extra)
+
+
+SYNTHETIC = [
+    _row("torch", "flash-1gpu", 1, 100.0),
+    _row("torch", "ring", 4, 30.0, "ring", exposed_comm_ms=1.5, wire_GBps=120.0),
+    _row("torch", "ring", 4, 40.0, "allgather"),
+    _row("peer", "cudnn-1gpu", 1, 60.0),
+    _row("peer", "cp-cudnn", 4, 20.0, "allgather"),
+    _row("peer", "cp-cudnn", 4, 24.0, "alltoall"),
+    _row("jax", "jax-flash-1gpu", 1, 150.0),
+    _row("jax", "jax-ring", 4, None, "ring", error="OutOfMemoryError: out of memory"),
+]
+
+
+def test_summary_columns():
+    rows = {r["id"]: r for r in ring_bench.summarize(SYNTHETIC)}
+    flops = attention_flops(1, 32, 32768, 32768, 128, causal=True, backward=True)
+    ring = rows["torch/ring/ring"]
+    assert ring["tflops_per_gpu"] == pytest.approx(flops / 0.030 / 4 / 1e12)
+    assert ring["efficiency"] == pytest.approx(100 / (4 * 30))
+    assert ring["vs_peer"] == pytest.approx(20 / 30)  # the best peer (allgather), same FLOPs: a time ratio
+    assert rows["peer/cp-cudnn/alltoall"]["efficiency"] == pytest.approx(60 / (4 * 24))
+    assert rows["torch/flash-1gpu/None"]["vs_peer"] == pytest.approx(60 / 100)  # one GPU: vs cuDNN SDPA
+    assert "efficiency" not in rows["torch/flash-1gpu/None"]
+    failed = rows["jax/jax-ring/ring"]
+    assert failed["error"] and "tflops_per_gpu" not in failed and "vs_peer" not in failed
+
+
+def test_table_shows_ratios_and_errors():
+    from rich.console import Console
+
+    console = Console(width=220, record=True)
+    console.print(ring_bench.render_table(ring_bench.summarize(SYNTHETIC)))
+    text = console.export_text()
+    ring_line = next(line for line in text.splitlines() if "ring ring" in line)
+    assert "83%" in ring_line and "0.67" in ring_line and "1.5" in ring_line and "120" in ring_line
+    assert "OutOfMemoryError" in text
+
+
+def test_report_writes_json(tmp_path, capsys):
+    meta = {"gpu": "NVIDIA H200", "torch": "2.11.0"}
+    path = ring_bench.report(SYNTHETIC, meta, ["--quick"], tmp_path / "r.json")
+    document = json.loads(path.read_text())
+    assert document["command"] == "twinflash bench ring --quick"
+    assert document["versions"] == meta and document["gpus"] == 4 and "exposed_comm_ms" in document["method"]
+    assert len(document["rows"]) == len(SYNTHETIC) and document["rows"][1]["vs_peer"] == pytest.approx(2 / 3)
+    assert ring_bench.default_out_path(meta, datetime.date(2026, 11, 21)) == Path(
+        "compare/results/ring-2026-11-21-h200.json")
+
+
+STAND_IN_WORKER = textwrap.dedent("""
+    import json, sys, time
+    plan = json.load(open(sys.argv[1]))
+    out = open(plan["rows_path"], "a")
+    def put(record):
+        out.write(json.dumps(record) + "\\n"); out.flush()
+    put({"meta": {"gpu": "stand-in"}})
+    for task in plan["tasks"]:
+        put({"started": task["id"]})
+        if task["id"] == "crash":
+            sys.exit("segfault-ish")
+        if task["id"] == "hang":
+            time.sleep(60)
+        put({"row": dict(task, ms=1.0)})
+""")
+
+
+def test_worker_crash_and_hang_cost_only_their_task(tmp_path, monkeypatch):
+    script = tmp_path / "worker.py"
+    script.write_text(STAND_IN_WORKER)
+    monkeypatch.setattr(ring_bench, "_worker_command",
+                        lambda part, plan_path: ([sys.executable, str(script), str(plan_path)], {}))
+    tasks = [dict(id=name) for name in ("a", "crash", "b", "hang", "c")]
+    args = _args("--launch-timeout-s", "5")
+    meta, rows = ring_bench.run_worker("torch", tasks, args, tmp_path)
+    by_id = {row["id"]: row for row in rows}
+    assert meta == {"gpu": "stand-in"} and sorted(by_id) == ["a", "b", "c", "crash", "hang"]
+    assert all(by_id[i]["ms"] == 1.0 for i in "abc")
+    assert by_id["crash"]["error"].startswith("worker exited with 1: ") and "segfault-ish" in by_id["crash"]["error"]
+    assert by_id["hang"]["error"].startswith("worker timed out after 5s")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 4, reason="this machine has 4 GPUs")
+def test_without_four_gpus_one_line_and_exit_2(capsys):
+    assert ring_bench.main(["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0
+    assert err.startswith("twinflash: error: `bench ring` needs 4 CUDA GPUs; this machine has ")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-lens", "1004"], "sequence length 1004 does not split into the zigzag layout over 4 devices"),
+    (["--seq-lens", "32q"], "'32q' is not a length like 32768 or 32k"),
+    (["--kv-heads", "5"], "--kv-heads: 5 does not divide --heads 32"),
+    (["--parts", "torch,tpu"], "--parts: unknown tpu"),
+])
+def test_bad_arguments_one_line_and_exit_2(argv, message, capsys):
+    assert ring_bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("twinflash: error: ") and message in err and err.strip().count("\n") == 0

@@ -1,0 +1,281 @@
+"""FlashAttention for PyTorch: the public, differentiable `flash_attention`, the pair-level forward/backward the
+ring attention calls, and the dispatch to the interchangeable kernel backends. Twin of
+`jax_impl/flash_attention.py` (same names, same contract).
+
+Backends (`backend=`):
+  "triton"      ours (`flash_forward.py`, `flash_backward.py`), the default; GQA native, any lengths, head dims
+                32/64/96/128/256, bf16/fp16/fp32.
+  "reference"   the plain-math functions of `torch_impl.attention` (float32 math).
+  "sdpa_cudnn"  torch's cuDNN attention ops, "sdpa_flash" torch's FlashAttention-2 ops (CUDA only, bf16/fp16;
+                K/V repeated for GQA and dk/dv summed back; causal only with Sq == Sk, since those ops align
+                the causal mask top-left).
+  "flash_attn"  the optional flash-attn 2.x package (`pip install 'twinflash[flash-attn]'`).
+
+Without CUDA, Triton's interpreter runs the "triton" kernels on CPU, automatically: `flash_forward`, the first
+kernel module any import goes through, sets TRITON_INTERPRET=1 (unless the user set it) before it defines a
+kernel (why that is enough, even when triton was imported first, is explained there).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+
+from torch_impl.attention import reference_attention_backward, reference_attention_forward
+from torch_impl.flash_backward import triton_backward
+from torch_impl.flash_forward import INTERPRETED, triton_forward
+
+aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
+
+BACKENDS = ("triton", "reference", "sdpa_cudnn", "sdpa_flash", "flash_attn")
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+_FLASH_ATTN_MISSING = "backend 'flash_attn' needs the optional flash-attn package: pip install 'twinflash[flash-attn]'"
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+def _validate(q, k, v, *, causal, softmax_scale, backend) -> float:
+    """Check shapes, dtypes, devices and the backend's own limits; return the softmax scale to use."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, seq_q, heads, head_dim = q.shape
+    _, seq_k, kv_heads, _ = k.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"batch size mismatch: q has {batch}, k/v have {k.shape[0]}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, k/v have {k.shape[3]}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if min(batch, seq_q, heads, seq_k, kv_heads) < 1:
+        raise ValueError(f"empty input: q shape {tuple(q.shape)}, k/v shape {tuple(k.shape)}")
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    _check_backend_limits(backend, q, seq_k, causal)
+    return scale
+
+
+def _check_backend_limits(backend, q, seq_k, causal) -> None:
+    on_cuda = q.device.type == "cuda"
+    if backend == "triton" and not on_cuda and not (INTERPRETED and q.device.type == "cpu"):
+        raise ValueError(f"backend 'triton' got {q.device.type} tensors but Triton is compiling for CUDA; move them "
+                         "to CUDA (or set TRITON_INTERPRET=1 before importing torch_impl to interpret on CPU)")
+    if backend in ("sdpa_cudnn", "sdpa_flash", "flash_attn"):
+        if backend == "flash_attn":
+            _flash_attn_interface()
+        if not on_cuda:
+            raise ValueError(f"backend {backend!r} needs CUDA tensors, got {q.device.type} tensors")
+        if q.dtype not in _HALF_DTYPES:
+            raise ValueError(f"backend {backend!r} supports bfloat16 and float16 only, got {q.dtype}")
+        if backend != "flash_attn" and causal and q.shape[1] != seq_k:
+            raise ValueError(f"backend {backend!r} aligns the causal mask top-left, so it supports causal only "
+                             f"with equal lengths; got Sq={q.shape[1]}, Sk={seq_k}")
+
+
+def _validate_backward(dout, q, out, lse) -> None:
+    batch, seq_q, heads, _ = q.shape
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {got}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (batch, heads, seq_q):
+        got = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
+        raise ValueError(f"lse must have shape [B, H, Sq] = {(batch, heads, seq_q)}, got {got}")
+    if lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32, got {lse.dtype}")
+    for name, t in (("dout", dout), ("out", out), ("lse", lse)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+# ------------------------------------------------------------------------------------------ torch SDPA ops
+
+def _heads_major(x: torch.Tensor, group: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, S, Hx, D] -> contiguous [B, Hx * group, S, D] (SDPA's layout), each head repeated `group` times."""
+    if group > 1:
+        x = x.repeat_interleave(group, dim=2)
+    return x.to(dtype or x.dtype).transpose(1, 2).contiguous()
+
+
+def _sum_over_group(grad: torch.Tensor, group: int) -> torch.Tensor:
+    """SDPA gradient [B, H, S, D] of repeated K/V -> float32 [B, S, Hkv, D] summed over each group."""
+    b, h, s, d = grad.shape
+    return grad.float().reshape(b, h // group, group, s, d).sum(2).transpose(1, 2).contiguous()
+
+
+def _sdpa_forward(q, k, v, causal, scale, out_dtype, backend):
+    group = q.shape[2] // k.shape[2]
+    qt, kt, vt = _heads_major(q), _heads_major(k, group), _heads_major(v, group)
+    if backend == "sdpa_cudnn":
+        result = aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False,
+                                                                    scale=scale)
+    else:
+        result = aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
+    out, lse = result[0], result[1]
+    batch, seq_q, heads, _ = q.shape
+    # cuDNN returns lse as [B, H, Sq, 1], FlashAttention as [B, H, Sq].
+    return out.transpose(1, 2).to(out_dtype).contiguous(), lse.float().reshape(batch, heads, seq_q)
+
+
+def _sdpa_backward(dout, q, k, v, out, lse, causal, scale, backend):
+    group = q.shape[2] // k.shape[2]
+    batch, seq_q, heads, _ = q.shape
+    seq_k = k.shape[1]
+    qt, kt, vt = _heads_major(q), _heads_major(k, group), _heads_major(v, group)
+    dot, ot = _heads_major(dout, dtype=q.dtype), _heads_major(out, dtype=q.dtype)
+    unused_rng = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed/offset: read only with dropout
+    if backend == "sdpa_cudnn":
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            dot, qt, kt, vt, ot, lse.reshape(batch, heads, seq_q, 1).contiguous(), unused_rng, unused_rng,
+            None, None, None, seq_q, seq_k, 0.0, causal, scale=scale)
+    else:
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dot, qt, kt, vt, ot, lse.contiguous(), None, None, seq_q, seq_k, 0.0, causal, unused_rng, unused_rng,
+            scale=scale)
+    return dq.float().transpose(1, 2).contiguous(), _sum_over_group(dk, group), _sum_over_group(dv, group)
+
+
+# -------------------------------------------------------------------------------------- flash-attn package
+
+def _flash_attn_interface():
+    try:
+        from flash_attn import flash_attn_interface
+    except ImportError:
+        raise ValueError(_FLASH_ATTN_MISSING) from None
+    return flash_attn_interface
+
+
+def _flash_attn_forward(q, k, v, causal, scale, out_dtype):
+    fa = _flash_attn_interface()
+    out, lse, _ = fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+    # flash-attn marks a row that sees no key with lse +inf (so its backward gets P = 0); ours says -inf.
+    return out.to(out_dtype), lse.float().masked_fill(lse == math.inf, -math.inf)
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
+    fa = _flash_attn_interface()
+    backward = fa._flash_attn_backward
+    # 2.7+ registers it as a torch custom op (the Python function is `_init_fn`) with separate window sizes.
+    params = inspect.signature(getattr(backward, "_init_fn", backward)).parameters
+    window = ({"window_size_left": -1, "window_size_right": -1} if "window_size_left" in params
+              else {"window_size": (-1, -1)})
+    softcap = {"softcap": 0.0} if "softcap" in params else {}
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    backward(dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(),
+             lse.masked_fill(lse == -math.inf, math.inf).contiguous(), dq, dk, dv, dropout_p=0.0,
+             softmax_scale=scale, causal=causal, alibi_slopes=None, deterministic=False, rng_state=None,
+             **window, **softcap)
+    return dq.float(), dk.float(), dv.float()
+
+
+# -------------------------------------------------------------------------------------------------- dispatch
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _forward(q, k, v, causal, scale, out_dtype, backend):
+    if backend == "triton":
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        return triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+    if backend == "reference":
+        return reference_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+    if backend == "flash_attn":
+        return _flash_attn_forward(q, k, v, causal, scale, out_dtype)
+    return _sdpa_forward(q, k, v, causal, scale, out_dtype, backend)
+
+
+def _backward(dout, q, k, v, out, lse, causal, scale, backend, grad_dtype):
+    if backend == "triton":
+        # dout joins q, k, v as a tensor-core operand, so it takes their dtype.
+        dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout.to(q.dtype), q, k, v, out))
+        return triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
+    if backend == "reference":
+        grads = reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    elif backend == "flash_attn":
+        grads = _flash_attn_backward(dout, q, k, v, out, lse, causal, scale)
+    else:
+        grads = _sdpa_backward(dout, q, k, v, out, lse, causal, scale, backend)
+    return tuple(g.to(grad_dtype) for g in grads)
+
+
+class _FlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, backend):
+        out, lse = _forward(q, k, v, causal, scale, q.dtype, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend, grad_dtype=q.dtype)
+        return dq, dk, dv, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------ public API
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    softmax_scale: float | None = None, return_lse: bool = False, backend: str = "triton"):
+    """Differentiable attention softmax(q k^T * scale) v, memory linear in the sequence length.
+
+    q [B, Sq, H, D]; k, v [B, Sk, Hkv, D] with H a multiple of Hkv (grouped-query attention: query head h
+    reads KV head h // (H // Hkv)). Returns out [B, Sq, H, D] in q's dtype, and with `return_lse=True` also
+    lse [B, H, Sq], float32 natural-log log-sum-exp of the scaled scores (no gradient flows through lse).
+    `softmax_scale` defaults to 1/sqrt(D). `causal=True` with Sq != Sk aligns the LAST query with the LAST
+    key (bottom-right, like flash-attn 2.1+): query i sees key j iff j <= i + Sk - Sq; a query that sees no
+    key (only possible when Sq > Sk) gets output 0, lse -inf and zero gradients.
+    """
+    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    out, lse = _FlashAttentionFunction.apply(q, k, v, bool(causal), scale, backend)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                            softmax_scale: float | None, out_dtype: torch.dtype | None = None,
+                            backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair-level forward, not differentiable: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq]
+    float32). A ring asks for float32 `out` so partial outputs merge by lse without rounding."""
+    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype must be one of bfloat16, float16, float32 or None, got {out_dtype}")
+    with torch.no_grad():
+        return _forward(q, k, v, bool(causal), scale, out_dtype or q.dtype, backend)
+
+
+def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float | None,
+                             backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pair-level backward: (dq, dk, dv), float32, so a ring can accumulate them across steps.
+
+    `out` and `lse` may be the GLOBAL ones (merged over all key blocks): delta = rowsum(dout * out) is then
+    the global one and P = exp(S - lse) this pair's share of the global softmax, so the per-pair gradients
+    sum to the full gradient. The kernels take dout in q's dtype (a matmul operand next to q, k, v).
+    """
+    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    _validate_backward(dout, q, out, lse)
+    with torch.no_grad():
+        return _backward(dout, q, k, v, out, lse, bool(causal), scale, backend, grad_dtype=torch.float32)

@@ -1,0 +1,290 @@
+"""Triton FlashAttention backward kernels (FA2 algorithm, no atomics). Twin of `jax_impl/flash_backward.py`.
+Import it through `torch_impl.flash_attention` (see `flash_forward` for why).
+
+Three launches, all of them deterministic:
+  delta:  delta = rowsum(dout * out) per query row, float32 [B, H, Sq], from the `out` it is given, so a ring
+          step passing the globally merged out/lse gets its exact share of the global gradient;
+  dK/dV:  one program per block of BLOCK_N keys of one (batch, KV head); K/V stay on chip while it walks the
+          query blocks of every query head of the group, so a KV head's dk/dv is the sum over its query heads
+          without materialising per-query-head gradients;
+  dQ:     one program per block of BLOCK_M query rows of one (batch, query head), walking the key blocks.
+Both main kernels split their loop like the forward: blocks fully visible and in bounds run without masks,
+the causal diagonal and the sequence tails run masked. P = exp2(S * scale * log2(e) - lse * log2(e)) is
+recomputed from the saved lse; rows that see no key (lse = -inf) and padding rows use lse = +inf, so their P
+is exactly 0. Gradients accumulate in float32 and are written in the requested dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_impl.flash_forward import (_SUM, INTERPRETED, LOG2E, autotune_configs, dot_precision, fitting,
+                                      load_tile, round_to, seq_bucket, store_tile)
+
+
+@triton.jit
+def _load_row_stats(lse_ptrs, delta_ptrs, rows, n_rows, CHECK_ROWS: tl.constexpr):
+    """(lse in log2 units with -inf and padding rows mapped to +inf, delta) for a block of query rows."""
+    if CHECK_ROWS:
+        lse = tl.load(lse_ptrs, mask=rows < n_rows, other=float("inf"))
+        delta = tl.load(delta_ptrs, mask=rows < n_rows, other=0.0)
+    else:
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return lse2, delta
+
+
+@triton.jit
+def _delta_kernel(Out, DOut, Delta, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
+                  n_heads, seq_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // n_heads
+    head = pid_bh % n_heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
+    o_ptrs = (Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+              + rows.to(tl.int64)[:, None] * stride_os + offs_d[None, :])
+    do_ptrs = (DOut + batch.to(tl.int64) * stride_db + head.to(tl.int64) * stride_dh
+               + rows.to(tl.int64)[:, None] * stride_ds + offs_d[None, :])
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + pid_bh.to(tl.int64) * seq_q + rows, tl.reduce(o * do, 1, _SUM), mask=rows < seq_q)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qh, stride_dos, stride_doh,
+                cols, offs_m, offs_d, start, end, seq_q, diagonal, qk_scale,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dk (unscaled) and dv of one key block over the query blocks in [start, end) (multiples of
+    BLOCK_M) of every query head of the group, transposed (keys on the rows) so K and V are the resident
+    operands. One flat loop over (query block, head in group): a nested head loop costs registers."""
+    for step in range(start // BLOCK_M * GROUP, end // BLOCK_M * GROUP):
+        head_in_group = step % GROUP
+        rows = (step // GROUP) * BLOCK_M + offs_m
+        q_ptrs = q_base + head_in_group * stride_qh + rows.to(tl.int64)[:, None] * stride_qs + offs_d[None, :]
+        do_ptrs = do_base + head_in_group * stride_doh + rows.to(tl.int64)[:, None] * stride_dos + offs_d[None, :]
+        q = load_tile(q_ptrs, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
+        lse2, delta = _load_row_stats(lse_base + head_in_group * seq_q + rows,
+                                      delta_base + head_in_group * seq_q + rows, rows, seq_q, MASKED)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
+        if MASKED and CAUSAL:
+            p_t = tl.where(cols[:, None] <= rows[None, :] + diagonal, p_t, 0.0)
+        do = load_tile(do_ptrs, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
+        dv = tl.dot(round_to(p_t, do_base.dtype.element_ty, EMULATE), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(round_to(ds_t, q_base.dtype.element_ty, EMULATE), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+# (BLOCK_M queries, BLOCK_N resident keys, warps, stages). dk and dv alone take 128 registers a thread at D=128,
+# so the query block stays small; 64 x 128 spills a little at D=128 but may still win on bandwidth; the last one
+# is for D=256 (which spills whatever the tiles).
+DKDV_SHAPES = [(32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 3),
+               (16, 64, 8, 2)]
+
+
+def dkdv_shared_bytes(block_m, block_n, stages, row_bytes):
+    return (2 * block_n + stages * 2 * block_m) * row_bytes  # K and V resident; Q and dO streamed
+
+
+@triton.autotune(configs=autotune_configs(DKDV_SHAPES, (32, 64)), key=["HEAD_DIM", "CAUSAL", "SEQ_BUCKET"],
+                 prune_configs_by={"early_config_prune": fitting(dkdv_shared_bytes)})
+@triton.jit
+def _dkdv_kernel(Q, K, V, DOut, Lse, Delta, DK, DV,
+                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                 stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                 stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                 n_kv_heads, seq_q, seq_k, softmax_scale, SEQ_BUCKET,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                 EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Causal key blocks near the start are seen by the most queries: the natural order launches them first.
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    col0 = tl.program_id(0) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_tile(K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+                  + cols.to(tl.int64)[:, None] * stride_ks + offs_d[None, :],
+                  cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
+    v = load_tile(V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+                  + cols.to(tl.int64)[:, None] * stride_vs + offs_d[None, :],
+                  cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
+
+    diagonal = seq_k - seq_q
+    if CAUSAL:
+        # Query i sees key j iff i >= j - diagonal. Rows before `first` see none of this block; rows from
+        # `full_start` on see all of it (both rounded to query blocks).
+        first = tl.maximum(col0 - diagonal, 0) // BLOCK_M * BLOCK_M
+        full_start = tl.maximum(first, (col0 + BLOCK_N - 1 - diagonal + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+    else:
+        first = 0
+        full_start = 0
+    in_bounds_end = seq_q // BLOCK_M * BLOCK_M
+    padded_end = (seq_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    qk_scale = softmax_scale * LOG2E
+
+    first_head = kv_head * GROUP
+    q_base = Q + batch.to(tl.int64) * stride_qb + first_head.to(tl.int64) * stride_qh
+    do_base = DOut + batch.to(tl.int64) * stride_dob + first_head.to(tl.int64) * stride_doh
+    lse_base = Lse + (batch * n_kv_heads * GROUP + first_head).to(tl.int64) * seq_q
+    delta_base = Delta + (batch * n_kv_heads * GROUP + first_head).to(tl.int64) * seq_q
+    dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+    dv = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qh, stride_dos,
+                         stride_doh, cols, offs_m, offs_d, first, tl.minimum(full_start, padded_end), seq_q, diagonal,
+                         qk_scale, True, CAUSAL, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, EMULATE, DOT_PRECISION)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qh, stride_dos,
+                         stride_doh, cols, offs_m, offs_d, full_start, in_bounds_end, seq_q, diagonal,
+                         qk_scale, False, CAUSAL, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, EMULATE, DOT_PRECISION)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qh, stride_dos,
+                         stride_doh, cols, offs_m, offs_d, tl.maximum(full_start, in_bounds_end), padded_end, seq_q,
+                         diagonal, qk_scale, True, CAUSAL, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, EMULATE, DOT_PRECISION)
+
+    dk_ptrs = (DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+               + cols.to(tl.int64)[:, None] * stride_dks + offs_d[None, :])
+    dv_ptrs = (DV + batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+               + cols.to(tl.int64)[:, None] * stride_dvs + offs_d[None, :])
+    store_tile(dk_ptrs, dk * softmax_scale, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, EMULATE)
+    store_tile(dv_ptrs, dv, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, EMULATE)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+              start, end, seq_k, diagonal, qk_scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_N: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dq (unscaled) of one query block over key blocks [start, end)."""
+    k_ptrs = k_base + (start + offs_n).to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = v_base + (start + offs_n).to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k = load_tile(k_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+        if MASKED:
+            visible = cols[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
+            p = tl.where(visible, p, 0.0)
+        v = load_tile(v_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(round_to(ds, k_base.dtype.element_ty, EMULATE), k, dq, input_precision=DOT_PRECISION)
+        k_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
+    return dq
+
+
+DQ_SHAPES = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4),
+             (128, 128, 8, 2)]
+
+
+def dq_shared_bytes(block_m, block_n, stages, row_bytes):
+    return (2 * block_m + stages * 2 * block_n) * row_bytes  # Q and dO resident; K and V streamed
+
+
+@triton.autotune(configs=autotune_configs(DQ_SHAPES, (64, 32)), key=["HEAD_DIM", "CAUSAL", "SEQ_BUCKET"],
+                 prune_configs_by={"early_config_prune": fitting(dq_shared_bytes)})
+@triton.jit
+def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
+               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+               stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+               stride_dqb, stride_dqs, stride_dqh,
+               n_heads, seq_q, seq_k, softmax_scale, SEQ_BUCKET,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+               EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // n_heads
+    head = pid_bh % n_heads
+    kv_head = head // GROUP
+    if CAUSAL:  # heaviest (last) query blocks first, as in the forward
+        block_m = tl.num_programs(0) - 1 - pid_m
+    else:
+        block_m = pid_m
+    row0 = block_m * BLOCK_M
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_tile(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+                  + offs_m.to(tl.int64)[:, None] * stride_qs + offs_d[None, :],
+                  offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
+    do = load_tile(DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                   + offs_m.to(tl.int64)[:, None] * stride_dos + offs_d[None, :],
+                   offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
+    lse2, delta = _load_row_stats(Lse + pid_bh.to(tl.int64) * seq_q + offs_m,
+                                  Delta + pid_bh.to(tl.int64) * seq_q + offs_m, offs_m, seq_q, True)
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+
+    diagonal = seq_k - seq_q
+    if CAUSAL:
+        full_end = tl.maximum(tl.minimum(row0 + diagonal + 1, seq_k), 0) // BLOCK_N * BLOCK_N
+        end = tl.minimum(row0 + BLOCK_M + diagonal, seq_k)
+    else:
+        full_end = seq_k // BLOCK_N * BLOCK_N
+        end = seq_k
+    qk_scale = softmax_scale * LOG2E
+
+    dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                   0, full_end, seq_k, diagonal, qk_scale,
+                   False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                   full_end, end, seq_k, diagonal, qk_scale,
+                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
+    dq_ptrs = (DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+               + offs_m.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :])
+    store_tile(dq_ptrs, dq * softmax_scale, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, EMULATE)
+
+
+def triton_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels on validated inputs: (dq, dk, dv) in grad_dtype."""
+    batch, seq_q, n_heads, head_dim = q.shape
+    seq_k, n_kv_heads = k.shape[1], k.shape[2]
+    block_d = triton.next_power_of_2(head_dim)
+    lse = lse.contiguous()
+    delta = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=q.device)
+    delta_block = 32 if INTERPRETED else 64
+    _delta_kernel[(triton.cdiv(seq_q, delta_block), batch * n_heads)](
+        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+        dout.stride(2), n_heads, seq_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=delta_block)
+
+    dq = torch.empty(q.shape, dtype=grad_dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=grad_dtype, device=q.device)
+    shared = dict(GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal,
+                  EMULATE=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype))
+    bucket = seq_bucket(seq_q, seq_k)
+
+    def dkdv_grid(meta):
+        return (triton.cdiv(seq_k, meta["BLOCK_N"]), batch * n_kv_heads)
+
+    _dkdv_kernel[dkdv_grid](
+        q, k, v, dout, lse, delta, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        n_kv_heads, seq_q, seq_k, softmax_scale, bucket, **shared)
+
+    def dq_grid(meta):
+        return (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads)
+
+    _dq_kernel[dq_grid](
+        q, k, v, dout, lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        n_heads, seq_q, seq_k, softmax_scale, bucket, **shared)
+    return dq, dk, dv

@@ -1,0 +1,271 @@
+"""Triton FlashAttention forward kernel (FA2 algorithm) and the tile helpers the backward kernels share.
+Twin of `jax_impl/flash_forward.py` (the Pallas forward). The public API is `torch_impl.flash_attention`.
+
+Layout is flash-attention's: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], last dim contiguous, any other strides.
+One program computes one block of BLOCK_M query rows of one (batch, query head); its KV head is
+h // (H // Hkv), so grouped-query attention reads K/V in place. The online softmax runs in the exp2 domain
+(log2(e) folded into the scale). The key loop is split in two: blocks every row of the query block sees in
+full run without any mask; the remaining blocks (the causal diagonal and the Sk tail) run with masks.
+Causal is bottom-right aligned: query i sees key j iff j <= i + Sk - Sq. A row that sees no key gets
+out 0 and lse -inf.
+
+Under Triton's interpreter 16-bit tiles are wrong in two silent ways (bf16 is held as uint16, so bf16 dots
+and arithmetic are garbage; fp32 -> bf16 casts truncate instead of rounding). With EMULATE set the kernels
+load every tile as float32 and round values to the operand dtype themselves (round-to-nearest-even), so the
+interpreter computes what the GPU computes: 16-bit operands, exact products, float32 accumulation.
+
+Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 is set below (a value the user set
+wins) before any kernel is defined. Triton (3.4 and later, through `triton.knobs`) reads that variable each time
+`@triton.jit` decorates a function, so this works even if triton was imported earlier. Triton's own library
+functions (tl.zeros, tl.max, tl.sum, tl.cdiv, ...) are decorated when triton is imported, though, and stay
+compiled-mode in that case, which the interpreter cannot call; the kernels therefore call none of them (see
+_MAX and _SUM below), and a test imports triton first to keep it that way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+# Read now, exactly as `triton.jit` reads it when it decorates the kernels below.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # log(x) = log2(x) * LN2
+# Row reductions are tl.reduce with triton's own combine functions, which is what tl.max / tl.sum do for float32
+# (so the GPU code is the same), but the interpreter recognises these two by identity and reduces with numpy
+# without calling them, compiled-mode or not (module docstring). Tiles start from tl.full, not tl.zeros.
+_MAX = tl.standard._elementwise_max
+_SUM = tl.standard._sum_combine
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 `x` rounded to DTYPE (round-to-nearest-even). Compiled: a cast to DTYPE. Emulated: float32
+    holding DTYPE-representable values, since the interpreter truncates fp32 -> bf16."""
+    if EMULATE:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            rounded = bits.to(tl.float32, bitcast=True)
+        else:
+            rounded = x.to(DTYPE).to(tl.float32)
+    else:
+        rounded = x.to(DTYPE)
+    return rounded
+
+
+@triton.jit
+def load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              CHECK_ROWS: tl.constexpr, EMULATE: tl.constexpr):
+    """A [rows, BLOCK_D] tile; rows past `n_rows` and columns past HEAD_DIM read as 0. Masks are only
+    emitted where they can matter, so interior tiles load unmasked."""
+    if CHECK_ROWS:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    if EMULATE:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def store_tile(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               EMULATE: tl.constexpr):
+    """Store a float32 tile in the pointee dtype, rows past `n_rows` and columns past HEAD_DIM dropped."""
+    value = round_to(tile, ptrs.dtype.element_ty, EMULATE).to(ptrs.dtype.element_ty)
+    if BLOCK_D == HEAD_DIM:
+        tl.store(ptrs, value, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, value, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                   start, end, seq_k, diagonal, qk_scale,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, l_i, m_i) over key blocks [start, end); m_i is in log2 units."""
+    k_ptrs = k_base + (start + offs_n).to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = v_base + (start + offs_n).to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k = load_tile(k_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            visible = cols[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
+            # A row with nothing visible yet keeps m = -inf; subtracting 0 keeps its p at 0 instead of NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_shift[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX) * qk_scale)
+            m_shift = m_new
+            p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        v = load_tile(v_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(round_to(p, v_base.dtype.element_ty, EMULATE), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
+    return acc, l_i, m_i
+
+
+def autotune_configs(gpu_shapes, interpreter_blocks):
+    """triton.Configs from (BLOCK_M, BLOCK_N, warps, stages) shapes; the interpreter gets one config, with
+    unequal blocks so that it exercises the same block arithmetic as the GPU's."""
+    if INTERPRETED:
+        return [triton.Config({"BLOCK_M": interpreter_blocks[0], "BLOCK_N": interpreter_blocks[1]})]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu_shapes]
+
+
+def _max_shared_memory(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+# Calls whose longer sequence is below this take the first fitting config untuned: for them, tuning (a compile
+# and a benchmark per config) costs more than it can save, and a test suite would spend minutes compiling.
+AUTOTUNE_MIN_SEQ = 4096
+
+
+def fitting(shared_bytes):
+    """An autotune `early_config_prune` that keeps the configs whose shared memory fits the device, only the
+    first of them for short calls (AUTOTUNE_MIN_SEQ). `shared_bytes(BLOCK_M, BLOCK_N, stages, row_bytes)` is the
+    kernel's need (its resident tiles plus `stages` copies of its streamed ones), which is what Triton allocates
+    on sm_90 up to ~1 KB of scratch. float32 operands (FMA dots, no tensor cores) also keep tiles small."""
+    def prune(configs, named_args, **kwargs):
+        if len(configs) == 1:
+            return configs
+        q = named_args["Q"]
+        row_bytes = triton.next_power_of_2(kwargs["HEAD_DIM"]) * q.element_size()
+        limit = _max_shared_memory(q.device.index) - 2048
+
+        def need(config):
+            return shared_bytes(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_stages, row_bytes)
+
+        kept = [c for c in configs if need(c) <= limit
+                and (q.dtype != torch.float32 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)]
+        kept = kept or [min(configs, key=need)]
+        return kept if named_args["SEQ_BUCKET"] >= AUTOTUNE_MIN_SEQ else kept[:1]
+    return prune
+
+
+# (BLOCK_M, BLOCK_N, warps, stages): no register spills on sm_90 at D=128 (128 x 128 x 2: a few bytes); the last
+# one is for D=256.
+FORWARD_SHAPES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
+                  (64, 32, 4, 3)]
+
+
+def forward_shared_bytes(block_m, block_n, stages, row_bytes):
+    return (block_m + stages * 2 * block_n) * row_bytes  # Q resident; K and V streamed
+
+
+@triton.autotune(configs=autotune_configs(FORWARD_SHAPES, (64, 32)), key=["HEAD_DIM", "CAUSAL", "SEQ_BUCKET"],
+                 prune_configs_by={"early_config_prune": fitting(forward_shared_bytes)})
+@triton.jit
+def _forward_kernel(Q, K, V, Out, Lse,
+                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                    stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                    n_heads, seq_q, seq_k, softmax_scale, SEQ_BUCKET,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                    EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // n_heads
+    head = pid_bh % n_heads
+    kv_head = head // GROUP
+    # Causal query blocks near the end do the most work: launch them first so the tail of the grid is short.
+    if CAUSAL:
+        block_m = tl.num_programs(0) - 1 - pid_m
+    else:
+        block_m = pid_m
+    row0 = block_m * BLOCK_M
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    q = load_tile(q_base + offs_m.to(tl.int64)[:, None] * stride_qs + offs_d[None, :], offs_m, seq_q, offs_d,
+                  HEAD_DIM, BLOCK_D, True, EMULATE)
+
+    diagonal = seq_k - seq_q
+    if CAUSAL:
+        # Keys every row of the block sees: j <= row0 + diagonal. Keys any row sees: j < row0 + BLOCK_M + diagonal.
+        full_end = tl.maximum(tl.minimum(row0 + diagonal + 1, seq_k), 0) // BLOCK_N * BLOCK_N
+        end = tl.minimum(row0 + BLOCK_M + diagonal, seq_k)
+    else:
+        full_end = seq_k // BLOCK_N * BLOCK_N
+        end = seq_k
+
+    qk_scale = softmax_scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                                   0, full_end, seq_k, diagonal, qk_scale,
+                                   False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                                   full_end, end, seq_k, diagonal, qk_scale,
+                                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
+
+    sees_nothing = l_i == 0.0
+    l_safe = tl.where(sees_nothing, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(sees_nothing, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    store_tile(o_base + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :], out, offs_m, seq_q, offs_d,
+               HEAD_DIM, BLOCK_D, EMULATE)
+    tl.store(Lse + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+
+
+def seq_bucket(seq_q: int, seq_k: int) -> int:
+    """Autotuning key for the sequence lengths: the power of two above the longer one (at least 1024), so
+    a training run with varying lengths tunes a handful of times, not once per length."""
+    return max(1024, triton.next_power_of_2(max(seq_q, seq_k)))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs get IEEE dots (the CPU model tests compare against float32 math); 16-bit inputs use
+    tensor cores whatever this says."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
+                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs: (out [B, Sq, H, D] in out_dtype, lse [B, H, Sq] fp32)."""
+    batch, seq_q, n_heads, head_dim = q.shape
+    seq_k, n_kv_heads = k.shape[1], k.shape[2]
+    out = torch.empty((batch, seq_q, n_heads, head_dim), dtype=out_dtype, device=q.device)
+    lse = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=q.device)
+
+    def grid(meta):
+        return (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads)
+
+    _forward_kernel[grid](
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        n_heads, seq_q, seq_k, softmax_scale, seq_bucket(seq_q, seq_k),
+        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
+        EMULATE=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype))
+    return out, lse

@@ -1,0 +1,389 @@
+"""Sequence-parallel (ring) attention for PyTorch: every rank of a torch.distributed group holds a slice of the
+sequence's tokens; K/V blocks go around the ring (or are all-gathered) and each rank merges its queries' partial
+results by log-sum-exp. Twin of `jax_impl/ring_attention.py` (same names; JAX collectives there). The transfers
+and their CUDA-stream handling live in `torch_impl/ring_comm.py`.
+
+Public API:
+
+  ring_attention(q, k, v, *, group=None, causal=True, layout="zigzag", variant="ring", return_lse=False,
+                 softmax_scale=None, backend="triton")
+      q [B, S_local, H, D], k/v [B, S_local, Hkv, D]: this rank's tokens in the layout's order
+      (`weights.layout.rank_positions`: increasing positions). Returns out [B, S_local, H, D] in q's dtype, or
+      (out, lse [B, H, S_local] float32) with `return_lse`; lse is not differentiable (gradients flow through out).
+      `group` defaults to the world; without an initialised torch.distributed it is the single-device path.
+      With its keywords bound by `functools.partial`, it is the model's `AttentionFn` (`fn(q, k, v) -> out`).
+  shard_for_ring(x, group, layout, dim=1)      this rank's positions of a full sequence (no communication).
+  gather_from_ring(x_local, group, layout, dim=1)  all ranks' parts back in position order.
+
+Per-pair work goes to `torch_impl.flash_attention` (`backend="triton"` kernels or `"reference"` plain math).
+
+Variant "ring": at step s rank r holds the K/V block of rank j = (r - s) mod P; the transfer for step s+1 is
+issued before step s's compute and waited for after it. Causal work per step:
+  j == r      causal block (local positions increase, so the ordinary lower-triangular mask is right)
+  contiguous  j < r full block; j > r nothing
+  zigzag      j < r all local queries vs the FIRST half of the received K/V (its early chunk), full;
+              j > r the SECOND half of the local queries (the late chunk) vs all received K/V, full.
+Non-causal attention is a full block at every step. Partial results are merged in float32; a row that saw no
+key keeps lse -inf and output 0, without NaN. Backward: K/V go around again with float32 dK/dV accumulators
+travelling with their block (sent after each step's compute, so they overlap the next step), arriving back at
+their owner after P hops; dq accumulates locally in float32; the pair backward gets the GLOBAL merged out and lse.
+
+Variant "allgather" (Llama-3's context parallelism): K/V are all-gathered once and put in position order; each run
+of consecutive positions among the local queries (one for contiguous, two for zigzag) then attends, in one kernel
+call, to the key prefix that ends at its last position, with the bottom-right-aligned causal mask; no merge is
+needed. Its backward gathers K/V again (instead of keeping P copies alive) and reduce-scatters float32 dK/dV.
+
+Only the Hkv K/V heads travel (GQA is never expanded on the wire). Every call first all-gathers a few integers
+describing each rank's arguments (shapes, dtypes, causal, layout, variant, scale), so a rank whose input differs
+makes every rank raise the same ValueError instead of hanging in a transfer; this costs one tiny collective and a
+host round trip per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import struct
+
+import torch
+import torch.distributed as dist
+
+from torch_impl.flash_attention import flash_attention_backward, flash_attention_forward
+from torch_impl.ring_comm import Ring
+from weights.layout import (LAYOUTS, LayoutError, check_split, inverse_order, layout_order, position_runs,
+                            rank_positions)
+
+VARIANTS = ("ring", "allgather")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_DIMS = 6  # dimensions encoded per tensor in the cross-rank agreement check
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingConfig:
+    causal: bool
+    layout: str
+    variant: str
+    softmax_scale: float
+    backend: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """The part of one step's pair that has work: local query rows x key columns of the block in hand."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+
+
+_ALL = slice(None)
+
+
+def _ring_block(cfg: _RingConfig, rank: int, source: int, local_len: int) -> _Block | None:
+    """The work of local queries against the K/V block of rank `source`; None when the mask hides all of it."""
+    if not cfg.causal:
+        return _Block(_ALL, _ALL, False)
+    if source == rank:
+        return _Block(_ALL, _ALL, True)
+    if cfg.layout == "contiguous":
+        return _Block(_ALL, _ALL, False) if source < rank else None
+    half = local_len // 2
+    if source < rank:
+        return _Block(_ALL, slice(None, half), False)
+    return _Block(slice(half, None), _ALL, False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Variant "ring"
+# ---------------------------------------------------------------------------------------------------------------
+
+def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """In place: log-sum-exp merge of a float32 partial result into the accumulator views; rows where both are
+    empty stay (0, -inf), no NaN."""
+    new_lse = torch.logaddexp(acc_lse, lse)
+    safe_lse = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
+
+    def weight(part_lse):  # [B, H, S] -> [B, S, H, 1], the share of the merged softmax denominator
+        return torch.exp(part_lse - safe_lse).transpose(1, 2).unsqueeze(-1)
+
+    acc_out.mul_(weight(acc_lse)).add_(out * weight(lse))
+    acc_lse.copy_(new_lse)
+
+
+def _ring_forward(ring: Ring, cfg: _RingConfig, q, k, v):
+    """(out float32, lse float32) of the local queries."""
+    local_len = q.shape[1]
+    acc_out = acc_lse = None
+    k_block, v_block = k, v
+    for step in range(ring.world):
+        incoming = ring.exchange([k_block, v_block]) if step + 1 < ring.world else None
+        block = _ring_block(cfg, ring.rank, (ring.rank - step) % ring.world, local_len)
+        if block is not None:
+            out, lse = flash_attention_forward(
+                q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols], causal=block.causal,
+                softmax_scale=cfg.softmax_scale, out_dtype=torch.float32, backend=cfg.backend)
+            if step == 0:  # always the whole diagonal block
+                acc_out, acc_lse = out, lse
+            else:
+                _merge(acc_out[:, block.rows], acc_lse[:, :, block.rows], out, lse)
+        if incoming is not None:
+            k_block, v_block = incoming.wait()
+    return acc_out, acc_lse
+
+
+def _ring_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse):
+    """(dq, dk, dv) float32; dk/dv accumulators travel with their K/V block and end at their owner."""
+    local_len = q.shape[1]
+    dq = dk_acc = dv_acc = None
+    k_block, v_block = k, v
+    returning = None  # the accumulators of the block that arrives next, on their way
+    for step in range(ring.world):
+        incoming = ring.exchange([k_block, v_block]) if step + 1 < ring.world else None
+        block = _ring_block(cfg, ring.rank, (ring.rank - step) % ring.world, local_len)
+        grads = None
+        if block is not None:
+            grads = flash_attention_backward(
+                dout[:, block.rows], q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols],
+                out[:, block.rows], lse[:, :, block.rows], causal=block.causal, softmax_scale=cfg.softmax_scale,
+                backend=cfg.backend)
+        if step == 0:  # the whole diagonal block: its gradients start the accumulators
+            dq, dk_acc, dv_acc = grads
+        else:
+            dk_acc, dv_acc = returning.wait()
+            if grads is not None:
+                dq[:, block.rows] += grads[0]
+                dk_acc[:, block.cols] += grads[1]
+                dv_acc[:, block.cols] += grads[2]
+        if ring.world > 1:
+            returning = ring.exchange([dk_acc, dv_acc])
+        if incoming is not None:
+            k_block, v_block = incoming.wait()
+    if returning is not None:  # the last hop brings each rank its own block's accumulators
+        dk_acc, dv_acc = returning.wait()
+    return dq, dk_acc, dv_acc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Variant "allgather"
+# ---------------------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=32)
+def _position_slots(seq_len: int, world: int, layout: str, device: torch.device) -> torch.Tensor:
+    """int64 [seq_len]: for each position, its index in layout order (rank 0's tokens, then rank 1's, ...).
+    `x.index_select(dim, slots)` puts a layout-ordered x in position order; `index_add_(dim, slots, ...)` scatters
+    position-ordered rows back to layout order."""
+    return torch.from_numpy(inverse_order(layout_order(seq_len, world, layout))).to(device)
+
+
+def _gather_in_position_order(ring: Ring, cfg: _RingConfig, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each of `tensors` [B, S_local, ...] gathered from every rank: [B, S_total, ...] in position order."""
+    pending = [ring.all_gather(t) for t in tensors]  # all issued before the first wait
+    slots = _position_slots(tensors[0].shape[1] * ring.world, ring.world, cfg.layout, tensors[0].device)
+    # [P, B, S_local, ...] in rank order -> [B, S_total, ...] in layout order (a view when B == 1) -> positions
+    return [p.wait().movedim(0, 1).flatten(1, 2).index_select(1, slots) for p in pending]
+
+
+def _query_runs(ring: Ring, cfg: _RingConfig, local_len: int) -> tuple[tuple[slice, int, bool], ...]:
+    """(local rows, key prefix length, causal) of the kernel calls: one per run of consecutive positions."""
+    seq_len = local_len * ring.world
+    if not cfg.causal:
+        return ((_ALL, seq_len, False),)
+    return tuple((rows, end, True) for rows, end in position_runs(seq_len, ring.world, ring.rank, cfg.layout))
+
+
+def _allgather_forward(ring: Ring, cfg: _RingConfig, q, k, v):
+    """(out in q's dtype, lse float32) of the local queries."""
+    k_all, v_all = _gather_in_position_order(ring, cfg, [k, v])
+    parts = [flash_attention_forward(q[:, rows], k_all[:, :end], v_all[:, :end], causal=causal,
+                                     softmax_scale=cfg.softmax_scale, backend=cfg.backend)
+             for rows, end, causal in _query_runs(ring, cfg, q.shape[1])]
+    return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)
+
+
+def _allgather_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse):
+    k_all, v_all = _gather_in_position_order(ring, cfg, [k, v])
+    slots = _position_slots(k_all.shape[1], ring.world, cfg.layout, k.device)
+    dq = torch.empty_like(q, dtype=torch.float32)
+    dk_all, dv_all = (torch.zeros_like(x, dtype=torch.float32) for x in (k_all, v_all))  # layout order
+    for rows, end, causal in _query_runs(ring, cfg, q.shape[1]):
+        dq[:, rows], dk, dv = flash_attention_backward(
+            dout[:, rows], q[:, rows], k_all[:, :end], v_all[:, :end], out[:, rows], lse[:, :, rows],
+            causal=causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend)
+        dk_all.index_add_(1, slots[:end], dk)
+        dv_all.index_add_(1, slots[:end], dv)
+    # [B, S_total, ...] in layout order -> [P, B, S_local, ...] (a view when B == 1), summed over ranks, own slice
+    pending = [ring.reduce_scatter(x.unflatten(1, (ring.world, -1)).movedim(1, 0)) for x in (dk_all, dv_all)]
+    return dq, pending[0].wait(), pending[1].wait()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------------------------------------------
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, cfg: _RingConfig):
+        run = _allgather_forward if cfg.variant == "allgather" and ring.world > 1 else _ring_forward
+        with ring.draining():
+            out, lse = run(ring, cfg, q, k, v)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.cfg = ring, cfg
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, cfg = ctx.ring, ctx.cfg
+        run = _allgather_backward if cfg.variant == "allgather" and ring.world > 1 else _ring_backward
+        with ring.draining():
+            dq, dk, dv = run(ring, cfg, dout.contiguous(), q, k, v, out, lse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------------------------
+
+def _code(value, choices) -> int:
+    return choices.index(value) if value in choices else -1
+
+
+def _agreement_fields(q, k, v, causal, layout, variant, softmax_scale) -> dict[str, tuple[int, ...]]:
+    """Fixed-length integer encodings of everything that must be equal on all ranks."""
+    fields = {}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        dims = tuple(x.shape)[:_MAX_DIMS]
+        fields[f"{name} shape"] = (x.ndim, *dims, *(-1,) * (_MAX_DIMS - len(dims)))
+        fields[f"{name} dtype"] = (_code(x.dtype, _DTYPES),)
+    fields["causal"] = (int(bool(causal)),)
+    fields["layout"] = (_code(layout, LAYOUTS),)
+    fields["variant"] = (_code(variant, VARIANTS),)
+    scale_bits = struct.unpack("<q", struct.pack("<d", float(softmax_scale)))[0] if softmax_scale is not None else 0
+    fields["softmax_scale"] = (int(softmax_scale is not None), scale_bits)
+    return fields
+
+
+def _describe(name: str, code: tuple[int, ...]) -> str:
+    if name.endswith("shape"):
+        return str(code[1:1 + min(code[0], _MAX_DIMS)]) + ("..." if code[0] > _MAX_DIMS else "")
+    if name.endswith("dtype"):
+        return str(_DTYPES[code[0]]) if code[0] >= 0 else "non-float"
+    choices = {"layout": LAYOUTS, "variant": VARIANTS}.get(name)
+    if choices is not None:
+        return repr(choices[code[0]]) if code[0] >= 0 else "unknown"
+    if name == "softmax_scale":
+        return repr(struct.unpack("<d", struct.pack("<q", code[1]))[0]) if code[0] else "None"
+    return str(bool(code[0]))
+
+
+def _check_agreement(ring: Ring, fields: dict[str, tuple[int, ...]]) -> None:
+    """Raises the same ValueError on every rank when any rank's arguments differ from the others'."""
+    flat = [value for code in fields.values() for value in code]
+    everyone = ring.all_gather_ints(flat)
+    if all(row == flat for row in everyone):
+        return
+    offset = 0
+    for name, code in fields.items():
+        values = [tuple(row[offset:offset + len(code)]) for row in everyone]
+        offset += len(code)
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"{_describe(name, c)} on rank {r}" for r, c in enumerate(values))
+            raise ValueError(f"ring_attention arguments differ across the {ring.world} ranks: {name} is {per_rank}")
+
+
+def _check_choices(layout: str, variant: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+
+
+def _check_local_shapes(q, k, v, world: int, layout: str) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(x.shape)}")
+        if x.dtype not in _DTYPES:
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local sequence length "
+                         "and head_dim (ring attention is self-attention over one sharded sequence)")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} heads")
+    try:
+        check_split(q.shape[1] * world, world, layout)
+    except LayoutError as err:
+        raise LayoutError(f"q has {q.shape[1]} tokens on each of {world} devices, so the {err}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------------
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+                   causal: bool = True, layout: str = "zigzag", variant: str = "ring", return_lse: bool = False,
+                   softmax_scale: float | None = None, backend: str = "triton"):
+    """Attention over a sequence sharded across the ranks of `group`; see the module docstring.
+
+    Raises ValueError (on every rank alike) for bad or cross-rank-inconsistent arguments, LayoutError (a
+    ValueError) when the local length does not split in `layout` (zigzag needs an even local length).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    ring = Ring(group, q.device)
+    if ring.world > 1:
+        _check_agreement(ring, _agreement_fields(q, k, v, causal, layout, variant, softmax_scale))
+    _check_choices(layout, variant)
+    _check_local_shapes(q, k, v, ring.world, layout)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    cfg = _RingConfig(bool(causal), layout, variant, scale, backend)
+    out, lse = _RingAttention.apply(q, k, v, ring, cfg)
+    return (out, lse) if return_lse else out
+
+
+def shard_for_ring(x: torch.Tensor, group: dist.ProcessGroup | None, layout: str, dim: int = 1) -> torch.Tensor:
+    """This rank's part of a full sequence along `dim` (positions `weights.layout.rank_positions`, in local
+    order); differentiable, no communication. Raises LayoutError when the length does not split."""
+    ring = Ring(group, x.device)
+    positions = rank_positions(x.shape[dim], ring.world, ring.rank, layout)
+    return x.index_select(dim, torch.from_numpy(positions).to(x.device))
+
+
+class _GatherFromRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local, ring: Ring, layout: str, dim: int):
+        gathered = ring.all_gather(x_local).wait()  # [P, ...], rank order
+        joined = gathered.movedim(0, dim).flatten(dim, dim + 1)  # layout order along dim
+        ctx.ring, ctx.layout, ctx.dim = ring, layout, dim
+        return joined.index_select(dim, _position_slots(joined.shape[dim], ring.world, layout, joined.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        ring, dim = ctx.ring, ctx.dim
+        positions = rank_positions(grad.shape[dim], ring.world, ring.rank, ctx.layout)
+        return grad.index_select(dim, torch.from_numpy(positions).to(grad.device)), None, None, None
+
+
+def gather_from_ring(x_local: torch.Tensor, group: dist.ProcessGroup | None, layout: str,
+                     dim: int = 1) -> torch.Tensor:
+    """Inverse of `shard_for_ring`: all ranks' parts joined along `dim` in position order (a collective: every
+    rank must call it with the same shape). Differentiable under the replicated convention: every rank is assumed
+    to use the gathered tensor identically (e.g. the same loss on the full logits), so the gradient of the local
+    part is this rank's positions of the incoming gradient, with no communication."""
+    ring = Ring(group, x_local.device)
+    dim = dim % x_local.ndim
+    if ring.world == 1:
+        check_split(x_local.shape[dim], 1, layout)
+        return x_local
+    return _GatherFromRing.apply(x_local, ring, layout, dim)

@@ -1,0 +1,247 @@
+"""The communication under the PyTorch ring attention: neighbour exchange, all-gather and reduce-scatter over a
+torch.distributed process group, issued on side CUDA streams so that it overlaps the attention compute.
+`torch_impl/ring_attention.py` is the only user; the JAX twin, `jax_impl/ring_attention.py`, needs no such module
+(`jax.lax.ppermute` / `all_gather` / `psum_scatter` are scheduled by XLA).
+
+Every operation is split into issue (`Ring.exchange`, `Ring.all_gather`, `Ring.reduce_scatter`) and `Pending.wait()`,
+so a caller can issue the next step's transfer, compute the current step, and only then wait.
+
+Stream discipline on CUDA (NCCL): each operation gets a side (comm) stream (two per device, taken in turn, as
+the ring backward has two transfers in flight), which first waits for everything already queued on the issuing
+(compute) stream, because the tensors to send were written there and the fresh receive buffers were allocated there
+(the caching allocator may hand out memory that earlier compute-stream work still reads). The ops are launched with
+that comm stream current, so NCCL orders its own stream after it. `wait()` makes the comm stream wait for NCCL's
+completion, then makes the compute stream wait for the comm stream. Sent and received tensors are
+`record_stream`-ed on the comm stream and kept referenced until `wait()`, so the allocator cannot reuse their
+memory while a transfer may still touch it. On CPU (gloo) the same calls run without streams; `wait()` blocks.
+`Ring.draining()` waits for what is still in flight when a ring step raises.
+
+Instrumentation for `compare/ring_bench.py`:
+  record_communication()                 collects bytes sent per rank and, on CUDA, start/end events on the comm
+                                         streams for every operation issued inside it (`CommLog.busy_ms`).
+  replace_communication_with_local_copies()  the same calls, but each transfer becomes a local copy of the same
+                                         size: the ring then does the compute (and copies) of a real run with no
+                                         communication, which is how the benchmark measures exposed communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 deprecates the *_into_tensor / *_tensor names for *_single ones; older torch has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass
+class CommRecord:
+    """One issued operation: its kind, the bytes this rank puts on the wire (ring-algorithm volume: an exchange
+    sends its tensors once; an all-gather or reduce-scatter over P ranks sends (P-1)/P of the gathered size), and on
+    CUDA its comm-stream events (start: when the stream got past the compute it waits for; end: when NCCL was done,
+    as far as the stream could tell: the wait is queued at `Pending.wait()`, normally long before that)."""
+
+    kind: str
+    bytes_sent: int
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+
+
+@dataclasses.dataclass
+class CommLog:
+    records: list[CommRecord] = dataclasses.field(default_factory=list)
+
+    def bytes_sent(self) -> int:
+        return sum(r.bytes_sent for r in self.records)
+
+    def busy_ms(self) -> float:
+        """Time during which at least one operation was in flight (the union of the records' intervals, so
+        overlapping transfers count once); includes waiting for a slower peer. CUDA only, after a synchronize."""
+        if any(r.start is None for r in self.records):
+            raise ValueError("transfer times are only recorded for CUDA communication")
+        if not self.records:
+            return 0.0
+        origin = self.records[0].start
+        intervals = sorted((origin.elapsed_time(r.start), origin.elapsed_time(r.end)) for r in self.records)
+        busy, reach = 0.0, -float("inf")
+        for begin, end in intervals:
+            busy += max(0.0, end - max(begin, reach))
+            reach = max(reach, end)
+        return busy
+
+
+_active_logs: list[CommLog] = []
+_local_copies_only = False
+
+
+@contextlib.contextmanager
+def record_communication() -> Iterator[CommLog]:
+    """Logs every ring operation issued inside the block (nested blocks each get all of them)."""
+    log = CommLog()
+    _active_logs.append(log)
+    try:
+        yield log
+    finally:
+        _active_logs.remove(log)
+
+
+@contextlib.contextmanager
+def replace_communication_with_local_copies() -> Iterator[None]:
+    """Inside the block every transfer is a same-sized local copy (results are then wrong by design): a ring run
+    minus its communication, for measuring how much communication the overlap leaves exposed."""
+    global _local_copies_only
+    previous, _local_copies_only = _local_copies_only, True
+    try:
+        yield
+    finally:
+        _local_copies_only = previous
+
+
+_COMM_STREAMS_PER_DEVICE = 2  # the ring backward has two transfers in flight (K/V and dK/dV)
+_comm_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
+_issued_on_device: dict[torch.device, int] = {}
+
+
+def _next_comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side streams of `device` in turn. Each in-flight transfer gets its own, so one transfer's wait for
+    NCCL is not queued behind another's wait for compute (which would also stretch its end event). Created once
+    and reused across calls (creating streams per call would churn the stream pool)."""
+    if device not in _comm_streams:
+        _comm_streams[device] = [torch.cuda.Stream(device=device) for _ in range(_COMM_STREAMS_PER_DEVICE)]
+        _issued_on_device[device] = 0
+    _issued_on_device[device] += 1
+    return _comm_streams[device][_issued_on_device[device] % _COMM_STREAMS_PER_DEVICE]
+
+
+class Pending:
+    """An issued operation; `wait()` returns its result tensor(s) once they are safe to use on the compute stream."""
+
+    def __init__(self, result, works: list, compute_stream, comm_stream, keep_alive: list[torch.Tensor],
+                 record: CommRecord | None, in_flight: list[Pending]):
+        self._result, self._works, self._record = result, works, record
+        self._compute_stream, self._comm_stream, self._keep_alive = compute_stream, comm_stream, keep_alive
+        self._in_flight = in_flight
+        in_flight.append(self)
+
+    def wait(self):
+        self._in_flight.remove(self)
+        if self._comm_stream is None:
+            for work in self._works:
+                work.wait()
+        else:
+            with torch.cuda.stream(self._comm_stream):
+                for work in self._works:
+                    work.wait()  # makes the current (comm) stream wait for NCCL
+                if self._record is not None:
+                    self._record.end.record(self._comm_stream)
+            self._compute_stream.wait_stream(self._comm_stream)
+        self._keep_alive = []
+        return self._result
+
+
+class Ring:
+    """The ranks of `group` (default: the world; a single rank when torch.distributed is not initialised) seen
+    as a ring: rank r sends to r+1 and receives from r-1 (mod P)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            self.group, self.rank, self.world = None, 0, 1
+        else:
+            self.group = group if group is not None else dist.group.WORLD
+            self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.device = device
+        if self.world > 1:
+            self.next_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+            self.previous_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+        self._on_cuda = device.type == "cuda"
+        self._in_flight: list[Pending] = []
+
+    @contextlib.contextmanager
+    def draining(self) -> Iterator[None]:
+        """On an exception inside the block, waits for the transfers still in flight before re-raising: when
+        every rank fails at the same step (a kernel refusing a shape, say), their issued transfers still match
+        and complete, and the group stays usable for the next call."""
+        try:
+            yield
+        except BaseException:
+            for pending in list(self._in_flight):
+                pending.wait()
+            raise
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (same length on all ranks), in rank order; synchronous (a host round trip)."""
+        local = torch.tensor(values, dtype=torch.int64, device=self.device)
+        if self.world == 1:
+            return [values]
+        gathered = torch.empty(self.world * local.numel(), dtype=torch.int64, device=self.device)
+        _all_gather_single(gathered, local, group=self.group)
+        return gathered.view(self.world, -1).tolist()
+
+    def exchange(self, tensors: list[torch.Tensor]) -> Pending:
+        """Sends `tensors` to the next rank, receives same-shaped ones from the previous rank."""
+        sends = [t.contiguous() for t in tensors]
+        recvs = [torch.empty_like(t) for t in sends]
+
+        def launch():
+            if _local_copies_only:
+                for recv, send in zip(recvs, sends):
+                    recv.copy_(send)
+                return []
+            ops = [dist.P2POp(dist.isend, t, self.next_peer, self.group) for t in sends]
+            ops += [dist.P2POp(dist.irecv, t, self.previous_peer, self.group) for t in recvs]
+            return dist.batch_isend_irecv(ops)
+
+        return self._issue("exchange", sum(t.nbytes for t in sends), launch, sends + recvs, recvs)
+
+    def all_gather(self, local: torch.Tensor) -> Pending:
+        """Result [P, *local.shape]: every rank's `local`, in rank order."""
+        local = local.contiguous()
+        flat = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)  # gloo wants 1-D
+        gathered = flat.view(self.world, *local.shape)
+
+        def launch():
+            if _local_copies_only:
+                gathered.copy_(local.expand_as(gathered))
+                return []
+            return [_all_gather_single(flat, local.view(-1), group=self.group, async_op=True)]
+
+        return self._issue("all_gather", (self.world - 1) * local.nbytes, launch, [local, flat], gathered)
+
+    def reduce_scatter(self, full: torch.Tensor) -> Pending:
+        """`full` is [P, ...]; the result is this rank's slice, full[rank], summed over all ranks."""
+        full = full.contiguous()
+        mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
+
+        def launch():
+            if _local_copies_only:
+                mine.copy_(full[self.rank])
+                return []
+            return [_reduce_scatter_single(mine.view(-1), full.view(-1), group=self.group, async_op=True)]
+
+        return self._issue("reduce_scatter", (self.world - 1) * mine.nbytes, launch, [full, mine], mine)
+
+    def _issue(self, kind: str, nbytes: int, launch: Callable[[], list], tensors: list[torch.Tensor],
+               result) -> Pending:
+        record = None
+        if _active_logs:
+            record = CommRecord(kind, 0 if _local_copies_only else nbytes)
+            for log in _active_logs:
+                log.records.append(record)
+        if not self._on_cuda:
+            return Pending(result, launch(), None, None, tensors, record, self._in_flight)
+        compute = torch.cuda.current_stream(self.device)
+        stream = _next_comm_stream(self.device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            if record is not None:
+                record.start = torch.cuda.Event(enable_timing=True)
+                record.end = torch.cuda.Event(enable_timing=True)
+                record.start.record(stream)
+            works = launch()
+        for tensor in tensors:
+            tensor.record_stream(stream)
+        return Pending(result, works, compute, stream, tensors, record, self._in_flight)

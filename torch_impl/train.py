@@ -1,0 +1,230 @@
+"""Distributed Llama training for the PyTorch backend: the sequence-sharded next-token loss, AdamW with global
+grad-norm clipping, the train step and the training loop. Twin of `jax_impl/train.py`. Mesh, FSDP2 and the data
+split are `torch_impl/parallel.py`; checkpoints and weight export are `torch_impl/checkpointing.py`; the
+`twinflash train` command that builds the batches and reports the steps is `compare/train.py`.
+
+Numerics both backends follow, so that their per-step losses agree (fp32):
+  loss       sum of next-token cross-entropy over the valid target positions of the whole global batch, divided by
+             their global count. Each rank sums over its own tokens and divides by the global count; the ranks'
+             gradients are then summed (FSDP set to a plain sum), which is the gradient of that global mean. The
+             logits are made chunk by chunk of the rank's sequence-sharded hidden states and recomputed in the
+             backward (`loss_chunk_tokens` rows at a time), so neither the full [S, V] nor the local
+             [S_local, V] logits ever exist at once.
+  clipping   global L2 norm of all gradients (sqrt of the all-reduced sum of squares of the local shards);
+             every gradient is multiplied by min(1, max_norm / (norm + 1e-6)), torch's clip_grad_norm_ formula.
+  AdamW      torch.optim.AdamW semantics: p *= 1 - lr * wd (2-D parameters only) before the Adam update;
+             m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t)
+             + eps) with t = step + 1; lr = OptimizerConfig.learning_rate(step), set every step; fp32 state.
+  precision  fp32 master weights and optimizer state; with bf16, FSDP gathers bf16 weights for the compute and
+             reduces fp32 gradients (MixedPrecisionPolicy).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from torch_impl import checkpointing
+from torch_impl.model import DTYPES, Llama
+from torch_impl.parallel import load_local_shards, local_batch, make_mesh, ring_attention_fn, shard_model
+from weights import open_weights
+from weights.schedule import OptimizerConfig
+from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
+                              checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens, host_peak_rss_bytes,
+                              run_metadata, valid_target_count)
+
+
+def _chunk_cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(llama.logits(hidden), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """float32 sum of next-token cross-entropy over the positions of `hidden` [B, S, hidden] whose target is not
+    IGNORE_INDEX, `chunk_tokens` positions at a time, each chunk's logits recomputed in the backward."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        total = total + checkpoint(_chunk_cross_entropy_sum, llama, hidden[rows], targets[rows], use_reentrant=False)
+    return total
+
+
+class ShardedNextTokenLoss(nn.Module):
+    """The FSDP root: this rank's share of the global mean next-token loss (its cross-entropy sum over the global
+    count of valid targets). Holding the model as a child lets the root's FSDP hooks gather the LM head that the
+    loss uses outside `Llama.forward`."""
+
+    def __init__(self, llama: Llama, chunk_tokens: int):
+        super().__init__()
+        self.llama = llama
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                global_valid_count: int) -> torch.Tensor:
+        hidden = self.llama.hidden_states(tokens, positions)
+        return cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens) / global_valid_count
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a plain tensor is its own shard)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global grad norm over all ranks' shards; scales the gradients in place by min(1, max_norm / (norm + 1e-6))
+    (torch's formula). Returns the norm before clipping, a 0-d float32 tensor on the device (reading it on the
+    host would stall the step until the backward is done)."""
+    grads = [_local(p.grad) for p in parameters]
+    squares = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(squares)
+    norm = squares.sqrt()
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+class AdamW:
+    """AdamW over (possibly sharded) parameters, torch.optim.AdamW's arithmetic (module docstring), weight decay
+    on 2-D parameters only. State: float32 `exp_avg` and `exp_avg_sq` per parameter, sharded like it."""
+
+    def __init__(self, named_parameters: dict[str, nn.Parameter], config: OptimizerConfig):
+        self.parameters = named_parameters
+        self.config = config
+        self.exp_avg = {name: torch.zeros_like(p) for name, p in named_parameters.items()}
+        self.exp_avg_sq = {name: torch.zeros_like(p) for name, p in named_parameters.items()}
+
+    @torch.no_grad()
+    def step(self, coefficients: dict[str, float]) -> None:
+        """Applies one optimizer step to the parameters' gradients; `coefficients` are the step's host scalars
+        (`weights.training.adamw_coefficients`)."""
+        c = self.config
+        names = list(self.parameters)
+        params = [_local(self.parameters[n]) for n in names]
+        grads = [_local(self.parameters[n].grad) for n in names]
+        exp_avg = [_local(self.exp_avg[n]) for n in names]
+        exp_avg_sq = [_local(self.exp_avg_sq[n]) for n in names]
+        decayed = [p for n, p in zip(names, params) if self.parameters[n].ndim == 2]
+        torch._foreach_mul_(decayed, coefficients["decay"])
+        torch._foreach_lerp_(exp_avg, grads, 1 - c.beta1)
+        torch._foreach_mul_(exp_avg_sq, c.beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - c.beta2)
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_div_(denom, coefficients["bias_correction2_sqrt"])
+        torch._foreach_add_(denom, c.eps)
+        torch._foreach_addcdiv_(params, exp_avg, denom, value=-coefficients["step_size"])
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The state tensors themselves (loading into them with DCP restores the optimizer in place)."""
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return host_peak_rss_bytes()
+
+
+def _all_ranks(value: int, device: torch.device) -> list[int]:
+    """`value` of every rank, in rank order."""
+    local = torch.tensor([value], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, local)
+    return [int(t) for t in everyone]
+
+
+def _init_distributed() -> torch.device:
+    """Joins the torchrun-launched process group (NCCL on GPUs, gloo on CPU); returns this rank's device."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def train_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tensor, targets: torch.Tensor,
+               positions: torch.Tensor, step: int, global_valid_count: int) -> tuple[float, float, float]:
+    """One optimizer step on this rank's part of a global batch: (global mean loss, grad norm before clipping,
+    learning rate)."""
+    config = optimizer.config
+    loss = model(tokens, positions, targets, global_valid_count)
+    loss.backward()
+    grad_norm = clip_grad_norm_(list(optimizer.parameters.values()), config.grad_clip_norm)
+    coefficients = adamw_coefficients(config, step)
+    optimizer.step(coefficients)
+    for p in optimizer.parameters.values():
+        p.grad = None
+    global_loss = loss.detach()
+    dist.all_reduce(global_loss)  # each rank's share of the global mean
+    # The step's one host sync, for the logged numbers; it also completes the step for its wall time.
+    loss_value, grad_norm_value = torch.stack([global_loss, grad_norm]).tolist()
+    return loss_value, grad_norm_value, coefficients["lr"]
+
+
+StepCallback = Callable[..., None]
+
+
+def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = None) -> None:
+    """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches, the same on every
+    rank) under torchrun; see compare/train.py's `TrainSettings` for the fields read here. On rank 0,
+    `on_step(step=, loss=, lr=, grad_norm=, seconds=, peak_memory_bytes=[per rank])` after every step. Resumes
+    from the latest checkpoint with `settings.resume`, saves every `settings.ckpt_every` steps and at the end of
+    the run, exports the final weights to `settings.export_paths` when set."""
+    device = _init_distributed()
+    try:
+        _train(settings, batches, on_step, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(settings, batches: np.ndarray, on_step: StepCallback | None, device: torch.device) -> None:
+    check_attention_backend(settings)
+    mesh = make_mesh(settings.mesh, device.type)
+    check_batches(settings, batches)
+    source = open_weights(settings.model, settings.seed)
+    config = source.config
+    with torch.device("meta"):
+        llama = Llama(config, ring_attention_fn(mesh, backend=settings.attention_backend,
+                                                variant=settings.ring_variant))
+    chunk_tokens = settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size)
+    model = ShardedNextTokenLoss(llama, chunk_tokens)
+    shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype],
+                activation_checkpointing=settings.activation_checkpointing)
+    load_local_shards(llama, source, device)
+    optimizer = AdamW(dict(llama.named_parameters()), settings.optimizer)
+    meta = run_metadata(settings, config)
+
+    latest, start = checkpoint_to_resume(settings, meta, checkpointing.latest_checkpoint, checkpointing.read_metadata)
+    if latest is not None:
+        checkpointing.load_checkpoint(latest, llama, optimizer.state_dict())
+        if dist.get_rank() == 0:
+            print(f"resumed from {latest} (step {start})", flush=True)
+
+    stop = settings.stop_at or batches.shape[0]
+    valid_count = valid_target_count(settings.batch, settings.seq_len)
+    for step in range(start, stop):
+        began = time.perf_counter()
+        loss, grad_norm, lr = train_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
+                                         valid_count)
+        seconds = time.perf_counter() - began
+        peaks = _all_ranks(_peak_memory_bytes(device), device)
+        if on_step is not None and dist.get_rank() == 0:
+            on_step(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds, peak_memory_bytes=peaks)
+        if checkpoint_due(settings, step + 1, stop):
+            checkpointing.save_checkpoint(settings.ckpt_dir, step + 1, llama, optimizer.state_dict(), meta,
+                                          keep=settings.keep)
+    if settings.export_paths is not None:
+        checkpointing.export_trained_weights(llama, *settings.export_paths, source)

@@ -1,0 +1,160 @@
+"""What both backends' training share, framework-neutral (numpy): next-token targets and the index of a position
+without one, the checks of a run's batches against the mesh, the default loss chunk, AdamW's per-step host
+scalars, when a checkpoint is due, the run metadata a training checkpoint records and the refusal to resume an
+incompatible one, and the export of trained weights. Read by torch_impl/train.py and jax_impl/train.py (twins),
+their checkpointing.py and compare/train.py, whose `TrainSettings` is the `settings` argument here.
+
+The backends keep what their frameworks force apart: the loss and optimizer arithmetic on device, the checkpoint
+files (torch.distributed.checkpoint, orbax) and how trained weights are gathered to the host.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from weights.checkpoint import (ConvertedCheckpoint, RandomWeights, export_hf_checkpoint, kept_hf_files,
+                                write_converted_checkpoint)
+from weights.config import LlamaConfig
+from weights.errors import CheckpointError
+from weights.layout import check_split
+from weights.parallel import RING_LAYOUT, MeshShape
+from weights.schedule import OptimizerConfig
+
+TRAIN_FORMAT = "twinflash-train/1"  # the "format" of a training checkpoint's metadata, both backends
+IGNORE_INDEX = -100  # target of a position with no next token (torch's cross_entropy default ignore_index)
+LOGITS_CHUNK_ELEMENTS = 1 << 28  # default loss chunk: 256 Mi float32 logits (1 GiB) per chunk
+ATTENTION_BACKENDS = {"torch": ("triton", "reference"), "jax": ("pallas", "reference")}  # kernel first
+
+
+# --- the data ---------------------------------------------------------------------------------------------------
+
+def next_token_targets(tokens: np.ndarray) -> np.ndarray:
+    """targets[:, t] = tokens[:, t + 1]; the last position, which has no next token, is IGNORE_INDEX."""
+    return np.concatenate([tokens[:, 1:], np.full((tokens.shape[0], 1), IGNORE_INDEX, tokens.dtype)], axis=1)
+
+
+def valid_target_count(batch: int, seq_len: int) -> int:
+    """Positions of a [batch, seq_len] batch that have a target: every position but each sequence's last."""
+    return batch * (seq_len - 1)
+
+
+def check_batch_shape(batch: int, seq_len: int, shape: MeshShape) -> None:
+    """Refuses a batch the fsdp axis cannot split or a sequence the ring layout cannot split over sp."""
+    if batch < 1 or batch % shape.fsdp:
+        raise CheckpointError(f"batch size {batch} must be a positive multiple of fsdp={shape.fsdp} "
+                              "(each fsdp rank takes whole sequences)")
+    if seq_len < 2:
+        raise CheckpointError(f"sequence length must be >= 2 (a next-token target needs two tokens), got {seq_len}")
+    check_split(seq_len, shape.sp, RING_LAYOUT)
+
+
+def check_batches(settings, batches: np.ndarray) -> None:
+    """Refuses `batches` unless they are [steps, batch, seq_len] of `settings`, splittable over its mesh."""
+    check_batch_shape(settings.batch, settings.seq_len, settings.mesh)
+    if batches.shape[1:] != (settings.batch, settings.seq_len):
+        raise ValueError(f"batches must be [steps, {settings.batch}, {settings.seq_len}], got {list(batches.shape)}")
+
+
+def check_attention_backend(settings) -> None:
+    """Refuses an attention backend that `settings.backend` does not have."""
+    choices = ATTENTION_BACKENDS[settings.backend]
+    if settings.attention_backend not in choices:
+        raise CheckpointError(f"--attention-backend for {settings.backend} must be one of {', '.join(choices)}, "
+                              f"got {settings.attention_backend!r}")
+
+
+# --- the step ---------------------------------------------------------------------------------------------------
+
+def default_loss_chunk_tokens(vocab_size: int) -> int:
+    return max(1, LOGITS_CHUNK_ELEMENTS // vocab_size)
+
+
+def adamw_coefficients(config: OptimizerConfig, step: int) -> dict[str, float]:
+    """The host-side scalars of AdamW step `step` (0-based), in float64 as torch.optim.AdamW computes them:
+    the learning rate, the weight-decay factor 1 - lr * wd, the step size lr / (1 - b1^t) and sqrt(1 - b2^t),
+    t = step + 1."""
+    lr = config.learning_rate(step)
+    t = step + 1
+    return {"lr": lr, "decay": 1 - lr * config.weight_decay, "step_size": lr / (1 - config.beta1 ** t),
+            "bias_correction2_sqrt": (1 - config.beta2 ** t) ** 0.5}
+
+
+def host_peak_rss_bytes() -> int:
+    """This process's peak resident host memory (what a step reports where no device counts its own)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def checkpoint_due(settings, done: int, stop: int) -> bool:
+    """Whether to save after `done` optimizer steps of a run ending at `stop`: every `ckpt_every` steps and at
+    the end, when the run has a checkpoint directory."""
+    if settings.ckpt_dir is None:
+        return False
+    return done == stop or (settings.ckpt_every is not None and done % settings.ckpt_every == 0)
+
+
+# --- resuming ---------------------------------------------------------------------------------------------------
+
+def run_metadata(settings, config: LlamaConfig) -> dict[str, Any]:
+    """What a checkpoint of this run records about it (all but the step), in JSON-normalised form."""
+    meta = {
+        "format": TRAIN_FORMAT,
+        "backend": settings.backend,
+        "model": config.to_dict(),
+        "mesh": settings.mesh.axes(),
+        "data": {"kind": settings.data, "seed": settings.seed, "batch": settings.batch,
+                 "seq_len": settings.seq_len, "steps": settings.steps},
+    }
+    return json.loads(json.dumps(meta))
+
+
+def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
+    """'field: saved -> current' for every leaf that differs between two JSON values."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return [d for key in sorted(set(saved) | set(current))
+                for d in _differences(saved.get(key), current.get(key), f"{prefix}{key}.")]
+    return [] if saved == current else [f"{prefix.rstrip('.')} {saved} -> {current}"]
+
+
+def check_compatible(path: Path, saved: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Refuses to resume this run (`meta` from `run_metadata`) from checkpoint `path`, whose metadata is `saved`,
+    when another backend, model config, mesh or data stream made it."""
+    if saved.get("format") != TRAIN_FORMAT or saved.get("backend") != meta["backend"]:
+        raise CheckpointError(f"{path} is not a {meta['backend']} training checkpoint ({TRAIN_FORMAT})")
+    for key, what, flags in (("model", "model config", "--model"), ("mesh", "mesh", "--mesh"),
+                             ("data", "data stream", "--data/--seed/--batch/--seq-len/--steps")):
+        changed = _differences(saved.get(key), meta[key])
+        if changed:
+            raise CheckpointError(f"cannot resume from {path}: it was saved with another {what} "
+                                  f"({'; '.join(changed[:3])}); rerun with its {flags} or a new --ckpt-dir")
+
+
+def checkpoint_to_resume(settings, meta: dict[str, Any], latest_checkpoint: Callable[[Path], Path | None],
+                         read_metadata: Callable[[Path], dict[str, Any]]) -> tuple[Path | None, int]:
+    """(the checkpoint this run continues from, the step it continues at), (None, 0) for a fresh start, given the
+    backend's `latest_checkpoint(ckpt_dir)` and `read_metadata(path)`. Refuses a checkpoint directory that holds
+    checkpoints without `settings.resume`, and a checkpoint `check_compatible` refuses."""
+    latest = None if settings.ckpt_dir is None else latest_checkpoint(settings.ckpt_dir)
+    if latest is None:
+        return None, 0
+    if not settings.resume:
+        raise CheckpointError(f"{settings.ckpt_dir} holds checkpoints (latest {latest.name}); pass --resume to "
+                              "continue from it or choose an empty --ckpt-dir")
+    saved = read_metadata(latest)
+    check_compatible(latest, saved, meta)
+    return latest, int(saved["data_position"])
+
+
+# --- export -----------------------------------------------------------------------------------------------------
+
+def export_trained_tensors(tensors: Mapping[str, np.ndarray], config: LlamaConfig, converted: Path, hf: Path,
+                           source: ConvertedCheckpoint | RandomWeights) -> None:
+    """float32 trained weights by canonical name -> a converted checkpoint in `converted` and a Hugging Face one
+    in `hf`, carrying the HF files a converted `source` kept (`weights.checkpoint.kept_hf_files`)."""
+    write_converted_checkpoint(tensors, config, converted, kept_hf_files(source))
+    export_hf_checkpoint(converted, hf)
