@@ -64,7 +64,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_impl.flash_attention import flash_attention_backward, flash_attention_forward
-from weights.layout import (LAYOUTS, LayoutError, check_split, inverse_order, layout_order, position_runs)
+from weights.layout import LAYOUTS, check_ring_shapes, check_split, inverse_order, layout_order, position_runs
 
 VARIANTS = ("ring", "allgather")
 
@@ -312,23 +312,6 @@ def _check_choices(layout: str, variant: str) -> None:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
 
 
-def _check_local_shapes(q, k, v, world: int, layout: str) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local sequence length "
-                         "and head_dim (ring attention is self-attention over one sharded sequence)")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} heads")
-    try:
-        check_split(q.shape[1] * world, world, layout)
-    except LayoutError as err:
-        raise LayoutError(f"q has {q.shape[1]} tokens on each of {world} devices, so the {err}") from None
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------------------
@@ -349,7 +332,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
     except NameError as err:
         raise ValueError(f"axis_name {axis_name!r} is not a mesh axis in scope: call ring_attention inside "
                          "jax.shard_map over a mesh with that axis (or use ring_attention_sharded)") from err
-    _check_local_shapes(q, k, v, world, layout)
+    check_ring_shapes(q.shape, k.shape, v.shape, world, layout)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _ring_attention(q, k, v, _RingConfig(axis_name, bool(causal), layout, variant, scale, backend))
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out

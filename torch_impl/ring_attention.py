@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from torch_impl.flash_attention import flash_attention_backward, flash_attention_forward
 from torch_impl.ring_comm import Ring
-from weights.layout import (LAYOUTS, LayoutError, check_split, inverse_order, layout_order, position_runs,
+from weights.layout import (LAYOUTS, check_ring_shapes, check_split, inverse_order, layout_order, position_runs,
                             rank_positions)
 
 VARIANTS = ("ring", "allgather")
@@ -304,26 +304,14 @@ def _check_choices(layout: str, variant: str) -> None:
 
 
 def _check_local_shapes(q, k, v, world: int, layout: str) -> None:
+    check_ring_shapes(q.shape, k.shape, v.shape, world, layout)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(x.shape)}")
         if x.dtype not in _DTYPES:
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local sequence length "
-                         "and head_dim (ring attention is self-attention over one sharded sequence)")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} heads")
-    try:
-        check_split(q.shape[1] * world, world, layout)
-    except LayoutError as err:
-        raise LayoutError(f"q has {q.shape[1]} tokens on each of {world} devices, so the {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
