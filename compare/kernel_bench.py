@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from compare.cli import EXIT_BAD_INPUT, OneLineParser
-from compare.ring_bench import _ints, _lengths, _previous, write_json
+from compare.ring_bench import _ints, _lengths, _previous, check_parts_and_heads, write_json
 from weights import CheckpointError
 from weights.flops import attention_flops
 
@@ -86,13 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(args) -> None:
     if args.quick:
         args.seq_lens = (4096,)
-    args.parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    unknown = set(args.parts) - set(IMPLS)
-    if unknown:
-        raise CheckpointError(f"--parts: unknown {', '.join(sorted(unknown))} (choices: torch, jax)")
-    for kv in args.kv_heads:
-        if kv < 1 or args.heads % kv:
-            raise CheckpointError(f"--kv-heads: {kv} does not divide --heads {args.heads}")
+    check_parts_and_heads(args, tuple(IMPLS))
 
 
 def _points(args):

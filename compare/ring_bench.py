@@ -97,16 +97,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_args(args) -> None:
-    if args.quick:
-        args.seq_lens, args.kv_heads, args.warmup, args.iters, args.budget_s = (16384,), (8,), 1, 1, 1.0
-    args.parts = tuple(p.strip() for p in args.parts.split(","))
-    unknown = set(args.parts) - set(PARTS)
+def check_parts_and_heads(args, choices: tuple[str, ...]) -> None:
+    """The benchmarks' shared argument rules: `--parts` (comma list, may be empty) within `choices`, each
+    `--kv-heads` value dividing `--heads`. Sets `args.parts` to the parsed tuple."""
+    args.parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    unknown = set(args.parts) - set(choices)
     if unknown:
-        raise CheckpointError(f"--parts: unknown {', '.join(sorted(unknown))} (choices: {', '.join(PARTS)})")
+        raise CheckpointError(f"--parts: unknown {', '.join(sorted(unknown))} (choices: {', '.join(choices)})")
     for kv in args.kv_heads:
         if kv < 1 or args.heads % kv:
             raise CheckpointError(f"--kv-heads: {kv} does not divide --heads {args.heads}")
+
+
+def _check_args(args) -> None:
+    if args.quick:
+        args.seq_lens, args.kv_heads, args.warmup, args.iters, args.budget_s = (16384,), (8,), 1, 1, 1.0
+    check_parts_and_heads(args, PARTS)
     for seq_len in args.seq_lens:
         check_split(seq_len, GPUS, LAYOUT)
 

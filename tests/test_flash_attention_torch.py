@@ -12,13 +12,10 @@ round differently from the naive code, but not worse than twice as much.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -241,112 +238,6 @@ def test_round_to_rounds_to_nearest_even(dtype):
     assert torch.equal(y, x.to(dtype))
 
 
-def _cpu_sdpa_stand_ins():
-    """CPU stand-ins with the exact signatures of the CUDA-only SDPA ops (the adapters call them positionally),
-    computing with torch's CPU flash attention: they check the adapters' layout, GQA and lse handling here."""
-    cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-    def cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
-              return_debug_mask=False, *, scale=None):
-        assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not return_debug_mask
-        out, lse = cpu_fwd(query, key, value, dropout_p, is_causal, scale=scale)
-        return out, lse[..., None], None, None, query.shape[2], key.shape[2], None, None, None
-
-    def cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
-                       cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
-        assert logsumexp.shape == (*query.shape[:3], 1) and (max_q, max_k) == (query.shape[2], key.shape[2])
-        return cpu_bwd(grad_out, query, key, value, out, logsumexp[..., 0], dropout_p, is_causal, scale=scale)
-
-    def flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
-        out, lse = cpu_fwd(query, key, value, dropout_p, is_causal, scale=scale)
-        return out, lse, None, None, query.shape[2], key.shape[2], None, None, None
-
-    def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                       is_causal, philox_seed, philox_offset, *, scale=None):
-        assert (max_q, max_k) == (query.shape[2], key.shape[2])
-        return cpu_bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
-
-    return types.SimpleNamespace(_scaled_dot_product_cudnn_attention=cudnn,
-                                 _scaled_dot_product_cudnn_attention_backward=cudnn_backward,
-                                 _scaled_dot_product_flash_attention=flash,
-                                 _scaled_dot_product_flash_attention_backward=flash_backward)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the real ops")
-@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_sdpa_adapters_on_cpu_stand_ins(monkeypatch, backend, causal):
-    module = importlib.import_module("torch_impl.flash_attention")  # the package exports the function by that name
-
-    monkeypatch.setattr(module, "aten", _cpu_sdpa_stand_ins())
-    q, k, v, dout = _inputs(2, 24, 24, 4, 2, 32, torch.float32)
-    out, lse = module._sdpa_forward(q, k, v, causal, 0.2, torch.float32, backend)
-    grads = module._sdpa_backward(dout, q, k, v, out, lse, causal, 0.2, backend)
-    exact = _exact(q, k, v, dout, causal, 0.2)
-    for name, got in zip(NAMES, (out, lse, *grads)):
-        assert got.shape == exact[name].shape and got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)  # float32 math
-
-
-def _flash_attn_stand_in(version):
-    """A stand-in `flash_attn` package with flash-attn 2.x's signatures, computing with the reference functions:
-    `_flash_attn_backward` as 2.6 wrote it (window_size tuple) or as 2.7+ registers it (a torch custom op whose
-    Python function is `_init_fn`, separate window sizes). Empty rows carry lse +inf, as flash-attn's do."""
-    from torch_impl.attention import reference_attention_backward, reference_attention_forward
-
-    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        alibi_slopes=None, deterministic=False, return_attn_probs=False):
-        out, lse = reference_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
-        return out, lse.masked_fill(lse == -math.inf, math.inf), None
-
-    def compute(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window):
-        assert window == (-1, -1) and not (softmax_lse == -math.inf).any()  # flash-attn: +inf for empty rows
-        lse = softmax_lse.masked_fill(softmax_lse == math.inf, -math.inf)
-        grads = reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
-        for buffer, grad in zip((dq, dk, dv), grads):
-            buffer.copy_(grad)
-
-    def backward_2_6(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
-                     softcap, alibi_slopes, deterministic, rng_state=None):
-        compute(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
-
-    def backward_2_7(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                     window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
-        compute(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal,
-                (window_size_left, window_size_right))
-
-    backward = backward_2_6 if version == "2.6" else _CustomOpDef(backward_2_7)
-    return types.SimpleNamespace(flash_attn_interface=types.SimpleNamespace(flash_attn_func=flash_attn_func,
-                                                                            _flash_attn_backward=backward))
-
-
-class _CustomOpDef:
-    """Like torch.library's CustomOpDef: callable, its signature hidden, the Python function kept as `_init_fn`."""
-
-    def __init__(self, init_fn):
-        self._init_fn = init_fn
-
-    def __call__(self, *args, **kwargs):
-        return self._init_fn(*args, **kwargs)
-
-
-@pytest.mark.parametrize("version", ["2.6", "2.7"])
-def test_flash_attn_adapter_on_a_stand_in_package(monkeypatch, version):
-    module = importlib.import_module("torch_impl.flash_attention")  # the package exports the function by that name
-
-    package = _flash_attn_stand_in(version)
-    monkeypatch.setitem(sys.modules, "flash_attn", package)
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", package.flash_attn_interface)
-    q, k, v, dout = _inputs(1, 30, 20, 4, 2, 32, torch.float32)  # Sq > Sk: causal rows that see no key
-    out, lse = module._flash_attn_forward(q, k, v, True, 0.2, torch.float32)
-    grads = module._flash_attn_backward(dout, q, k, v, out, lse, True, 0.2)
-    exact = _exact(q, k, v, dout, True, 0.2)
-    assert torch.all(lse[:, :, :10] == -math.inf)
-    for name, got in zip(NAMES, (out, lse, *grads)):
-        torch.testing.assert_close(got.double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)  # float32 math
-
-
 def test_autotuning_keeps_the_configs_that_fit_in_shared_memory(monkeypatch):
     """The pruning the GPU autotuner runs, here on CPU: the expected sets are what an ahead-of-time compile for
     sm_90 (triton 3.9 and 3.6, bf16) allocated, against the 227 KB an H100/H200 block may use."""
@@ -418,20 +309,6 @@ def test_bad_pair_arguments_raise_value_error():
         flash_attention_backward(dout, q, k, v, out, lse[:, :2], **kw)
     with pytest.raises(ValueError, match="lse must be float32"):
         flash_attention_backward(dout, q, k, v, out, lse.double(), **kw)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
-@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
-def test_sdpa_backends_need_cuda(backend):
-    with pytest.raises(ValueError, match=f"backend '{backend}' needs CUDA"):
-        flash_attention(*_good()[:3], backend=backend)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
-def test_missing_flash_attn_package_is_a_clean_error():
-    message = r"needs the optional flash-attn package: pip install 'twinflash\[flash-attn\]'"
-    with pytest.raises(ValueError, match=message):
-        flash_attention(*_good()[:3], backend="flash_attn")
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
