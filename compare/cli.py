@@ -89,6 +89,12 @@ def cmd_train(args) -> int:
     return run_command(args)
 
 
+def cmd_compare(args) -> int:
+    from compare.harness import run_command
+
+    return run_command(args, args.argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="twinflash", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -121,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     train.set_defaults(func=cmd_train)
 
+    from compare.harness import add_arguments as add_compare_arguments
+
+    compare = commands.add_parser("compare", help="both backends, same weights and devices: equivalence + benchmark "
+                                  "report (no arguments on a CPU machine: tiny model, 4 emulated devices)")
+    add_compare_arguments(compare)
+    compare.set_defaults(func=cmd_compare)
+
     bench = commands.add_parser("bench", help="GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs)",
                                 description="arguments after the benchmark's name go to it: "
                                             "`twinflash bench kernels --help`")
@@ -132,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        argv = sys.argv[1:] if argv is None else list(argv)
         args = build_parser().parse_args(argv)
+        args.argv = argv[1:]  # recorded in reports: the arguments after the subcommand
         return args.func(args) or 0
     except CheckpointError as bad:
         print(f"twinflash: error: {bad}", file=sys.stderr)

@@ -5,7 +5,10 @@
 #   bash compare/gpu_suite.sh kernel-bench PART [LENS] [JSON...]   one part (torch | jax) of `bench kernels`,
 #                                                                   merged with earlier parts' JSON
 #   bash compare/gpu_suite.sh ring      4-GPU ring tests (torch NCCL, JAX), then `bench ring` at Hkv=8
-#   bash compare/gpu_suite.sh ring-bench [SEQ_LENS]   full `bench ring` (torch + peer, then JAX), merged
+#   bash compare/gpu_suite.sh ring-bench [SEQ_LENS] [KV_HEADS] [JSON...]   `bench ring` (torch + peer, then JAX),
+#                                                                   merged with earlier runs' JSON
+#   bash compare/gpu_suite.sh compare MODEL [ARGS...]   `twinflash compare` on 4 GPUs at 32k and 128k (1 and 4 GPUs,
+#                                                     ablation), stopped launching at 540 s so the report is written
 #   bash compare/gpu_suite.sh train     `twinflash train` throughput: Llama-3.2-1B / 3.1-8B shapes, both backends
 # Everything lands in $OUT (default ./out): logs, JSON, and the tables printed last.
 set -u
@@ -13,7 +16,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHO
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-stage=${1:?stage: kernel-tests | kernel-bench | ring | ring-bench | train}
+stage=${1:?stage: kernel-tests | kernel-bench | ring | ring-bench | compare | train}
 
 environment() {
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -52,13 +55,22 @@ ring)  # 4-GPU ring tests of both backends, then `bench ring` at Hkv=8 (GQA) for
     tail -n 40 "$OUT/ring.log"
     ;;
 ring-bench)
-    lens=${2:-32k,128k}
-    timeout 330 python3 -m compare.ring_bench --parts torch,peer --seq-lens "$lens" --launch-timeout-s 320 \
-        --out "$OUT/ring-torch.json" > "$OUT/ring-torch.log" 2>&1
-    timeout 250 python3 -m compare.ring_bench --parts jax --seq-lens "$lens" --launch-timeout-s 240 \
-        --rows-from "$OUT/ring-torch.json" --out "$OUT/ring.json" > "$OUT/ring.log" 2>&1
+    lens=${2:-32k,128k}; heads=${3:-32,8}; shift 3 || shift $#
+    rows=(); for f in "$@"; do rows+=(--rows-from "$f"); done
+    environment
+    timeout 330 python3 -m compare.ring_bench --parts torch,peer --seq-lens "$lens" --kv-heads "$heads" \
+        --launch-timeout-s 320 "${rows[@]}" --out "$OUT/ring-torch.json" > "$OUT/ring-torch.log" 2>&1
+    timeout 250 python3 -m compare.ring_bench --parts jax --seq-lens "$lens" --kv-heads "$heads" \
+        --launch-timeout-s 240 --rows-from "$OUT/ring-torch.json" --out "$OUT/ring.json" > "$OUT/ring.log" 2>&1
     TAIL=3 summary "$OUT/ring-torch.log"
     tail -n 40 "$OUT/ring.log"
+    ;;
+compare)
+    model=${2:?model: a preset or converted directory}; shift 2
+    environment
+    timeout 590 python3 -m compare.cli compare --model "$model" --seq-lens 32k,128k --devices 4 --device-counts 1,4 \
+        --steps 2 --job-timeout-s 240 --time-limit-s 540 "$@" --out "$OUT/compare-$model" > "$OUT/compare.log" 2>&1
+    echo "exit $?"; tail -n 45 "$OUT/compare.log"
     ;;
 train)
     common=(--dtype bf16 --data random --steps 6)

@@ -143,8 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip_norm, help="max global grad norm")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
-    parser.add_argument("--attention-backend", help="ring step kernel: triton or reference (torch), pallas or "
-                        "reference (jax); default the kernel")
+    parser.add_argument("--attention-backend", help="ring step kernel: triton, reference or sdpa_cudnn (torch), "
+                        "pallas, reference or cudnn (jax); default ours (triton, pallas)")
     parser.add_argument("--ring-variant", choices=("ring", "allgather"), default="ring")
     parser.add_argument("--loss-chunk-tokens", type=int, help="positions per logits chunk of the loss")
     parser.add_argument("--ckpt-dir", type=Path)

@@ -118,8 +118,10 @@ class StepSpec:
 
 
 def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: jax.Array, positions: jax.Array,
-                    spec: StepSpec) -> jax.Array:
-    """Mean next-token cross-entropy of the global batch (module docstring), from float32 master `params`."""
+                    spec: StepSpec, with_logits: bool = False):
+    """Mean next-token cross-entropy of the global batch (module docstring), from float32 master `params`; with
+    `with_logits`, (loss, float32 logits [B, S, vocab] in the batch's layout order, outside autodiff) for checks on
+    short sequences."""
     replicated = NamedSharding(spec.mesh, PartitionSpec())
     compute = {name: jax.lax.with_sharding_constraint(p.astype(DTYPES[spec.dtype]), replicated)
                for name, p in params.items()}
@@ -128,7 +130,10 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
     hidden = llama.hidden_states(tokens, positions)
     head = compute["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
     valid_count = valid_target_count(*tokens.shape)
-    return sharded_cross_entropy_sum(hidden, head, targets, spec.mesh, spec.loss_chunk_tokens) / valid_count
+    loss = sharded_cross_entropy_sum(hidden, head, targets, spec.mesh, spec.loss_chunk_tokens) / valid_count
+    if not with_logits:
+        return loss
+    return loss, jax.lax.stop_gradient(llama.logits(hidden).astype(jnp.float32))
 
 
 # --- optimizer ----------------------------------------------------------------------------------------------------
@@ -182,6 +187,11 @@ def train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: j
             "optimizer": {k: keep(v, shardings) for k, v in optimizer.items()}}, loss, grad_norm
 
 
+def step_scalars(coefficients: dict[str, float]) -> dict[str, jax.Array]:
+    """The jitted step's float32 arguments from `weights.training.adamw_coefficients` (all but "lr")."""
+    return {k: jnp.float32(v) for k, v in coefficients.items() if k != "lr"}
+
+
 # --- the loop -----------------------------------------------------------------------------------------------------
 
 def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh) -> dict[str, jax.Array]:
@@ -191,12 +201,40 @@ def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh) -> 
             for name, sharding in parameter_shardings(mesh, parameter_shapes(source.config)).items()}
 
 
-def _peak_memory_bytes(mesh: Mesh) -> list[int]:
+def peak_memory_bytes(mesh: Mesh) -> list[int]:
     """Per device: peak bytes in use where the runtime reports it (GPU), else this process's peak host RSS."""
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.devices.flat]
     if all(p is not None for p in peaks):
         return [int(p) for p in peaks]
     return [host_peak_rss_bytes()]  # one process
+
+
+@dataclasses.dataclass
+class Training:
+    """A model ready to train over a mesh: the step's static `spec`, the training `state` (fp32 parameters and
+    AdamW state, sharded), the weights it was loaded from and the run metadata its checkpoints record."""
+
+    mesh: Mesh
+    spec: StepSpec
+    state: State
+    source: ConvertedCheckpoint | RandomWeights
+    meta: dict
+
+
+def build_training(settings, devices: Sequence[jax.Device] | None = None) -> Training:
+    """The sharded parameters and optimizer state of `settings` over `devices` (default: all of JAX's), loaded from
+    `settings.model`; no checkpoint read, nothing trained."""
+    check_attention_backend(settings)
+    mesh = make_mesh(settings.mesh, devices)
+    source = open_weights(settings.model, settings.seed)
+    config = source.config
+    spec = StepSpec(config=config, mesh=mesh, dtype=settings.dtype, remat=settings.activation_checkpointing,
+                    attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
+                    loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
+                    optimizer=settings.optimizer)
+    params = load_parameters(source, mesh)
+    state = {"model": params, "optimizer": init_optimizer_state(params)}
+    return Training(mesh, spec, state, source, run_metadata(settings, config))
 
 
 def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = None,
@@ -209,19 +247,13 @@ def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = N
     `settings.export_paths` when set. Returns the final training state. Bad input (mesh, batch shape, checkpoint)
     raises CheckpointError before anything is computed or written."""
     check_attention_backend(settings)
-    mesh = make_mesh(settings.mesh, devices)
+    make_mesh(settings.mesh, devices)  # refuses a mesh that does not fit before anything is loaded
     check_batches(settings, batches)
-    source = open_weights(settings.model, settings.seed)
-    config = source.config
-    meta = run_metadata(settings, config)
-    latest, start = checkpoint_to_resume(settings, meta, checkpointing.latest_checkpoint, checkpointing.read_metadata)
-
-    spec = StepSpec(config=config, mesh=mesh, dtype=settings.dtype, remat=settings.activation_checkpointing,
-                    attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
-                    loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
-                    optimizer=settings.optimizer)
-    params = load_parameters(source, mesh)
-    state = {"model": params, "optimizer": init_optimizer_state(params)}
+    config = open_weights(settings.model, settings.seed).config
+    latest, start = checkpoint_to_resume(settings, run_metadata(settings, config), checkpointing.latest_checkpoint,
+                                         checkpointing.read_metadata)
+    run = build_training(settings, devices)
+    mesh, spec, state, meta = run.mesh, run.spec, run.state, run.meta
     manager = None if settings.ckpt_dir is None else checkpointing.open_manager(settings.ckpt_dir, settings.keep)
     try:
         if latest is not None:
@@ -232,18 +264,18 @@ def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = N
             began = time.perf_counter()
             tokens, targets, positions = sharded_batch(batches[step], mesh)
             coefficients = adamw_coefficients(settings.optimizer, step)
-            scalars = {k: jnp.float32(v) for k, v in coefficients.items() if k != "lr"}
-            state, loss, grad_norm = train_step(state, tokens, targets, positions, scalars, spec=spec)
+            state, loss, grad_norm = train_step(state, tokens, targets, positions, step_scalars(coefficients),
+                                                spec=spec)
             loss = float(loss)  # synchronises the devices: the step's time is complete
             seconds = time.perf_counter() - began
             if on_step is not None:
                 on_step(step=step, loss=loss, lr=coefficients["lr"], grad_norm=float(grad_norm), seconds=seconds,
-                        peak_memory_bytes=_peak_memory_bytes(mesh))
+                        peak_memory_bytes=peak_memory_bytes(mesh))
             if checkpoint_due(settings, step + 1, stop):
                 checkpointing.save_checkpoint(manager, step + 1, state, meta)
     finally:
         if manager is not None:
             manager.close()  # waits for a save in flight; raises if it failed
     if settings.export_paths is not None:
-        checkpointing.export_trained_weights(state["model"], config, *settings.export_paths, source)
+        checkpointing.export_trained_weights(state["model"], config, *settings.export_paths, run.source)
     return state

@@ -21,6 +21,7 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -30,12 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from torch_impl import checkpointing
 from torch_impl.model import DTYPES, Llama
 from torch_impl.parallel import load_local_shards, local_batch, make_mesh, ring_attention_fn, shard_model
-from weights import open_weights
+from weights import ConvertedCheckpoint, RandomWeights, open_weights
 from weights.schedule import OptimizerConfig
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
                               checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens, host_peak_rss_bytes,
@@ -69,9 +71,15 @@ class ShardedNextTokenLoss(nn.Module):
         self.chunk_tokens = chunk_tokens
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-                global_valid_count: int) -> torch.Tensor:
+                global_valid_count: int, with_logits: bool = False):
+        """The loss share; with `with_logits`, (loss share, this rank's float32 logits [B, S_local, vocab], made
+        without autograd) for checks on short sequences."""
         hidden = self.llama.hidden_states(tokens, positions)
-        return cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens) / global_valid_count
+        loss = cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens) / global_valid_count
+        if not with_logits:
+            return loss
+        with torch.no_grad():
+            return loss, self.llama.logits(hidden).float()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -128,13 +136,13 @@ class AdamW:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
 
-def _peak_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return host_peak_rss_bytes()
 
 
-def _all_ranks(value: int, device: torch.device) -> list[int]:
+def all_ranks(value: int, device: torch.device) -> list[int]:
     """`value` of every rank, in rank order."""
     local = torch.tensor([value], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
@@ -142,7 +150,7 @@ def _all_ranks(value: int, device: torch.device) -> list[int]:
     return [int(t) for t in everyone]
 
 
-def _init_distributed() -> torch.device:
+def init_distributed() -> torch.device:
     """Joins the torchrun-launched process group (NCCL on GPUs, gloo on CPU); returns this rank's device."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -183,17 +191,32 @@ def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = N
     `on_step(step=, loss=, lr=, grad_norm=, seconds=, peak_memory_bytes=[per rank])` after every step. Resumes
     from the latest checkpoint with `settings.resume`, saves every `settings.ckpt_every` steps and at the end of
     the run, exports the final weights to `settings.export_paths` when set."""
-    device = _init_distributed()
+    device = init_distributed()
     try:
         _train(settings, batches, on_step, device)
     finally:
         dist.destroy_process_group()
 
 
-def _train(settings, batches: np.ndarray, on_step: StepCallback | None, device: torch.device) -> None:
+@dataclasses.dataclass
+class Training:
+    """A model ready to train on this rank: the mesh, the sharded `llama` inside its loss root `model`, the
+    optimizer, the weights it was loaded from and the run metadata its checkpoints record."""
+
+    mesh: DeviceMesh
+    llama: Llama
+    model: ShardedNextTokenLoss
+    optimizer: AdamW
+    source: ConvertedCheckpoint | RandomWeights
+    meta: dict
+    device: torch.device
+
+
+def build_training(settings, device: torch.device) -> Training:
+    """The sharded model and optimizer of `settings` on the initialised process group (`init_distributed`), its
+    weights loaded from `settings.model`; no checkpoint read, nothing trained."""
     check_attention_backend(settings)
     mesh = make_mesh(settings.mesh, device.type)
-    check_batches(settings, batches)
     source = open_weights(settings.model, settings.seed)
     config = source.config
     with torch.device("meta"):
@@ -205,7 +228,13 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, device: 
                 activation_checkpointing=settings.activation_checkpointing)
     load_local_shards(llama, source, device)
     optimizer = AdamW(dict(llama.named_parameters()), settings.optimizer)
-    meta = run_metadata(settings, config)
+    return Training(mesh, llama, model, optimizer, source, run_metadata(settings, config), device)
+
+
+def _train(settings, batches: np.ndarray, on_step: StepCallback | None, device: torch.device) -> None:
+    check_batches(settings, batches)
+    run = build_training(settings, device)
+    mesh, llama, model, optimizer, meta = run.mesh, run.llama, run.model, run.optimizer, run.meta
 
     latest, start = checkpoint_to_resume(settings, meta, checkpointing.latest_checkpoint, checkpointing.read_metadata)
     if latest is not None:
@@ -220,11 +249,11 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, device: 
         loss, grad_norm, lr = train_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
                                          valid_count)
         seconds = time.perf_counter() - began
-        peaks = _all_ranks(_peak_memory_bytes(device), device)
+        peaks = all_ranks(peak_memory_bytes(device), device)
         if on_step is not None and dist.get_rank() == 0:
             on_step(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds, peak_memory_bytes=peaks)
         if checkpoint_due(settings, step + 1, stop):
             checkpointing.save_checkpoint(settings.ckpt_dir, step + 1, llama, optimizer.state_dict(), meta,
                                           keep=settings.keep)
     if settings.export_paths is not None:
-        checkpointing.export_trained_weights(llama, *settings.export_paths, source)
+        checkpointing.export_trained_weights(llama, *settings.export_paths, run.source)

@@ -48,7 +48,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from weights.config import LlamaConfig, preset, read_json
+from weights.config import PRESETS, LlamaConfig, preset, read_json
 from weights.errors import CheckpointError
 
 FORMAT = "twinflash-llama/1"
@@ -250,6 +250,8 @@ def open_weights(model: str | Path, seed: int = 0) -> ConvertedCheckpoint | Rand
     path = Path(model)
     if path.is_dir():
         return ConvertedCheckpoint(path)
+    if str(model) in PRESETS:  # before the path test: preset names have dots ("llama3.2-1b")
+        return RandomWeights(PRESETS[str(model)], seed)
     if os.sep in str(model) or path.suffix or path.exists():
         raise CheckpointError(f"missing checkpoint directory {model}")
     return RandomWeights(preset(str(model)), seed)

@@ -46,3 +46,9 @@ def model_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     attention_forward = attention_flops(1, config.num_heads, seq_len, seq_len, config.head_dim, causal=True,
                                         backward=False)
     return 6.0 * matmul_parameters(config) + 3 * config.num_layers * attention_forward / seq_len
+
+
+def forward_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Forward-only model FLOPs per token (a third of `model_flops_per_token`: 2N plus the causal attention
+    forward), the numerator of MFU for inference-style forward passes."""
+    return model_flops_per_token(config, seq_len) / 3

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 
+from weights.config import LlamaConfig
 from weights.errors import CheckpointError
 
 MESH_AXES = ("fsdp", "sp")
@@ -107,3 +108,27 @@ class MeshShape:
 
     def __str__(self) -> str:
         return f"fsdp={self.fsdp},sp={self.sp}"
+
+
+def step_comm_bytes(config: LlamaConfig, *, seq_len: int, batch: int, mesh: MeshShape, compute_bytes: int,
+                    train: bool, remat: bool, parameter_gathers: int, gradient_bytes: int) -> dict[str, float]:
+    """Bytes one device sends in one step (forward, or forward + backward when `train`), counted from the shapes:
+    {"attention": ..., "parameters": ..., "total": ...}. The achieved bandwidth of a benchmark is this over the
+    measured communication time.
+
+    attention   the ring over sp = P: each layer's forward passes this device's K and V (Hkv heads, compute
+                dtype) P - 1 times (the allgather variant moves the same bytes); the backward passes K and V again
+                and dK, dV in float32; activation checkpointing repeats the forward.
+    parameters  the parameters split over all devices (`PARAMETER_SHARDING`): each gather sends (D - 1) / D of
+                them in the compute dtype, `parameter_gathers` times per step (torch's FSDP2 gathers in the
+                forward and again in the backward, the JAX step once), and training reduce-scatters the
+                gradients, (D - 1) / D of them in `gradient_bytes`."""
+    devices, ring = mesh.size, mesh.sp
+    local_tokens = batch // mesh.fsdp * seq_len // ring
+    kv_elements = 2 * local_tokens * config.num_kv_heads * config.head_dim  # K and V
+    forwards = 1 + (train and remat)
+    attention = forwards * kv_elements * compute_bytes + (kv_elements * (compute_bytes + 4) if train else 0)
+    attention *= (ring - 1) * config.num_layers
+    share = (devices - 1) / devices
+    parameters = share * config.num_params * (parameter_gathers * compute_bytes + (gradient_bytes if train else 0))
+    return {"attention": float(attention), "parameters": float(parameters), "total": float(attention + parameters)}

@@ -1,0 +1,107 @@
+"""The equivalence section of `twinflash compare`: each backend against the float32 single-device reference, and
+the two backends against each other, from the files their equivalence jobs left (`compare/jobs.py`). Owns the
+metrics (logits max-abs, mean-abs and KL divergence, loss, per-parameter gradient max-abs difference and norm
+ratio, loss curves, the loaded weights' sums) and their tolerances, each with the reason beside it.
+
+All comparisons are float32 computations of the same math in a different order (ring merge by log-sum-exp, sharded
+matmuls and reductions, another framework's kernels): the tolerances are relative to the size of the compared
+quantity, a few hundred to a thousand float32 ulps, and far below what a real mistake moves (a weight scaled by
+1 % moves the logits by ~1e-2 relative: `--perturb`, tests/test_compare.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+# (tolerance, why); "scale" is the reference's size: max |logits|, max |gradient|, |loss|.
+LOGITS_MAX_ABS = (1e-4, "relative to max |reference logits|: float32 sums in another order (ring merge, sharded "
+                        "matmuls, other kernels) differ by ~1e-6 relative; 1e-4 leaves room for deep models")
+LOGITS_MEAN_ABS = (1e-5, "relative to mean |reference logits|: the typical error, 10x tighter than the worst")
+LOGITS_KL = (1e-6, "nats per position, KL(reference || other) of the next-token distributions: float32 noise is "
+                   "~1e-10; a 1 % weight change gives ~1e-4")
+LOSS_ABS = (1e-5, "relative to the reference loss: the mean of float32 cross-entropies reduced in another order")
+GRADIENT_MAX_ABS = (1e-3, "relative to max |reference gradient| of each parameter: gradients pass back through "
+                          "every layer and the ring's backward (dK/dV accumulated over the ring), so their float32 "
+                          "error grows with depth; a real mismatch moves them by percent")
+GRADIENT_NORM_RATIO = (1e-4, "|norm(other) / norm(reference) - 1| per parameter: the gradient's size, summed over "
+                             "all its elements")
+LOSS_CURVE_ABS = (1e-4, "relative to the reference loss, the worst step: the trained weights drift apart by float32 "
+                        "rounding step by step (AdamW divides by sqrt(v), which amplifies tiny gradients' noise)")
+WEIGHTS_EXACT = (1e-12, "the same converted weights cast to float32 in both backends: float64 sums of identical values "
+                      "agree to ~1e-15 whatever the order; any real difference names a weight loaded, converted or "
+                      "perturbed differently")
+
+
+def _check(metric: str, value: float, rule: tuple[float, str]) -> dict:
+    tolerance, why = rule
+    value = float(value)
+    return {"metric": metric, "value": value, "tolerance": tolerance, "passed": bool(value <= tolerance), "why": why}
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def load_equivalence(work_dir: Path, job_id: str, result: dict) -> dict:
+    """A job's result with its arrays: {"loss", "loss_curve", "weight_sums", "logits", "grads": {name: array}}."""
+    arrays = load_file(str(work_dir / f"{job_id}.safetensors"))
+    grads = {name.removeprefix("grad/"): a for name, a in arrays.items() if name.startswith("grad/")}
+    return {**result, "logits": arrays["logits"], "grads": grads}
+
+
+def compare_pair(name: str, ours: dict, reference: dict) -> dict:
+    """One comparison of the report: `ours` against `reference` (both `load_equivalence` dicts)."""
+    ref_logits, logits = reference["logits"].astype(np.float64), ours["logits"].astype(np.float64)
+    scale_max = max(1.0, float(np.abs(ref_logits).max()))
+    scale_mean = max(1e-6, float(np.abs(ref_logits).mean()))
+    ref_logp, logp = _log_softmax(ref_logits), _log_softmax(logits)
+    kl = float(np.max(np.sum(np.exp(ref_logp) * (ref_logp - logp), axis=-1)))
+    checks = [
+        _check("logits max-abs", np.abs(logits - ref_logits).max() / scale_max, LOGITS_MAX_ABS),
+        _check("logits mean-abs", np.abs(logits - ref_logits).mean() / scale_mean, LOGITS_MEAN_ABS),
+        _check("logits KL", kl, LOGITS_KL),
+        _check("loss abs diff", abs(ours["loss"] - reference["loss"]) / max(1.0, abs(reference["loss"])), LOSS_ABS),
+    ]
+    parameters = []
+    for param, ref_grad in reference["grads"].items():
+        grad, ref_grad = ours["grads"][param].astype(np.float64), ref_grad.astype(np.float64)
+        ref_norm = float(np.linalg.norm(ref_grad))
+        max_diff = float(np.abs(grad - ref_grad).max()) / max(float(np.abs(ref_grad).max()), 1e-30)
+        ratio = float(np.linalg.norm(grad)) / ref_norm if ref_norm > 0 else float(np.linalg.norm(grad) == 0)
+        ref_sums, sums = reference["weight_sums"][param], ours["weight_sums"][param]
+        weight_diff = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(sums, ref_sums))
+        passed = (max_diff <= GRADIENT_MAX_ABS[0] and abs(ratio - 1) <= GRADIENT_NORM_RATIO[0]
+                  and weight_diff <= WEIGHTS_EXACT[0])
+        parameters.append({"name": param, "max_abs_diff": max_diff, "norm_ratio": ratio,
+                           "weight_sum_diff": weight_diff, "passed": passed})
+    checks.append(_check("loaded weights, worst relative sum difference",
+                         max(p["weight_sum_diff"] for p in parameters), WEIGHTS_EXACT))
+    checks.append(_check("gradient max-abs (worst parameter)", max(p["max_abs_diff"] for p in parameters),
+                         GRADIENT_MAX_ABS))
+    checks.append(_check("gradient norm ratio (worst)", max(abs(p["norm_ratio"] - 1) for p in parameters),
+                         GRADIENT_NORM_RATIO))
+    if ours["loss_curve"] and reference["loss_curve"]:
+        curve = np.abs(np.subtract(ours["loss_curve"], reference["loss_curve"]))
+        checks.append(_check("loss curve max-abs", float(curve.max()) / max(1.0, abs(reference["loss"])),
+                             LOSS_CURVE_ABS))
+    return {"name": name, "passed": all(c["passed"] for c in checks), "checks": checks, "parameters": parameters}
+
+
+def equivalence_section(loaded: dict[str, dict], *, seq_len: int, devices: int, layers: int,
+                        reference_description: str) -> dict:
+    """The report's "equivalence" dict from `load_equivalence` dicts keyed "reference", "torch", "jax" (the
+    backends that ran): each backend against the reference, then torch against jax."""
+    backends = [b for b in ("torch", "jax") if b in loaded]
+    pairs = [(f"{b} vs reference", b, "reference") for b in backends]
+    if len(backends) == 2:
+        pairs.append(("torch vs jax", "torch", "jax"))
+    comparisons = [compare_pair(name, loaded[a], loaded[b]) for name, a, b in pairs]
+    curves = {name: list(run["loss_curve"]) for name, run in loaded.items() if run["loss_curve"]}
+    return {"seq_len": seq_len, "devices": devices, "layers": layers, "dtype": "fp32",
+            "reference": reference_description, "passed": all(c["passed"] for c in comparisons),
+            "comparisons": comparisons, "loss_curves": curves}

@@ -1,0 +1,135 @@
+"""The work `twinflash compare` hands to its backend processes, and what they hand back. Owns `Job` (one
+equivalence check or one benchmark point), the job file a launch reads, the files a job leaves in the work
+directory (`<id>.started` before it runs, `<id>.json` and for an equivalence check `<id>.safetensors` after), the
+inputs both backends build the same way (`job_batches`, `job_settings`), and the time arithmetic of profiler
+traces (`communication_seconds`).
+
+Workers: `compare/worker_torch.py` (one process per device, under torchrun) and `compare/worker_jax.py` (one
+process, all devices), twins that run a job file's jobs in order. A job that raises in the torch worker ends its
+launch (a rank that failed can leave the others waiting in a collective, so the whole group is taken down and the
+harness starts a new launch for the jobs left); the JAX worker, one process, records an out-of-memory or other
+error as the job's result and goes on.
+
+Equivalence jobs (fp32) record: the loaded weights' float64 sum and sum of squares per parameter (a perturbed or
+misread weight shows up by name), the next-token loss and the full logits of the first batch, every parameter's
+gradient of that loss, and in train mode the loss of each of `steps` optimizer steps. Benchmark jobs record the
+median step time, the forward time, the communication time of one profiled step, throughput inputs and the peak
+memory per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from compare.train import TrainSettings
+from weights import open_weights
+from weights.data import random_batches, text_batches
+from weights.parallel import MeshShape
+from weights.schedule import OptimizerConfig
+
+PERTURBATION = 1e-2  # --perturb multiplies one parameter by 1 + this in one backend (a real, small mismatch)
+EQUIVALENCE_LR = 1e-3  # train-mode loss curves: large enough that the curve moves, small enough to stay smooth
+_COLLECTIVE_OP = re.compile(r"(all-gather|all-reduce|reduce-scatter|collective-permute|ppermute|all-to-all)"
+                            r"(-start|-done)?(\.\d+)*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One unit of a backend's work. `kind`: "equivalence" or "bench"; `attention`: the harness's name of the
+    kernel family ("ours", "vendor", "reference") and `attention_backend` the backend's own kernel name."""
+
+    id: str
+    kind: str
+    backend: str
+    model: str
+    seq_len: int
+    devices: int
+    attention: str
+    attention_backend: str
+    dtype: str
+    mode: str
+    steps: int
+    seed: int = 0
+    remat: bool = False
+    perturb: str | None = None
+    trace_dir: str | None = None
+
+    def settings(self) -> TrainSettings:
+        """The training description of this job: batch 1, the sequence split over all `devices` (fsdp=1)."""
+        steps = max(self.steps, 1)
+        optimizer = OptimizerConfig(lr=EQUIVALENCE_LR, warmup_steps=0, total_steps=steps)
+        return TrainSettings(backend=self.backend, model=self.model, seq_len=self.seq_len, steps=steps,
+                             mesh=MeshShape(sp=self.devices), batch=1, dtype=self.dtype, seed=self.seed,
+                             data="text" if self.kind == "equivalence" else "random", optimizer=optimizer,
+                             activation_checkpointing=self.remat, attention_backend=self.attention_backend)
+
+
+def job_batches(job: Job) -> np.ndarray:
+    """int64 [steps + 1, 1, seq_len]: real text for equivalence checks, random tokens for benchmarks (one more
+    batch than steps: the benchmark's warm-up step)."""
+    settings = job.settings()
+    vocab = open_weights(job.model, job.seed).config.vocab_size
+    make = text_batches if settings.data == "text" else random_batches
+    return make(settings.steps + 1, 1, job.seq_len, vocab, job.seed)
+
+
+def write_job_file(path: Path, jobs: Iterable[Job], work_dir: Path) -> None:
+    path.write_text(json.dumps({"work_dir": str(work_dir), "jobs": [dataclasses.asdict(j) for j in jobs]}))
+
+
+def read_job_file(path: Path) -> tuple[list[Job], Path]:
+    data = json.loads(Path(path).read_text())
+    return [Job(**j) for j in data["jobs"]], Path(data["work_dir"])
+
+
+def mark_started(work_dir: Path, job: Job) -> None:
+    (work_dir / f"{job.id}.started").touch()
+
+
+def write_result(work_dir: Path, job: Job, result: dict) -> None:
+    """`<id>.json`, written under a temporary name and renamed: the harness never reads half a result."""
+    tmp = work_dir / f".{job.id}.json.tmp"
+    tmp.write_text(json.dumps({"id": job.id, **result}))
+    tmp.replace(work_dir / f"{job.id}.json")
+
+
+def read_result(work_dir: Path, job_id: str) -> dict | None:
+    path = work_dir / f"{job_id}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def started(work_dir: Path, job_id: str) -> bool:
+    return (work_dir / f"{job_id}.started").exists()
+
+
+def union_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (same unit in, seconds out when given seconds)."""
+    total, reach = 0.0, -np.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def is_collective_op(name: str) -> bool:
+    """An XLA collective's op name (`all-gather.3`, `collective-permute-start`, JAX's `ppermute.1`, ...)."""
+    return _COLLECTIVE_OP.fullmatch(name) is not None
+
+
+def communication_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Communication time of a profiled step: the time during which at least one communication event (NCCL
+    kernel, gloo transfer, XLA collective) of device 0 was running, in seconds from intervals in seconds. Overlap
+    with compute is not subtracted: this is the time the links were busy, what the bandwidth divides."""
+    return union_seconds(intervals)
+
+
+def is_out_of_memory(text: str) -> bool:
+    """Whether an error message or log says the device ran out of memory (torch or XLA wording)."""
+    return bool(re.search(r"out of memory|OutOfMemoryError|RESOURCE_EXHAUSTED", text, re.IGNORECASE))

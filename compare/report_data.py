@@ -1,0 +1,126 @@
+"""The report dict of `twinflash compare` (format "twinflash-compare/1", schema compare/report_schema.json) from
+its jobs' results: the benchmark arithmetic of each point (throughput, TFLOP/s, MFU, communication bandwidth,
+scaling efficiency, time to N tokens), the environment the numbers were measured in, and the model's description.
+`compare/harness.py` runs the jobs; `compare/report.py` renders the dict.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+
+from compare import jobs as J
+from compare.train import PEAK_FLOPS_PER_DEVICE
+from weights import LlamaConfig
+from weights.flops import forward_flops_per_token, model_flops_per_token
+from weights.parallel import MeshShape, step_comm_bytes
+
+MFU_FORMULA = ("MFU = model FLOPs per second / (989 TFLOP/s x devices); model FLOPs per token = 6 N + 6 x layers x "
+               "heads x head_dim x S (training: forward + backward, causal attention, no credit for recomputation) "
+               "or a third of that (forward mode); N = parameters multiplied in matmuls (weights.flops)")
+_MEASURED = ("step_s", "forward_s", "backward_s", "comm_s", "comm_bytes", "comm_bandwidth_gbps", "tokens_per_s",
+             "tflops_per_device", "mfu", "peak_memory_bytes", "scaling_efficiency", "time_to_tokens_s")
+
+
+def _flops_per_token(config: LlamaConfig, seq_len: int, mode: str) -> float:
+    return (model_flops_per_token if mode == "train" else forward_flops_per_token)(config, seq_len)
+
+
+def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: dict) -> dict:
+    """One row of the benchmark section (scaling efficiency filled in later by `add_scaling`)."""
+    point = {"backend": job.backend, "seq_len": job.seq_len, "devices": job.devices, "attention": job.attention,
+             "kernel": job.attention_backend, "status": result["status"], "message": result.get("message"),
+             "trace": None, **dict.fromkeys(_MEASURED)}
+    if result["status"] != "ok":
+        return point
+    step_s, train = result["step_s"], job.mode == "train"
+    tflops = job.seq_len * _flops_per_token(config, job.seq_len, job.mode) / step_s / job.devices / 1e12
+    point.update(step_s=step_s, forward_s=result["forward_s"], comm_s=result["comm_s"],
+                 backward_s=max(0.0, step_s - result["forward_s"]) if train else None,
+                 tokens_per_s=job.seq_len / step_s, tflops_per_device=tflops,
+                 mfu=tflops * 1e12 / PEAK_FLOPS_PER_DEVICE if settings["platform"] == "gpu" else None,
+                 peak_memory_bytes=result["peak_memory_bytes"],
+                 time_to_tokens_s=settings["time_to_tokens"] * step_s / job.seq_len)
+    if job.devices > 1:
+        compute_bytes = 2 if job.dtype == "bf16" else 4
+        point["comm_bytes"] = step_comm_bytes(
+            config, seq_len=job.seq_len, batch=1, mesh=MeshShape(sp=job.devices), compute_bytes=compute_bytes,
+            train=train, remat=job.remat, parameter_gathers=2 if (job.backend == "torch" and train) else 1,
+            gradient_bytes=4 if job.backend == "torch" else compute_bytes)["total"]
+        if result["comm_s"]:
+            point["comm_bandwidth_gbps"] = point["comm_bytes"] / result["comm_s"] / 1e9
+    if result.get("trace"):
+        point["trace"] = os.path.relpath(result["trace"], settings["out"])
+    return point
+
+
+def add_scaling(points: list[dict]) -> None:
+    """scaling_efficiency = step_s(1 device) / (devices x step_s(devices)) for the same backend, length, kernel."""
+    single = {(p["backend"], p["seq_len"], p["attention"]): p["step_s"] for p in points
+              if p["devices"] == 1 and p["step_s"]}
+    for p in points:
+        base = single.get((p["backend"], p["seq_len"], p["attention"]))
+        if base and p["step_s"]:
+            p["scaling_efficiency"] = base / (p["devices"] * p["step_s"])
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _command_output(command: list[str], cwd: Path | None = None) -> str | None:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, check=True, timeout=20, cwd=cwd).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(settings: dict) -> dict:
+    if settings["platform"] == "gpu":
+        import torch
+
+        names = [torch.cuda.get_device_name(i) for i in range(settings["devices"])]
+        driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        driver = driver.splitlines()[0] if driver else None
+    else:
+        names, driver = [f"cpu ({settings['devices']} emulated devices: gloo processes, XLA host devices)"], None
+    libraries = {name: _version(name) for name in ("torch", "triton", "jax", "jaxlib", "flax", "numpy")}
+    return {"platform": settings["platform"], "devices": names, "driver": driver,
+            "python": platform.python_version(), "libraries": libraries,
+            "git_commit": _command_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent),
+            "hostname": socket.gethostname(), "cpu_count": os.cpu_count() or 1}
+
+
+def model_section(name: str, config: LlamaConfig) -> dict:
+    return {"name": name, "num_params": config.num_params, "layers": config.num_layers,
+            "hidden": config.hidden_size, "heads": config.num_heads, "kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim, "vocab": config.vocab_size}
+
+
+def report_dict(*, settings: dict, config: LlamaConfig, equivalence: dict, points: list[dict], peers: list[dict],
+                argv: list[str]) -> dict:
+    public = ("model", "mode", "seq_lens", "device_counts", "devices", "steps", "dtype", "backends",
+              "attention_ablation", "time_to_tokens")
+    return {
+        "format": "twinflash-compare/1",
+        "command": " ".join(["twinflash", "compare", *argv]),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "passed": equivalence["passed"],
+        "settings": {k: settings[k] for k in public},
+        "environment": environment(settings),
+        "model": model_section(settings["model"], config),
+        "flops": {"formula": MFU_FORMULA,
+                  "peak_flops_per_device": PEAK_FLOPS_PER_DEVICE if settings["platform"] == "gpu" else None},
+        "equivalence": equivalence,
+        "benchmark": {"points": points},
+        "peers": peers,
+        "plots": [],
+    }

@@ -1,0 +1,173 @@
+"""The torch backend's side of `twinflash compare`: runs the jobs of a job file (`compare/jobs.py`) on this
+torchrun launch's ranks, one process per device, each job over all of them (fsdp=1, sp=world). Twin of
+`compare/worker_jax.py`; the models, kernels, ring and training step are `torch_impl`'s own, built by
+`torch_impl.train.build_training` exactly as `twinflash train` builds them.
+
+`python -m torch.distributed.run --nproc-per-node=P -m compare.worker_torch JOBFILE`. Rank 0 writes the files;
+a failing job raises, which ends the launch (see compare/jobs.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.numpy import save_file
+from torch.profiler import ProfilerActivity, profile
+
+from compare.jobs import (PERTURBATION, Job, communication_seconds, job_batches, mark_started, read_job_file,
+                          write_result)
+from torch_impl.parallel import local_batch
+from torch_impl.train import Training, all_ranks, build_training, init_distributed, peak_memory_bytes, train_step
+from weights.layout import gather_sequence
+from weights.parallel import RING_LAYOUT
+from weights.training import valid_target_count
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded DTensor on every rank (a collective: all ranks call it in the same order)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _perturb(run: Training, name: str | None) -> None:
+    if name is not None:
+        with torch.no_grad():
+            dict(run.llama.named_parameters())[name].to_local().mul_(1 + PERTURBATION)
+
+
+def _weight_sums(run: Training) -> dict[str, list[float]]:
+    """float64 [sum, sum of squares] of every parameter as loaded."""
+    sums = {}
+    for name, param in run.llama.named_parameters():
+        whole = _full(param.detach()).double()
+        sums[name] = [float(whole.sum()), float(whole.square().sum())]
+    return sums
+
+
+def _global_loss(share: torch.Tensor) -> float:
+    total = share.detach().clone()
+    dist.all_reduce(total)
+    return float(total)
+
+
+def _gathered_logits(local: torch.Tensor, run: Training) -> np.ndarray:
+    """float32 [B, S, vocab] in position order from every sp rank's [B, S_local, vocab]."""
+    group = run.mesh["sp"].get_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return gather_sequence([p.cpu().numpy() for p in parts], RING_LAYOUT)
+
+
+def equivalence(job: Job, work_dir: Path, device: torch.device) -> None:
+    settings = job.settings()
+    batches = job_batches(job)
+    run = build_training(settings, device)
+    _perturb(run, job.perturb)
+    sums = _weight_sums(run)
+    tokens, targets, positions = local_batch(batches[0], run.mesh, device)
+    count = valid_target_count(1, job.seq_len)
+    share, local_logits = run.model(tokens, positions, targets, count, with_logits=True)
+    share.backward()
+    loss = _global_loss(share)
+    logits = _gathered_logits(local_logits, run)
+    rank0 = dist.get_rank() == 0
+    grads = {}
+    for name, param in run.llama.named_parameters():
+        whole = _full(param.grad)  # a collective: every rank takes part, rank 0 keeps the copy
+        if rank0:
+            grads[f"grad/{name}"] = whole.float().cpu().numpy()
+    for p in run.llama.parameters():
+        p.grad = None
+    curve = []
+    if job.mode == "train":
+        for step in range(settings.steps):
+            curve.append(train_step(run.model, run.optimizer, *local_batch(batches[step], run.mesh, device), step,
+                                    count)[0])
+    if rank0:
+        save_file({"logits": logits, **grads}, str(work_dir / f"{job.id}.safetensors"))
+        write_result(work_dir, job, {"status": "ok", "loss": loss, "loss_curve": curve, "weight_sums": sums})
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _communication_intervals(prof, device: torch.device) -> list[tuple[float, float]]:
+    """(start, end) seconds of this rank's communication: NCCL kernels on the GPU, gloo's transfers on CPU."""
+    intervals = []
+    for event in prof.events():
+        name = event.name.lower()
+        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
+        if (device.type == "cuda" and on_gpu and "nccl" in name) or (device.type == "cpu" and
+                                                                     name.startswith("gloo:")):
+            intervals.append((event.time_range.start / 1e6, event.time_range.end / 1e6))
+    return intervals
+
+
+def bench(job: Job, work_dir: Path, device: torch.device) -> None:
+    settings = job.settings()
+    batches = job_batches(job)
+    run = build_training(settings, device)
+    count = valid_target_count(1, job.seq_len)
+    inputs = [local_batch(batch, run.mesh, device) for batch in batches]
+
+    def forward(i: int) -> float:
+        tokens, targets, positions = inputs[i]
+        with torch.no_grad():
+            return _global_loss(run.model(tokens, positions, targets, count))
+
+    def step(i: int) -> float:
+        if job.mode == "train":
+            return train_step(run.model, run.optimizer, *inputs[i], i, count)[0]
+        return forward(i)
+
+    def timed(fn, i: int) -> float:
+        _synchronize(device)
+        began = time.perf_counter()
+        fn(i)  # both end in a host read of the loss, which waits for the step
+        return time.perf_counter() - began
+
+    first_s = timed(step, 0)  # compilation (Triton autotuning) and allocator warm-up
+    step_times = [timed(step, i) for i in range(1, len(inputs))]
+    forward_s = statistics.median(timed(forward, i) for i in range(min(2, len(inputs))))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step(0)
+        _synchronize(device)
+    comm_s = communication_seconds(_communication_intervals(prof, device)) if job.devices > 1 else None
+    peaks = all_ranks(peak_memory_bytes(device), device)
+    if dist.get_rank() != 0:
+        return
+    trace = None
+    if job.trace_dir is not None:
+        trace = str(Path(job.trace_dir) / f"{job.id}.pt.trace.json")
+        prof.export_chrome_trace(trace)
+    write_result(work_dir, job, {"status": "ok", "step_s": statistics.median(step_times), "first_step_s": first_s,
+                                 "forward_s": forward_s, "comm_s": comm_s, "peak_memory_bytes": max(peaks),
+                                 "trace": trace, "platform": device.type})
+
+
+def main(argv: list[str]) -> int:
+    jobs, work_dir = read_job_file(Path(argv[0]))
+    device = init_distributed()
+    try:
+        for job in jobs:
+            if dist.get_rank() == 0:
+                mark_started(work_dir, job)
+            (equivalence if job.kind == "equivalence" else bench)(job, work_dir, device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,158 @@
+"""`twinflash compare`: the embedded default end to end (both backends, 4 emulated CPU devices, report checked
+against its schema), the harness catching a perturbed weight (negative control: exit 1, the report names the
+parameter), bad input (one line, exit 2, nothing written), and the launch loop's handling of a worker that dies
+(OOM recorded, the sweep goes on) or hangs (timeout)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from compare import jobs as J
+from compare.cli import main as cli_main
+from compare.harness import run_launch
+from compare.report import validate_report
+from weights import PRESETS
+from weights.parallel import MeshShape, step_comm_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _compare(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "compare.cli", "compare", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=1500)
+
+
+@pytest.mark.slow
+def test_embedded_default_writes_a_passing_full_report(tmp_path):
+    out = tmp_path / "report"
+    run = _compare("--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    validate_report(report)
+    assert report["passed"] and report["equivalence"]["passed"]
+    assert {c["name"] for c in report["equivalence"]["comparisons"]} == {
+        "torch vs reference", "jax vs reference", "torch vs jax"}
+    assert set(report["equivalence"]["loss_curves"]) == {"reference", "torch", "jax"}
+    points = report["benchmark"]["points"]
+    ours = [p for p in points if p["attention"] == "ours"]
+    assert {(p["backend"], p["devices"]) for p in ours} == {(b, d) for b in ("torch", "jax") for d in (1, 2, 4)}
+    assert all(p["status"] == "ok" and p["tokens_per_s"] > 0 and p["peak_memory_bytes"] > 0 for p in ours)
+    assert all(p["comm_s"] > 0 and p["comm_bandwidth_gbps"] > 0 for p in ours if p["devices"] > 1)
+    assert {p["status"] for p in points if p["attention"] == "vendor"} == {"unsupported"}  # no GPU here
+    assert all(p["status"] == "ok" for p in points if p["attention"] == "reference")
+    assert report["plots"]
+    for plot in report["plots"]:
+        path = out / plot
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        image = matplotlib.image.imread(path)
+        assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0  # not a blank image
+    traces = [p["trace"] for p in points if p["trace"]]
+    assert traces and all((out / t).exists() for t in traces)
+    assert "PASS" in (out / "report.md").read_text() and (out / "report.html").exists()
+    assert not list((out / "work").glob("*.safetensors"))  # the big arrays are summarised, then removed
+
+
+@pytest.mark.slow
+def test_perturbed_weight_fails_and_the_report_names_it(tmp_path):
+    out, name = tmp_path / "report", "layers.1.feed_forward.w2.weight"
+    run = _compare("--no-bench", "--mode", "forward", "--seq-lens", "64", "--perturb", f"jax:{name}",
+                   "--out", str(out))
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert name in run.stderr
+    report = json.loads((out / "report.json").read_text())
+    validate_report(report)
+    assert not report["passed"]
+    verdicts = {c["name"]: c for c in report["equivalence"]["comparisons"]}
+    assert verdicts["torch vs reference"]["passed"]  # the unperturbed backend still matches
+    for failing in ("jax vs reference", "torch vs jax"):
+        comparison = verdicts[failing]
+        assert not comparison["passed"]
+        assert not next(c for c in comparison["checks"] if c["metric"].startswith("logits max-abs"))["passed"]
+        moved = [p["name"] for p in comparison["parameters"] if p["weight_sum_diff"] > 1e-12]
+        assert moved == [name]
+    assert name in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seq-lens", "100"], "100"),
+    (["--devices", "0"], "--devices"),
+    (["--backends", "torch,mxnet"], "--backends"),
+    (["--perturb", "jax:no.such.weight"], "--perturb"),
+    (["--model", "/no/such/dir"], "/no/such/dir"),
+    (["--ablation", "fastest"], "--ablation"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    out = tmp_path / "report"
+    assert cli_main(["compare", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("twinflash: error:") and "\n" not in err and message in err
+    assert not out.exists()
+
+
+def test_existing_output_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert cli_main(["compare", "--out", str(out)]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+_FAKE_WORKER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from compare import jobs as J
+    jobs, work_dir = J.read_job_file(Path(sys.argv[1]))
+    for job in jobs:
+        J.mark_started(work_dir, job)
+        if job.id == "oom":
+            print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB", flush=True)
+            sys.exit(1)
+        if job.id == "hang":
+            time.sleep(60)
+        J.write_result(work_dir, job, {"status": "ok"})
+""")
+
+
+def _job(job_id: str) -> J.Job:
+    return J.Job(id=job_id, kind="bench", backend="torch", model="tiny", seq_len=64, devices=1, attention="ours",
+                 attention_backend="triton", dtype="fp32", mode="train", steps=1)
+
+
+def test_a_dead_worker_is_recorded_and_the_sweep_goes_on(tmp_path):
+    done = []
+    jobs = [_job("a"), _job("oom"), _job("b"), _job("hang"), _job("c")]
+    run_launch(jobs, [sys.executable, "-c", _FAKE_WORKER], {"PYTHONPATH": str(ROOT)}, tmp_path, tmp_path / "log",
+               timeout_s=3.0, on_done=lambda job: done.append(job.id))
+    status = {j.id: J.read_result(tmp_path, j.id) for j in jobs}
+    assert sorted(done) == sorted(j.id for j in jobs)
+    assert {k: v["status"] for k, v in status.items()} == {"a": "ok", "oom": "oom", "b": "ok", "hang": "timeout",
+                                                            "c": "ok"}
+    assert "OutOfMemoryError" in status["oom"]["message"]
+
+
+def test_communication_time_is_the_union_of_intervals():
+    assert J.union_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.6)]) == pytest.approx(3.0)
+    assert J.union_seconds([]) == 0.0
+    assert all(J.is_collective_op(n) for n in ("all-gather.3", "collective-permute-start", "ppermute.1",
+                                               "reduce-scatter", "all-reduce-done.2"))
+    assert not any(J.is_collective_op(n) for n in ("end: all-gather", "ynn_fusion", "all-gathering"))
+
+
+def test_communication_bytes_follow_the_shapes():
+    config = PRESETS["llama3.2-1b"]
+    one = step_comm_bytes(config, seq_len=4096, batch=1, mesh=MeshShape(sp=1), compute_bytes=2, train=True,
+                          remat=False, parameter_gathers=2, gradient_bytes=4)
+    assert one["total"] == 0  # nothing leaves a single device
+    four = step_comm_bytes(config, seq_len=4096, batch=1, mesh=MeshShape(sp=4), compute_bytes=2, train=False,
+                           remat=False, parameter_gathers=1, gradient_bytes=4)
+    kv_per_layer = 2 * 1024 * config.num_kv_heads * config.head_dim * 2  # K and V of 1024 local tokens, bf16
+    assert four["attention"] == 3 * kv_per_layer * config.num_layers
+    assert four["parameters"] == pytest.approx(0.75 * config.num_params * 2)

@@ -1,0 +1,229 @@
+"""compare/report.py: the report of `twinflash compare` from a synthetic report dict (train mode, torch and jax,
+two context lengths, 1 and 4 devices, an attention ablation with an OOM and an unsupported point, one failing
+equivalence comparison): every file written, the schema kept, the verdict / OOM / failing parameter / tolerance
+reasons in both renderings, HTML escaped, and invalid reports refused before anything is written."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import matplotlib.image
+import numpy as np
+import pytest
+
+from compare.report import (
+    SCHEMA_PATH,
+    load_peers,
+    render_html,
+    render_markdown,
+    validate_report,
+    write_report,
+)
+
+WHY_LOGITS = "fp32 logits; the ring changes the summation order only"
+WHY_GRAD = "Triton vs XLA reduction order, amplified by 2 layers of backward"
+FAILING_PARAMETER = "layers.1.feed_forward.w2.weight"
+OOM_MESSAGE = "CUDA out of memory <tried to allocate 8.00 GiB>"
+
+
+def _point(backend, seq_len, devices, attention="ours", status="ok", message=None):
+    kernel = {"ours": {"torch": "triton", "jax": "pallas"}[backend], "vendor": f"{backend}_cudnn",
+              "reference": "reference"}[attention]
+    point = {"backend": backend, "seq_len": seq_len, "devices": devices, "attention": attention, "kernel": kernel,
+             "status": status, "message": message, "trace": None}
+    keys = ("step_s", "forward_s", "backward_s", "comm_s", "comm_bytes", "comm_bandwidth_gbps", "tokens_per_s",
+            "tflops_per_device", "mfu", "peak_memory_bytes", "scaling_efficiency", "time_to_tokens_s")
+    point.update(dict.fromkeys(keys))
+    if status != "ok":
+        return point
+    slower = {"ours": 1.0, "vendor": 0.8, "reference": 3.0}[attention] * (1.1 if backend == "jax" else 1.0)
+    step = slower * (0.02 + 1e-7 * seq_len**2) / devices**0.9
+    tokens = 4 * seq_len / step
+    point.update(step_s=step, forward_s=step / 3, backward_s=step * 0.6, tokens_per_s=tokens,
+                 tflops_per_device=tokens * 6e6 / devices / 1e12, mfu=tokens * 6e6 / devices / 989e12,
+                 peak_memory_bytes=int(2**20 * seq_len / devices + 3 * 2**30), time_to_tokens_s=1e9 / tokens,
+                 scaling_efficiency=1 / devices**0.1, trace=f"traces/{backend}-{seq_len}-{devices}.json")
+    if devices > 1:
+        point.update(comm_s=step / 10, comm_bytes=4.0 * 2**20 * seq_len, comm_bandwidth_gbps=4e-3 * seq_len / step)
+    return point
+
+
+def _parameters(names, failing=()):
+    return [{"name": n, "max_abs_diff": 1e-6 * (i + 1) if n not in failing else 3e-3, "norm_ratio": 1.0 + 1e-7 * i,
+             "passed": n not in failing} for i, n in enumerate(names)]
+
+
+def _comparison(name, passed):
+    grad = {"metric": "gradient max-abs (worst parameter)", "value": 1.5e-5 if passed else 3e-3, "tolerance": 1e-4,
+            "passed": passed, "why": WHY_GRAD}
+    names = [f"layers.{i}.{m}" for i in range(2) for m in ("attention.wq.weight", "attention.wk.weight",
+             "attention.wv.weight", "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
+             "feed_forward.w3.weight", "attention_norm.weight")] + ["tok_embeddings.weight", "output.weight"]
+    return {"name": name, "passed": passed, "parameters": _parameters(names, () if passed else (FAILING_PARAMETER,)),
+            "checks": [{"metric": "logits max-abs", "value": 2.4e-6, "tolerance": 1e-4, "passed": True,
+                        "why": WHY_LOGITS}, grad]}
+
+
+def make_report() -> dict:
+    seq_lens, backends = [256, 512], ["torch", "jax"]
+    points = [_point(b, s, d) for b in backends for s in seq_lens for d in (1, 4)]
+    points += [_point("torch", s, 4, "vendor") for s in seq_lens] + [_point("torch", 256, 4, "reference"),
+               _point("torch", 512, 4, "reference", "oom", OOM_MESSAGE), _point("jax", 256, 4, "vendor"),
+               _point("jax", 512, 4, "vendor", "unsupported", "cuDNN attention needs S <= 256 here"),
+               _point("jax", 256, 4, "reference"), _point("jax", 512, 4, "reference")]
+    return {
+        "format": "twinflash-compare/1", "command": "twinflash compare --model tiny --seq-lens 256,512",
+        "created": "2026-11-21T10:00:00+00:00", "passed": False,
+        "settings": {"model": "tiny", "mode": "train", "seq_lens": seq_lens, "device_counts": [1, 4], "devices": 4,
+                     "steps": 6, "dtype": "fp32", "backends": backends,
+                     "attention_ablation": ["ours", "vendor", "reference"], "time_to_tokens": 1_000_000_000},
+        "environment": {"platform": "cpu", "devices": ["cpu (4 emulated)"], "driver": None, "python": "3.11.9",
+                        "libraries": {"torch": "2.13.0", "triton": None, "jax": "0.11.2", "jaxlib": "0.11.2",
+                                      "flax": "0.12.0", "numpy": "2.3.0"},
+                        "git_commit": "9f24d5f", "hostname": "ci", "cpu_count": 16},
+        "model": {"name": "tiny", "num_params": 123_456, "layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2,
+                  "head_dim": 32, "vocab": 256},
+        "flops": {"formula": "6 * N * S + 12 * layers * heads * head_dim * S^2 / 2", "peak_flops_per_device": None},
+        "equivalence": {"seq_len": 256, "devices": 4, "layers": 2, "dtype": "fp32",
+                        "reference": "plain-math attention in torch, 1 device", "passed": False,
+                        "comparisons": [_comparison("torch vs reference", True), _comparison("jax vs reference", True),
+                                        _comparison("torch vs jax", False)],
+                        "loss_curves": {k: [5.6 - 0.1 * i + (0.001 if k == "jax" else 0) for i in range(6)]
+                                        for k in ("torch", "jax", "reference")}},
+        "benchmark": {"points": points},
+        "peers": load_peers(),
+    }
+
+
+ALL_PLOTS = {f"plots/{n}.png" for n in ("throughput", "memory", "scaling", "breakdown", "ablation", "loss_curves")}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """(the report given, out_dir): one write_report shared by the tests that only read its files."""
+    report, out = make_report(), tmp_path_factory.mktemp("report") / "out"
+    original = copy.deepcopy(report)
+    write_report(report, out)
+    assert report == original  # the caller's dict is left alone
+    return original, out
+
+
+def test_write_report_files_schema_and_plots(written):
+    original, out = written
+    data = json.loads((out / "report.json").read_text())
+    jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text())).validate(data)
+    validate_report(data)
+    assert set(data["plots"]) == ALL_PLOTS
+    assert data == {**original, "plots": data["plots"]}  # round trip
+    assert sorted(p.name for p in out.iterdir()) == ["plots", "report.html", "report.json", "report.md"]
+    assert sorted(p.name for p in (out / "plots").iterdir()) == sorted(p.split("/")[1] for p in ALL_PLOTS)
+    for rel in data["plots"]:
+        raw = (out / rel).read_bytes()
+        assert raw[:8] == b"\x89PNG\r\n\x1a\n" and len(raw) > 1000
+        image = matplotlib.image.imread(out / rel)
+        assert image.ndim == 3 and image.shape[2] in (3, 4) and 200 < image.shape[0] < 2000
+        assert 300 < image.shape[1] < 3000
+
+
+def test_renderings_show_verdict_oom_failures_and_tolerances(written):
+    md, page = (written[1] / "report.md").read_text(), (written[1] / "report.html").read_text()
+    for text in (md, page):
+        assert "Verdict: FAIL" in text and "OOM" in text and "UNSUPPORTED" in text
+        assert FAILING_PARAMETER in text and WHY_GRAD in text and WHY_LOGITS in text
+        assert "torch vs jax: FAIL" in text and "torch vs reference: PASS" in text
+        assert "tolerance" in text and "0.0001" in text and "0.003" in text
+        for rel in ALL_PLOTS:
+            assert rel in text
+        assert "HF transformers + SDPA" in text and "TFLOP/s per GPU" in text  # peers table
+        assert "traces/torch-512-4.json" in text
+    assert "<tried to allocate" not in page and "&lt;tried to allocate 8.00 GiB&gt;" in page
+    assert page.startswith("<!doctype html>") and page.rstrip().endswith("</html>")
+    assert "| torch | reference | reference | 512 | 4 | OOM |" in md
+    assert "![loss curves](plots/loss_curves.png)" in md
+    # tokens/s with thousands separators, times in ms below 1 s, memory in GiB
+    assert any("," in cell and cell.replace(",", "").isdigit() for cell in md.split(" | "))
+    assert " ms |" in md and " GiB |" in md and "time to 1B tokens" in md
+
+
+def test_render_functions_handle_forward_mode_and_all_failed_points(tmp_path):
+    report = make_report()
+    report["settings"]["mode"] = "forward"
+    report["equivalence"]["loss_curves"] = {}
+    for i, p in enumerate(report["benchmark"]["points"]):
+        if p["attention"] != "ours" or p["seq_len"] == 512:
+            report["benchmark"]["points"][i] = _point(p["backend"], p["seq_len"], p["devices"], p["attention"],
+                                                      "timeout" if i % 2 else "error", "killed after 600 s")
+    report["equivalence"]["comparisons"][0]["checks"][0]["value"] = float("nan")
+    report["equivalence"]["comparisons"][1]["parameters"][0]["max_abs_diff"] = np.float32(2.5e-6)  # numpy scalar
+    report["equivalence"]["comparisons"][1]["checks"].append(  # a metric of the harness's own, extra keys
+        {"metric": "loaded weights, worst relative sum difference", "value": 0.0, "tolerance": 1e-12, "passed": True,
+         "why": "same weights"})
+    report["equivalence"]["comparisons"][1]["parameters"][0]["weight_sum_diff"] = 0.0
+    report["environment"]["libraries"]["jax"] = None  # --backends torch on a machine without jax
+    write_report(report, tmp_path)
+    data = json.loads((tmp_path / "report.json").read_text())
+    validate_report(data)
+    assert data["equivalence"]["comparisons"][1]["parameters"][0]["max_abs_diff"] == pytest.approx(2.5e-6)
+    assert set(data["plots"]) == ALL_PLOTS - {"plots/loss_curves.png"}  # ablation: ours bars, failures as labels
+    md = render_markdown(data)
+    assert "TIMEOUT" in md and "ERROR" in md and "nan" in md and "Verdict: FAIL" in md
+    assert "TIMEOUT" in render_html(data)
+    # nothing measured at all: no plot is listed or written, the tables still render
+    for p in report["benchmark"]["points"]:
+        p.update(_point(p["backend"], p["seq_len"], p["devices"], p["attention"], "oom", None))
+    write_report(report, tmp_path / "none")
+    assert json.loads((tmp_path / "none" / "report.json").read_text())["plots"] == []
+    assert not (tmp_path / "none" / "plots").exists()
+    assert "OOM" in (tmp_path / "none" / "report.md").read_text()
+
+
+def test_ours_vs_peer_line_where_a_point_measures_the_peers_work():
+    report = {**make_report(), "plots": []}
+    report["model"]["name"] = "llama3.2-1b"
+    report["benchmark"]["points"][0].update(seq_len=8192, devices=1, mfu=0.38)
+    md = render_markdown(report)
+    assert "ours vs peer: torch ours (triton) S=8k on 1 device(s): 38 % MFU vs HF transformers + SDPA" in md
+    assert "40.5 % MFU (0.94×; Llama-3.2-1B train step, 1 GPU, S=8k)" in md
+    report["model"]["name"] = "tiny"
+    assert "ours vs peer" not in render_markdown(report)
+
+
+def test_peers_file():
+    peers = load_peers()
+    assert len(peers) == 8 and {p["unit"] for p in peers} == {"TFLOP/s", "TFLOP/s per GPU", "% MFU"}
+    assert {p["value"] for p in peers} >= {544, 325, 543, 135, 367, 483, 40.5, 32.1}
+
+
+@pytest.mark.parametrize("spoil, named", [
+    (lambda r: r.pop("settings"), "'settings' is a required property"),
+    (lambda r: r["benchmark"]["points"][3].pop("mfu"), "'mfu' is a required property"),
+    (lambda r: r["benchmark"]["points"][2].update(status="crashed"), "$.benchmark.points[2].status"),
+    (lambda r: r["settings"].update(mode="eval"), "$.settings.mode"),
+    (lambda r: r["equivalence"]["comparisons"][1]["checks"][0].update(tolerance="small"),
+     "$.equivalence.comparisons[1].checks[0].tolerance"),
+    (lambda r: r["peers"][0].update(unit="TF"), "$.peers[0].unit"),
+])
+def test_invalid_reports_are_refused_and_nothing_written(tmp_path, spoil, named):
+    report = make_report()
+    spoil(report)
+    with pytest.raises(ValueError, match="invalid compare report") as caught:
+        validate_report({**report, "plots": []})
+    message = str(caught.value)
+    assert named in message and "\n" not in message
+    out = tmp_path / "out"
+    with pytest.raises(ValueError):
+        write_report(report, out)
+    assert not out.exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(ValueError):
+        write_report(report, tmp_path / "kept")
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
+def test_complete_report_validates_and_plots_key_is_required():
+    report = make_report()
+    validate_report({**report, "plots": ["plots/throughput.png"]})
+    with pytest.raises(ValueError, match="'plots' is a required property"):
+        validate_report(report)
