@@ -138,6 +138,18 @@ def test_a_dead_worker_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert "OutOfMemoryError" in status["oom"]["message"]
 
 
+def test_the_time_limit_stops_the_sweep_and_records_what_did_not_run(tmp_path):
+    import time
+
+    jobs = [_job("a"), _job("hang"), _job("b")]
+    run_launch(jobs, [sys.executable, "-c", _FAKE_WORKER], {"PYTHONPATH": str(ROOT)}, tmp_path, tmp_path / "log",
+               timeout_s=60.0, on_done=lambda job: None, deadline=time.monotonic() + 2.0)
+    results = {j.id: J.read_result(tmp_path, j.id) for j in jobs}
+    assert results["a"]["status"] == "ok"
+    assert results["hang"]["status"] == "timeout" and "--time-limit-s" in results["hang"]["message"]
+    assert results["b"]["status"] == "timeout" and results["b"]["message"].startswith("not run")
+
+
 def test_communication_time_is_the_union_of_intervals():
     assert J.union_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.6)]) == pytest.approx(3.0)
     assert J.union_seconds([]) == 0.0
