@@ -35,8 +35,9 @@ from weights.schedule import OptimizerConfig
 
 PERTURBATION = 1e-2  # --perturb multiplies one parameter by 1 + this in one backend (a real, small mismatch)
 EQUIVALENCE_LR = 1e-3  # train-mode loss curves: large enough that the curve moves, small enough to stay smooth
-_COLLECTIVE_OP = re.compile(r"(all-gather|all-reduce|reduce-scatter|collective-permute|ppermute|all-to-all)"
-                            r"(-start|-done)?(\.\d+)*")
+# XLA's collective op names, as HLO spells them (all-gather) or as JAX names the op (all_gather, ppermute, psum).
+_COLLECTIVE_OP = re.compile(r"(all[-_]gather|all[-_]reduce|reduce[-_]scatter|psum[-_]scatter|psum|"
+                            r"collective[-_]permute|ppermute|all[-_]to[-_]all)([-_]start|[-_]done)?(\.\d+)*")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,8 +48,9 @@ METHOD = {
     "timing": "warm-up calls, then back-to-back calls between two device synchronisations (perf_counter), the "
               "slowest rank's time; iterations reduced for long points (row 'iters')",
     "exposed_comm_ms": "ring time minus the same calls with every transfer replaced by a same-sized local copy",
-    "wire_GBps": "bytes sent per rank / time with a transfer in flight on the comm streams (CUDA events), "
-                 "a lower bound (includes waiting for slower peers)",
+    "wire_GBps": "bytes sent per rank / time with a transfer in flight: torch, the comm streams' CUDA events "
+                 "and the bytes it sent; JAX, NCCL kernels on GPU 0 in a jax.profiler trace of one call and the "
+                 "bytes from the shapes; a lower bound (includes waiting for slower peers)",
     "peer": "torch context_parallel + cuDNN SDPA as /work/shared/anchors/cp_cudnn.py",
 }
 

@@ -13,7 +13,8 @@ back-to-back calls between two device synchronisations, wall clock (time.perf_co
 decision (iterations, time) is the maximum over ranks, so all ranks run the same calls and the slowest one counts.
 Long points run fewer iterations (`budget_s` per measurement); the row records how many.
 
-For our torch ring each row also gives:
+For our rings each row also gives (the JAX ring: `jax_impl.ring_attention.replace_communication_with_local_copies`,
+busy time from a jax.profiler trace of one call, bytes from the shapes):
   compute_only_ms    the same calls with every transfer replaced by a local copy of the same size
                      (`ring_comm.replace_communication_with_local_copies`): the run minus its communication.
   exposed_comm_ms    ms - compute_only_ms: the communication the overlap failed to hide.
@@ -269,7 +270,7 @@ def _jax_measure(task, plan, devices, mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jax_impl.flash_attention import flash_attention
-    from jax_impl.ring_attention import ring_attention
+    from jax_impl.ring_attention import replace_communication_with_local_copies, ring_attention
 
     b, s, h, hkv, d = task["batch"], task["seq_len"], task["heads"], task["kv_heads"], task["head_dim"]
     keys = jax.random.split(jax.random.key(0), 4)
@@ -286,15 +287,51 @@ def _jax_measure(task, plan, devices, mesh):
     q, k, v, dout = (jax.device_put(jax.random.normal(key, shape, jnp.bfloat16), placement)
                      for key, shape in zip(keys, shapes))
 
-    @jax.jit
-    def fwd_bwd(q, k, v, dout):
-        _, vjp = jax.vjp(attend, q, k, v)
-        return vjp(dout)
+    def timed_fwd_bwd() -> tuple[float, int]:
+        """(ms, iters) of fwd+bwd, traced now (the local-copies switch is read while tracing)."""
+        fwd_bwd = jax.jit(lambda q, k, v, dout: jax.vjp(attend, q, k, v)[1](dout))
+        results = []  # dispatch is asynchronous; the calls run in order, so the last result marks the end
 
-    results = []  # dispatch is asynchronous; the calls run in order, so the last result marks the end
+        def step():
+            results[:] = [fwd_bwd(q, k, v, dout)]
+            return results
 
-    def step():
-        results[:] = [fwd_bwd(q, k, v, dout)]
+        timing = _timed(step, plan, synchronize=lambda: jax.block_until_ready(results), slowest=lambda x: x)
+        timed_fwd_bwd.step = step
+        return timing
 
-    ms, iters = _timed(step, plan, synchronize=lambda: jax.block_until_ready(results), slowest=lambda x: x)
-    return {"ms": ms, "iters": iters}
+    ms, iters = timed_fwd_bwd()
+    if task["kind"] == "jax-flash-1gpu":
+        return {"ms": ms, "iters": iters}
+    busy_s = _jax_comm_busy_s(timed_fwd_bwd.step)
+    with replace_communication_with_local_copies():
+        compute_ms, _ = timed_fwd_bwd()
+    sent = _jax_ring_bytes_per_rank(task, len(devices))
+    return {"ms": ms, "iters": iters, "compute_only_ms": compute_ms, "exposed_comm_ms": ms - compute_ms,
+            "comm_busy_ms": busy_s * 1e3, "bytes_sent_per_rank": sent,
+            "wire_GBps": sent / busy_s / 1e9 if busy_s else None}
+
+
+def _jax_comm_busy_s(step) -> float:
+    """Seconds device 0 was communicating during one `step()`, from a jax.profiler trace (NCCL kernels on GPU 0,
+    the collectives' events on the CPU devices' threads)."""
+    import tempfile
+
+    import jax
+
+    from compare.jobs import communication_seconds
+    from compare.worker_jax import communication_intervals
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            jax.block_until_ready(step())
+        return communication_seconds(communication_intervals(log_dir, jax.default_backend()))
+
+
+def _jax_ring_bytes_per_rank(task, world: int) -> int:
+    """Bytes one rank sends in one fwd+bwd of the JAX ring, from the shapes (`jax_impl/ring_attention.py`): K and V
+    (bf16) go around P - 1 times in the forward and again in the backward; the ring variant passes float32 dK/dV
+    P times (P - 1 hops, then home), the allgather variant reduce-scatters them ((P - 1) / P of the whole)."""
+    local_kv = 2 * task["batch"] * task["seq_len"] // world * task["kv_heads"] * task["head_dim"]  # elements
+    grads = world if task["variant"] == "ring" else world - 1
+    return (2 * (world - 1) * 2 + grads * 4) * local_kv

@@ -79,7 +79,7 @@ def equivalence(job: Job, work_dir: Path, devices: list) -> dict:
     return {"status": "ok", "loss": float(loss), "loss_curve": curve, "weight_sums": sums}
 
 
-def _communication_intervals(trace_dir: str, platform: str) -> list[tuple[float, float]]:
+def communication_intervals(trace_dir: str, platform: str) -> list[tuple[float, float]]:
     """(start, end) seconds of device 0's communication in a profile: NCCL kernels on GPU 0, the XLA collectives'
     events on the host threads that run the CPU devices."""
     (xplane,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
@@ -122,7 +122,7 @@ def bench(job: Job, work_dir: Path, devices: list) -> dict:
         with jax.profiler.trace(log_dir):
             step(0)
         platform = jax.default_backend()
-        comm_s = communication_seconds(_communication_intervals(log_dir, platform)) if job.devices > 1 else None
+        comm_s = communication_seconds(communication_intervals(log_dir, platform)) if job.devices > 1 else None
     return {"status": "ok", "step_s": statistics.median(step_times), "first_step_s": first_s,
             "forward_s": forward_s, "comm_s": comm_s, "peak_memory_bytes": max(peak_memory_bytes(run.mesh)),
             "trace": trace_dir, "platform": platform}

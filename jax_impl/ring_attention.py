@@ -54,8 +54,10 @@ without collectives (for either variant).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
@@ -147,9 +149,43 @@ def _merge(acc_out, acc_lse, out, lse):
     return weight(acc_lse) * acc_out + weight(lse) * out, new_lse
 
 
+_local_copies_only = False  # read while tracing: see replace_communication_with_local_copies
+
+
+@contextlib.contextmanager
+def replace_communication_with_local_copies() -> Iterator[None]:
+    """Functions traced inside the block run the ring with every collective replaced by a local array of the same
+    size (results are then wrong by design): a ring run minus its communication, for measuring how much
+    communication the overlap leaves exposed. Twin of `torch_impl.ring_comm`'s. JAX's caches of traced and
+    compiled functions are cleared on entering and on leaving, so that nothing traced on one side runs on the
+    other."""
+    global _local_copies_only
+    previous, _local_copies_only = _local_copies_only, True
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _local_copies_only = previous
+        jax.clear_caches()
+
+
 def _to_next(arrays, cfg: _RingConfig, world: int):
     """Sends each array to the next rank (r -> r+1 mod P) and returns the ones received from the previous."""
+    if _local_copies_only:
+        return jax.tree.map(jnp.copy, arrays)
     return jax.lax.ppermute(arrays, cfg.axis_name, perm=[(r, (r + 1) % world) for r in range(world)])
+
+
+def _all_gather(x: jax.Array, cfg: _RingConfig, world: int, axis: int) -> jax.Array:
+    if _local_copies_only:
+        return jnp.concatenate([x] * world, axis=axis)
+    return jax.lax.all_gather(x, cfg.axis_name, axis=axis, tiled=True)
+
+
+def _reduce_scatter(x: jax.Array, cfg: _RingConfig, world: int, axis: int) -> jax.Array:
+    if _local_copies_only:
+        return jax.lax.slice_in_dim(x, 0, x.shape[axis] // world, axis=axis)
+    return jax.lax.psum_scatter(x, cfg.axis_name, scatter_dimension=axis, tiled=True)
 
 
 def _forward_step(block: _Block | None, acc, q, k_block, v_block, cfg: _RingConfig):
@@ -221,7 +257,7 @@ def _query_runs(cfg: _RingConfig, world: int, rank: int, local_len: int) -> tupl
 
 def _gather_kv_in_position_order(cfg: _RingConfig, world: int, k, v):
     """The full K and V [B, S_total, Hkv, D] in position order (one all-gather of both)."""
-    gathered = jax.lax.all_gather(jnp.stack([k, v]), cfg.axis_name, axis=2, tiled=True)  # layout order
+    gathered = _all_gather(jnp.stack([k, v]), cfg, world, axis=2)  # layout order
     kv = gather_from_ring(gathered, world, cfg.layout, axis=2)
     return kv[0], kv[1]
 
@@ -264,7 +300,7 @@ def _allgather_backward(cfg: _RingConfig, world: int, rank, dout, q, k, v, out, 
     k_all, v_all = _gather_kv_in_position_order(cfg, world, k, v)
     dq, dkv_all = _for_each_rank(cfg, world, rank, q.shape[1], grads, dout, q, k_all, v_all, out, lse)
     dkv_all = shard_for_ring(dkv_all, world, cfg.layout, axis=2)  # layout order: rank r's part is the r-th
-    dk, dv = jax.lax.psum_scatter(dkv_all, cfg.axis_name, scatter_dimension=2, tiled=True)
+    dk, dv = _reduce_scatter(dkv_all, cfg, world, axis=2)
     return dq, dk, dv
 
 

@@ -154,7 +154,8 @@ def test_communication_time_is_the_union_of_intervals():
     assert J.union_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.6)]) == pytest.approx(3.0)
     assert J.union_seconds([]) == 0.0
     assert all(J.is_collective_op(n) for n in ("all-gather.3", "collective-permute-start", "ppermute.1",
-                                               "reduce-scatter", "all-reduce-done.2"))
+                                               "reduce-scatter", "all-reduce-done.2", "all_gather.7",
+                                               "psum_scatter.2"))
     assert not any(J.is_collective_op(n) for n in ("end: all-gather", "ynn_fusion", "all-gathering"))
 
 
