@@ -22,6 +22,7 @@ Exit code: 0 when the equivalence section passes, 1 when it fails, 2 for bad inp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import math
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from compare import jobs as J
 from compare.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
-from compare.ring_bench import _lengths
+from compare.ring_bench import _ints, _lengths
 from compare.train import _host_devices_env
 from weights import PRESETS, CheckpointError, open_weights, parameter_shapes, write_converted_checkpoint
 from weights.layout import check_split
@@ -57,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-lens", type=_lengths, help="context lengths, e.g. 8k,32k,128k (default: 128,256 on "
                         "CPU, 8k,32k,128k on GPUs)")
     parser.add_argument("--devices", type=int, help="devices to use (default: all GPUs, or 4 emulated CPU devices)")
-    parser.add_argument("--device-counts", help="benchmark device counts, e.g. 1,2,4 (default: powers of two up to "
-                        "--devices)")
+    parser.add_argument("--device-counts", type=_ints, help="benchmark device counts, e.g. 1,2,4 (default: powers "
+                        "of two up to --devices)")
     parser.add_argument("--mode", choices=("forward", "train"), default="train")
     parser.add_argument("--steps", type=int, help="timed steps per point and loss-curve steps (default 2 CPU, 4 GPU)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="benchmark dtype (default fp32 CPU, bf16 GPU); "
@@ -117,7 +118,7 @@ def plan_settings(args: argparse.Namespace, gpus: int) -> dict:
         raise CheckpointError(f"--devices must be >= 1, got {devices}")
     if gpus and devices > gpus:
         raise CheckpointError(f"asked for {devices} devices, but this machine has {gpus} GPUs")
-    counts = sorted({int(x) for x in args.device_counts.split(",")}) if args.device_counts else \
+    counts = sorted(set(args.device_counts)) if args.device_counts else \
         sorted({2 ** i for i in range(devices.bit_length()) if 2 ** i <= devices} | {devices})
     if any(c < 1 or c > devices for c in counts):
         raise CheckpointError(f"--device-counts must lie in 1..{devices}, got {args.device_counts}")
@@ -161,8 +162,6 @@ def check_model(settings: dict, work_dir: Path) -> str:
     source = open_weights(settings["model"])
     if settings["check_layers"] == source.config.num_layers:
         return settings["model"]
-    import dataclasses
-
     config = dataclasses.replace(source.config, num_layers=settings["check_layers"])
     directory = work_dir / "check-model"
     write_converted_checkpoint({name: source.tensor(name) for name in parameter_shapes(config)}, config, directory)

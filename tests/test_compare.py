@@ -87,6 +87,8 @@ def test_perturbed_weight_fails_and_the_report_names_it(tmp_path):
     (["--perturb", "jax:no.such.weight"], "--perturb"),
     (["--model", "/no/such/dir"], "/no/such/dir"),
     (["--ablation", "fastest"], "--ablation"),
+    (["--device-counts", "1,four"], "--device-counts"),
+    (["--device-counts", "1,8"], "--device-counts"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     out = tmp_path / "report"
