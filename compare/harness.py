@@ -37,7 +37,7 @@ from pathlib import Path
 from compare import jobs as J
 from compare.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.ring_bench import _ints, _lengths
-from compare.train import _host_devices_env
+from compare.train import host_devices_env, torchrun_launcher
 from weights import PRESETS, CheckpointError, open_weights, parameter_shapes, write_converted_checkpoint
 from weights.layout import check_split
 from weights.parallel import RING_LAYOUT
@@ -200,14 +200,11 @@ def plan_jobs(settings: dict, check_model_path: str, trace_dir: Path) -> list[J.
 # --- launching --------------------------------------------------------------------------------------------------
 
 def _launcher(backend: str, devices: int, platform: str) -> tuple[list[str], dict[str, str]]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     if backend == "torch":
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // devices)))
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}",
-                "-m", "compare.worker_torch"], env
-    if platform == "cpu":
-        env = _host_devices_env(devices) | {"PYTHONUNBUFFERED": "1"}
-    return [sys.executable, "-m", "compare.worker_jax"], env
+        launcher, env = torchrun_launcher(devices)
+        return [*launcher, "-m", "compare.worker_torch"], env | {"PYTHONUNBUFFERED": "1"}
+    env = host_devices_env(devices) if platform == "cpu" else dict(os.environ)
+    return [sys.executable, "-m", "compare.worker_jax"], env | {"PYTHONUNBUFFERED": "1"}
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -1,8 +1,9 @@
 """The work `twinflash compare` hands to its backend processes, and what they hand back. Owns `Job` (one
 equivalence check or one benchmark point), the job file a launch reads, the files a job leaves in the work
 directory (`<id>.started` before it runs, `<id>.json` and for an equivalence check `<id>.safetensors` after), the
-inputs both backends build the same way (`job_batches`, `job_settings`), and the time arithmetic of profiler
-traces (`communication_seconds`).
+inputs both backends build the same way (`job_batches`, `Job.settings`), and the time arithmetic of profiler
+traces (`union_seconds`: the communication time of a step is the union of its communication events' intervals on
+device 0 — the time the links were busy, overlap with compute not subtracted, what the bandwidth divides).
 
 Workers: `compare/worker_torch.py` (one process per device, under torchrun) and `compare/worker_jax.py` (one
 process, all devices), twins that run a job file's jobs in order. A job that raises in the torch worker ends its
@@ -123,12 +124,6 @@ def is_collective_op(name: str) -> bool:
     """An XLA collective's op name (`all-gather.3`, `collective-permute-start`, JAX's `ppermute.1`, ...)."""
     return _COLLECTIVE_OP.fullmatch(name) is not None
 
-
-def communication_seconds(intervals: Iterable[tuple[float, float]]) -> float:
-    """Communication time of a profiled step: the time during which at least one communication event (NCCL
-    kernel, gloo transfer, XLA collective) of device 0 was running, in seconds from intervals in seconds. Overlap
-    with compute is not subtracted: this is the time the links were busy, what the bandwidth divides."""
-    return union_seconds(intervals)
 
 
 def is_out_of_memory(text: str) -> bool:

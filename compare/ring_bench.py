@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 from compare.cli import OneLineParser
+from compare.train import torchrun_launcher
 from weights import CheckpointError
 from weights.layout import check_split
 
@@ -167,8 +168,9 @@ def _worker_command(part: str, plan_path: Path) -> tuple[list[str], dict]:
     if part == "jax":
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         return [sys.executable, "-m", "compare.ring_bench", "--worker", "jax", "--plan", str(plan_path)], env
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={GPUS}", "-m",
-            "compare.ring_bench", "--worker", "torch", "--plan", str(plan_path)], env
+    launcher, torchrun_env = torchrun_launcher(GPUS)
+    return [*launcher, "-m", "compare.ring_bench", "--worker", "torch", "--plan", str(plan_path)], \
+        torchrun_env | {"PYTHONUNBUFFERED": "1"}
 
 
 def run_worker(worker: str, tasks: list[dict], args, workdir: Path) -> tuple[dict, list[dict]]:

@@ -319,13 +319,13 @@ def _jax_comm_busy_s(step) -> float:
 
     import jax
 
-    from compare.jobs import communication_seconds
+    from compare.jobs import union_seconds
     from compare.worker_jax import communication_intervals
 
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             jax.block_until_ready(step())
-        return communication_seconds(communication_intervals(log_dir, jax.default_backend()))
+        return union_seconds(communication_intervals(log_dir, jax.default_backend()))
 
 
 def _jax_ring_bytes_per_rank(task, world: int) -> int:

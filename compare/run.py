@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import resource
 import time
 from pathlib import Path
 
 import numpy as np
 
 from weights import CheckpointError, LlamaConfig, open_weights
+from weights.training import host_peak_rss_bytes
 
 BACKENDS = ("torch", "jax")
 
@@ -40,10 +40,6 @@ def _timed_twice(step):
     start = time.perf_counter()
     result = step()
     return result, first, time.perf_counter() - start
-
-
-def host_peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def read_tokens(path: Path, config: LlamaConfig) -> np.ndarray:

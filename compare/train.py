@@ -326,13 +326,19 @@ def _hand_off(settings: TrainSettings, launcher: list[str], env: dict[str, str])
         return subprocess.run(command, env=env).returncode
 
 
+def torchrun_launcher(device_count: int) -> tuple[list[str], dict[str, str]]:
+    """(`python -m torch.distributed.run` with one process per device on this host, its environment: this
+    process's, with the CPU threads split between the processes unless OMP_NUM_THREADS is set). Append
+    `-m MODULE ARGS`."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // device_count)))
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={device_count}"], env
+
+
 def _launch_torchrun(settings: TrainSettings, device_count: int) -> int:
     """Starts one worker per device with torchrun on this host and waits for them; returns torchrun's exit code."""
     check_run(settings, device_count)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // device_count)))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={device_count}"]
-    return _hand_off(settings, launcher, env)
+    return _hand_off(settings, *torchrun_launcher(device_count))
 
 
 def _run_jax_here(settings: TrainSettings) -> int:
@@ -347,7 +353,7 @@ def _run_jax_here(settings: TrainSettings) -> int:
     return 0
 
 
-def _host_devices_env(count: int) -> dict[str, str]:
+def host_devices_env(count: int) -> dict[str, str]:
     """This process's environment with XLA_FLAGS asking for `count` host devices (replacing any such request)."""
     env = dict(os.environ)
     flags = [flag for flag in env.get("XLA_FLAGS", "").split() if not flag.startswith(_HOST_DEVICES_FLAG + "=")]
@@ -362,7 +368,7 @@ def _run_jax(settings: TrainSettings) -> int:
 
     if jax.default_backend() == "cpu" and jax.device_count() != settings.mesh.size:
         check_run(settings, settings.mesh.size)  # bad input refused here, before the child starts
-        return _hand_off(settings, [sys.executable], _host_devices_env(settings.mesh.size))
+        return _hand_off(settings, [sys.executable], host_devices_env(settings.mesh.size))
     return _run_jax_here(settings)
 
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from compare.jobs import (PERTURBATION, Job, communication_seconds, is_collective_op, is_out_of_memory, job_batches,
+from compare.jobs import (PERTURBATION, Job, union_seconds, is_collective_op, is_out_of_memory, job_batches,
                           mark_started, read_job_file, write_result)
 from jax_impl.parallel import sharded_batch
 from jax_impl.train import Training, build_training, next_token_loss, peak_memory_bytes, step_scalars, train_step
@@ -122,7 +122,7 @@ def bench(job: Job, work_dir: Path, devices: list) -> dict:
         with jax.profiler.trace(log_dir):
             step(0)
         platform = jax.default_backend()
-        comm_s = communication_seconds(communication_intervals(log_dir, platform)) if job.devices > 1 else None
+        comm_s = union_seconds(communication_intervals(log_dir, platform)) if job.devices > 1 else None
     return {"status": "ok", "step_s": statistics.median(step_times), "first_step_s": first_s,
             "forward_s": forward_s, "comm_s": comm_s, "peak_memory_bytes": max(peak_memory_bytes(run.mesh)),
             "trace": trace_dir, "platform": platform}

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.numpy import save_file
 from torch.profiler import ProfilerActivity, profile
 
-from compare.jobs import (PERTURBATION, Job, communication_seconds, job_batches, mark_started, read_job_file,
+from compare.jobs import (PERTURBATION, Job, union_seconds, job_batches, mark_started, read_job_file,
                           write_result)
 from torch_impl.parallel import local_batch
 from torch_impl.train import Training, all_ranks, build_training, init_distributed, peak_memory_bytes, train_step
@@ -41,11 +41,13 @@ def _perturb(run: Training, name: str | None) -> None:
 
 
 def _weight_sums(run: Training) -> dict[str, list[float]]:
-    """float64 [sum, sum of squares] of every parameter as loaded."""
+    """float64 [sum, sum of squares] of every parameter as loaded (on rank 0; the gather involves every rank)."""
     sums = {}
     for name, param in run.llama.named_parameters():
-        whole = _full(param.detach()).double()
-        sums[name] = [float(whole.sum()), float(whole.square().sum())]
+        whole = _full(param.detach())
+        if dist.get_rank() == 0:
+            whole = whole.double()
+            sums[name] = [float(whole.sum()), float(whole.square().sum())]
     return sums
 
 
@@ -140,7 +142,7 @@ def bench(job: Job, work_dir: Path, device: torch.device) -> None:
     with profile(activities=activities) as prof:
         step(0)
         _synchronize(device)
-    comm_s = communication_seconds(_communication_intervals(prof, device)) if job.devices > 1 else None
+    comm_s = union_seconds(_communication_intervals(prof, device)) if job.devices > 1 else None
     peaks = all_ranks(peak_memory_bytes(device), device)
     if dist.get_rank() != 0:
         return
