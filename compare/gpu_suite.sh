@@ -5,11 +5,12 @@
 #   bash compare/gpu_suite.sh kernel-bench PART [LENS] [JSON...]   one part (torch | jax) of `bench kernels`,
 #                                                                   merged with earlier parts' JSON
 #   bash compare/gpu_suite.sh ring      4-GPU ring tests (torch NCCL, JAX), then `bench ring` at Hkv=8
-#   bash compare/gpu_suite.sh ring-bench [SEQ_LENS] [KV_HEADS] [JSON...]   `bench ring` (torch + peer, then JAX),
-#                                                                   merged with earlier runs' JSON
+#   bash compare/gpu_suite.sh ring-bench [SEQ_LENS] [KV_HEADS] [PARTS] [JSON...]   `bench ring` (default parts
+#                                     torch,peer,jax), merged with earlier runs' JSON (re-measured rows replace theirs)
 #   bash compare/gpu_suite.sh compare MODEL [ARGS...]   `twinflash compare` on 4 GPUs at 32k and 128k (1 and 4 GPUs,
 #                                                     ablation), stopped launching at 540 s so the report is written
-#   bash compare/gpu_suite.sh train     `twinflash train` throughput: Llama-3.2-1B / 3.1-8B shapes, both backends
+#   bash compare/gpu_suite.sh train MODEL SEQ_LENS [BACKENDS] [STEPS] [ARGS...]   `twinflash train` throughput on
+#                                     4 GPUs (fsdp=1,sp=4, bf16, random tokens), each run under RUN_TIMEOUT_S (300)
 # Everything lands in $OUT (default ./out): logs, JSON, and the tables printed last.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -55,14 +56,12 @@ ring)  # 4-GPU ring tests of both backends, then `bench ring` at Hkv=8 (GQA) for
     tail -n 40 "$OUT/ring.log"
     ;;
 ring-bench)
-    lens=${2:-32k,128k}; heads=${3:-32,8}; shift 3 || shift $#
+    lens=${2:-32k,128k}; heads=${3:-32,8}; parts=${4:-torch,peer,jax}; shift 4 || shift $#
     rows=(); for f in "$@"; do rows+=(--rows-from "$f"); done
     environment
-    timeout 330 python3 -m compare.ring_bench --parts torch,peer --seq-lens "$lens" --kv-heads "$heads" \
-        --launch-timeout-s 320 "${rows[@]}" --out "$OUT/ring-torch.json" > "$OUT/ring-torch.log" 2>&1
-    timeout 250 python3 -m compare.ring_bench --parts jax --seq-lens "$lens" --kv-heads "$heads" \
-        --launch-timeout-s 240 --rows-from "$OUT/ring-torch.json" --out "$OUT/ring.json" > "$OUT/ring.log" 2>&1
-    TAIL=3 summary "$OUT/ring-torch.log"
+    # the JSON is rewritten after each worker, so a run cut short by the timeout keeps what it measured
+    timeout "${RING_TIMEOUT_S:-570}" python3 -m compare.ring_bench --parts "$parts" --seq-lens "$lens" --kv-heads "$heads" \
+        --launch-timeout-s 320 "${rows[@]}" --out "$OUT/ring.json" > "$OUT/ring.log" 2>&1
     tail -n 40 "$OUT/ring.log"
     ;;
 compare)
@@ -73,11 +72,17 @@ compare)
     echo "exit $?"; tail -n 45 "$OUT/compare.log"
     ;;
 train)
-    common=(--dtype bf16 --data random --steps 6)
-    for backend in torch jax; do
-        timeout 200 python3 -m compare.cli train --backend "$backend" "${common[@]}" --model llama3.2-1b \
-            --seq-len 32768 --mesh fsdp=1,sp=4 --batch 1 --out "$OUT/train-$backend-1b-32k" \
-            > "$OUT/train-$backend-1b-32k.log" 2>&1
+    model=${2:?model: a preset or converted directory}; lens=${3:?seq lens, e.g. 32768,131072}
+    backends=${4:-torch,jax}; steps=${5:-3}; shift 5 || shift $#
+    environment
+    for len in ${lens//,/ }; do
+        for backend in ${backends//,/ }; do
+            run="train-$backend-$model-$len"
+            timeout "${RUN_TIMEOUT_S:-300}" python3 -m compare.cli train --backend "$backend" --model "$model" \
+                --seq-len "$len" --steps "$steps" --mesh fsdp=1,sp=4 --batch 1 --dtype bf16 --data random "$@" \
+                --out "$OUT/$run" > "$OUT/$run.log" 2>&1
+            echo "exit $?" >> "$OUT/$run.log"
+        done
     done
     TAIL=3 summary "$OUT"/train-*.log
     ;;

@@ -9,7 +9,7 @@ Roles of `python -m compare.ring_bench`:
                     (per-launch timeout) costs the task it was on, which is recorded as an error, and is relaunched
                     for the remaining tasks. The JSON is rewritten after each worker (a run cut short keeps
                     what it measured); at the end the table is printed. `--rows-from` merges an earlier run's
-                    rows, so the parts can run as separate commands.
+                    rows (a point measured again replaces its earlier row), so parts can run as separate commands.
   under torchrun    without --worker (e.g. `torchrun --nproc_per_node=4 -m compare.ring_bench --quick`): the torch
                     and peer parts only, reported by rank 0.
 
@@ -316,6 +316,12 @@ def _previous(paths: list[Path]) -> tuple[dict, list[dict]]:
     return meta, rows
 
 
+def merge_rows(earlier: list[dict], measured: list[dict]) -> list[dict]:
+    """`earlier` (from --rows-from) with `measured` added; a re-measured point replaces its earlier row."""
+    fresh = {row["id"] for row in measured}
+    return [row for row in earlier if row["id"] not in fresh] + measured
+
+
 def _run_under_torchrun(args, argv) -> None:
     from compare.ring_bench_workers import run_torch
 
@@ -358,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                 if worker_tasks:
                     worker_meta, worker_rows = run_worker(worker, worker_tasks, args, Path(tmp))
                     meta.update(worker_meta)
-                    rows += worker_rows
+                    rows = merge_rows(rows, worker_rows)
                     save(rows, meta, argv, args.out)  # kept if a later part is cut short
         report(rows, meta, argv, args.out)
     except CheckpointError as bad:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_fixtures import make_hf_checkpoint
 
-from weights import (PRESETS, CheckpointError, ConvertedCheckpoint, LlamaConfig, convert_hf_checkpoint,
+from weights import (PRESETS, CheckpointError, ConvertedCheckpoint, LlamaConfig, RandomWeights, convert_hf_checkpoint,
                      export_hf_checkpoint, open_weights, parameter_shapes, rope_inverse_frequencies)
 from weights.checkpoint import SafetensorsFiles, canonical_to_hf
 
@@ -102,6 +102,20 @@ def test_random_preset_weights_are_deterministic_and_sliceable():
     assert np.array_equal(first.tensor_slice(name, (slice(3, 9),)), first.tensor(name)[3:9])
     assert first.tensor(name).std() == pytest.approx(0.02, rel=0.05)
     assert np.all(first.tensor("norm.weight") == 1)
+    assert np.array_equal(first.tensor_slice("norm.weight", (slice(2, 5),)), np.ones(3, np.float32))
+    assert not np.array_equal(first.tensor(name), open_weights("tiny", seed=12).tensor(name))
+
+
+def test_random_weight_slices_across_stream_blocks_match_the_whole_tensor(monkeypatch):
+    # small blocks so that slices start, end and cross inside blocks; each block is its own numpy stream
+    monkeypatch.setattr(RandomWeights, "ROWS_PER_STREAM", 4)
+    source, name = RandomWeights(PRESETS["tiny"], seed=3), "layers.1.attention.wq.weight"
+    whole = source.tensor(name)
+    for index in [(slice(0, 4),), (slice(3, 9),), (slice(5, 6),), (slice(None),), (slice(2, 11), slice(1, 5)),
+                  (slice(0, 8, 2),)]:
+        assert np.array_equal(source.tensor_slice(name, index), whole[index]), index
+    assert not np.array_equal(whole[0:4], whole[4:8])  # blocks are different streams, not one repeated
+    assert whole.std() == pytest.approx(0.02, rel=0.05)
 
 
 def test_unknown_preset_and_missing_dir_are_named():
