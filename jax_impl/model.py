@@ -9,7 +9,8 @@ and `nnx.split`/`nnx.merge` still give jit and sharding a pure pytree. Weights k
 Attention is pluggable: `Llama(config, params, attention_fn=...)` takes any `AttentionFn` (`fn(q, k, v) -> out`,
 causal); the default is plain math; the flash kernel and the ring (inside `jax.shard_map`) drop in unchanged.
 `positions` gives the global position of each local token, for sequence-parallel shards. `remat=True` checkpoints
-each decoder layer (`nnx.remat`): only layer inputs are kept for the backward, which recomputes the rest.
+each decoder layer (`checkpoint_after_cotangent`): only layer inputs are kept for the backward, which recomputes the
+rest once the layer's cotangent has arrived.
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
@@ -17,6 +18,7 @@ RoPE angles in float32 cast to the compute dtype, logits returned as float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -101,6 +103,28 @@ class FeedForward(nnx.Module):
         return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))
 
 
+def checkpoint_after_cotangent(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """`fn` whose backward keeps only its arguments and recomputes the rest, like `jax.checkpoint`, except that the
+    recomputation is tied to the incoming cotangent by an optimization barrier. `jax.checkpoint` ties the
+    recomputation to nothing but the saved inputs, so in a Python loop of layers XLA may run every layer's
+    recomputation early and keep them all live: on 4 H200s, the Llama-3.1-8B train step at 128k tokens (32k per
+    device) asked for 172 GiB per device with `nnx.remat` per layer (the torch twin: 43 GiB). Here layer i's
+    recomputation cannot start before the backward of layer i + 1 has produced its cotangent."""
+    @jax.custom_vjp
+    def run(*args):
+        return fn(*args)
+
+    def forward(*args):
+        return fn(*args), args
+
+    def backward(args, cotangent):
+        args, cotangent = jax.lax.optimization_barrier((args, cotangent))
+        return jax.vjp(fn, *args)[1](cotangent)
+
+    run.defvjp(forward, backward)
+    return run
+
+
 class TransformerBlock(nnx.Module):
     def __init__(self, config: LlamaConfig, params: dict[str, jax.Array], prefix: str):
         self.attention_norm = RMSNorm(params[prefix + "attention_norm.weight"], config.rms_norm_eps)
@@ -134,13 +158,16 @@ class Llama(nnx.Module):
         x = self.tok_embeddings(tokens)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
 
-        def run_layer(layer: TransformerBlock, x: jax.Array) -> jax.Array:
-            return layer(x, cos, sin, self.attention_fn)
-
-        if self.remat:
-            run_layer = nnx.remat(run_layer)
         for layer in self.layers:
-            x = run_layer(layer, x)
+            if self.remat:
+                graph, weights = nnx.split(layer)
+
+                def run_layer(weights, x, cos, sin, graph=graph):
+                    return nnx.merge(graph, weights)(x, cos, sin, self.attention_fn)
+
+                x = checkpoint_after_cotangent(run_layer)(weights, x, cos, sin)
+            else:
+                x = layer(x, cos, sin, self.attention_fn)
         return self.norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
