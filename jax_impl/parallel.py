@@ -18,8 +18,8 @@ The table splits every parameter, the 1-D norm weights included, on dim 0 over b
 the parameters, their gradients and the AdamW state are split over every device rather than replicated over
 `sp`, exactly as the torch twin's FSDP2 over the flattened mesh (the table's docstring says why).
 
-Per-layer activation checkpointing is the model's `remat` option (`jax_impl/model.py`, `checkpoint_after_cotangent`
-per layer).
+Per-layer activation checkpointing is the model's `remat` option (`jax_impl/model.py`, a scan of checkpointed
+layers).
 """
 
 from __future__ import annotations
