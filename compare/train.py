@@ -80,6 +80,7 @@ class TrainSettings:
     stop_at        end this run after that many steps of `steps` (a job's time slot; --resume continues)
     out            directory of train.jsonl
     export_dir     the final weights go to `export_paths`: EXPORT/converted (twinflash format) and EXPORT/hf
+    plan_memory    (JAX) print XLA's per-device memory plan of the step instead of training
     """
 
     backend: str
@@ -103,6 +104,7 @@ class TrainSettings:
     stop_at: int | None = None
     out: Path | None = None
     export_dir: Path | None = None
+    plan_memory: bool = False
 
     @property
     def export_paths(self) -> tuple[Path, Path] | None:
@@ -153,6 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     parser.add_argument("--stop-at", type=int, help="end this run after that many steps (resume later)")
     parser.add_argument("--out", type=Path, help="directory for train.jsonl")
+    parser.add_argument("--plan-memory", action="store_true", help="JAX: compile the step for abstract inputs and "
+                        "print XLA's per-device memory plan; nothing is loaded or trained")
     parser.add_argument("--export", type=Path, dest="export_dir",
                         help="write the final weights to DIR/converted (twinflash format) and DIR/hf")
 
@@ -170,6 +174,8 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
         raise CheckpointError(f"--stop-at {args.stop_at} is beyond --steps {args.steps}")
     if args.resume and args.ckpt_dir is None:
         raise CheckpointError("--resume needs --ckpt-dir")
+    if args.plan_memory and args.backend != "jax":
+        raise CheckpointError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
     optimizer = OptimizerConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps,
                                 weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip)
     settings = TrainSettings(
@@ -179,7 +185,7 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
         ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
         ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume, stop_at=args.stop_at, out=args.out,
-        export_dir=args.export_dir)
+        export_dir=args.export_dir, plan_memory=args.plan_memory)
     check_attention_backend(settings)
     return settings
 
@@ -218,6 +224,13 @@ def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool
     if check_outputs:
         _check_outputs(settings, start)
     return config, batches, start
+
+
+def _check_plan(settings: TrainSettings, device_count: int) -> None:
+    """The checks of a --plan-memory run: mesh, batch and layout, model (no data, checkpoints or outputs)."""
+    settings.mesh.check_devices(device_count)
+    check_batch_shape(settings.batch, settings.seq_len, settings.mesh)
+    open_weights(settings.model, settings.seed)
 
 
 # --- the per-step report ---------------------------------------------------------------------------------------
@@ -345,8 +358,16 @@ def _run_jax_here(settings: TrainSettings) -> int:
     """A JAX run in this process, over all of JAX's devices."""
     import jax
 
-    from jax_impl.train import run_training
+    from jax_impl.train import run_training, step_memory_plan
 
+    if settings.plan_memory:
+        _check_plan(settings, jax.device_count())
+        plan = step_memory_plan(settings)
+        print(f"XLA memory plan of the {settings.model} train step, S={settings.seq_len}, mesh {settings.mesh}, "
+              f"{settings.dtype}, checkpointing {'on' if settings.activation_checkpointing else 'off'}, on "
+              f"{jax.devices()[0].platform} devices, per device: " + ", ".join(
+                  f"{name} {size / 2**30:.2f} GiB" for name, size in plan.items()))
+        return 0
     config, batches, start = check_run(settings, jax.device_count())
     with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu") as report:
         run_training(settings, batches, report)
@@ -367,7 +388,8 @@ def _run_jax(settings: TrainSettings) -> int:
     import jax
 
     if jax.default_backend() == "cpu" and jax.device_count() != settings.mesh.size:
-        check_run(settings, settings.mesh.size)  # bad input refused here, before the child starts
+        # bad input refused here, before the child starts
+        (_check_plan if settings.plan_memory else check_run)(settings, settings.mesh.size)
         return _hand_off(settings, [sys.executable], host_devices_env(settings.mesh.size))
     return _run_jax_here(settings)
 

@@ -33,7 +33,8 @@ from jax_impl import checkpointing
 from jax_impl.model import Llama, load_model, parameter_dict
 from jax_impl.model import next_token_loss as model_next_token_loss
 from jax_impl.parallel import make_mesh, sharded_batch
-from jax_impl.train import StepSpec, adamw_update, clip_gradients, load_parameters, next_token_loss, run_training
+from jax_impl.train import (StepSpec, adamw_update, clip_gradients, load_parameters, next_token_loss, run_training,
+                            step_memory_plan)
 from weights import CheckpointError, RandomWeights, preset, write_converted_checkpoint
 from weights.layout import LayoutError
 from weights.parallel import MeshShape
@@ -240,6 +241,25 @@ def test_remat_keeps_only_layer_inputs():
         return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(True) < 0.5 * temp_bytes(False)
+
+
+def test_memory_plan_of_the_step_without_weights(capsys):
+    # 4 emulated devices, the parameters split over all of them: fp32 weights + two AdamW moments, 12 bytes per
+    # parameter over 4 devices, plus the batch's few KiB. (What checkpointing saves is
+    # test_remat_keeps_only_layer_inputs's: the tiny preset's two layers are too few to show it.)
+    settings = dataclasses.replace(_settings("tiny", MESHES["fsdp1_sp4"]), batch=1, seq_len=2048, dtype="bf16")
+    plan = step_memory_plan(settings)
+    state_bytes = 12 * preset("tiny").num_params / 4
+    assert 0 < plan["arguments"] - state_bytes < 64 * 1024
+    assert plan["aliased"] == state_bytes  # the donated state is updated in place
+    assert 0 < plan["outputs"] - plan["aliased"] < 1024  # the loss and the grad norm
+    assert plan["temporaries"] > 2048 // 4 * 128 * 2 * 2  # at least each layer's input activations
+    assert train_main(["--backend", "jax", "--model", "tiny", "--seq-len", "64", "--steps", "1", "--mesh",
+                       "fsdp=1,sp=4", "--batch", "1", "--plan-memory"]) == 0
+    assert "XLA memory plan of the tiny train step, S=64" in capsys.readouterr().out
+    assert train_main(["--backend", "torch", "--model", "tiny", "--seq-len", "64", "--steps", "1",
+                       "--plan-memory"]) == 2
+    assert "--plan-memory needs --backend jax" in capsys.readouterr().err
 
 
 def test_bad_input_is_refused_before_training(weights_dir):
