@@ -209,28 +209,27 @@ def _check_outputs(settings: TrainSettings, start_step: int) -> None:
         raise CheckpointError(f"--stop-at {settings.stop_at} is not after the checkpoint's step {start_step}")
 
 
+def check_shape(settings: TrainSettings, device_count: int) -> LlamaConfig:
+    """The model's config, after the checks that need neither data nor checkpoints: mesh vs devices, batch and
+    sequence length vs mesh and layout, model name (all a --plan-memory run needs)."""
+    settings.mesh.check_devices(device_count)
+    check_batch_shape(settings.batch, settings.seq_len, settings.mesh)
+    return open_weights(settings.model, settings.seed).config
+
+
 def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool = True
               ) -> tuple[LlamaConfig, np.ndarray, int]:
     """Every check of a run that needs no device work, reading checkpoints through the backend's own
     `checkpointing` (the twins share its names): (model config, batches, step to start from).
     `check_outputs=False` skips the checks of OUT and EXPORT (a torch worker other than rank 0, which writes them)."""
     checkpointing = importlib.import_module(f"{settings.backend}_impl.checkpointing")
-    settings.mesh.check_devices(device_count)
-    check_batch_shape(settings.batch, settings.seq_len, settings.mesh)
-    config = open_weights(settings.model, settings.seed).config
+    config = check_shape(settings, device_count)
     batches = training_batches(settings, config)
     _, start = checkpoint_to_resume(settings, run_metadata(settings, config), checkpointing.latest_checkpoint,
                                     checkpointing.read_metadata)
     if check_outputs:
         _check_outputs(settings, start)
     return config, batches, start
-
-
-def _check_plan(settings: TrainSettings, device_count: int) -> None:
-    """The checks of a --plan-memory run: mesh, batch and layout, model (no data, checkpoints or outputs)."""
-    settings.mesh.check_devices(device_count)
-    check_batch_shape(settings.batch, settings.seq_len, settings.mesh)
-    open_weights(settings.model, settings.seed)
 
 
 # --- the per-step report ---------------------------------------------------------------------------------------
@@ -361,7 +360,7 @@ def _run_jax_here(settings: TrainSettings) -> int:
     from jax_impl.train import run_training, step_memory_plan
 
     if settings.plan_memory:
-        _check_plan(settings, jax.device_count())
+        check_shape(settings, jax.device_count())
         plan = step_memory_plan(settings)
         print(f"XLA memory plan of the {settings.model} train step, S={settings.seq_len}, mesh {settings.mesh}, "
               f"{settings.dtype}, checkpointing {'on' if settings.activation_checkpointing else 'off'}, on "
@@ -389,7 +388,7 @@ def _run_jax(settings: TrainSettings) -> int:
 
     if jax.default_backend() == "cpu" and jax.device_count() != settings.mesh.size:
         # bad input refused here, before the child starts
-        (_check_plan if settings.plan_memory else check_run)(settings, settings.mesh.size)
+        (check_shape if settings.plan_memory else check_run)(settings, settings.mesh.size)
         return _hand_off(settings, [sys.executable], host_devices_env(settings.mesh.size))
     return _run_jax_here(settings)
 

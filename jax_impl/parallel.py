@@ -69,7 +69,8 @@ def parameter_shardings(mesh: Mesh, shapes: dict[str, tuple[int, ...]]) -> dict[
 
 
 def activation_sharding(mesh: Mesh, kind: str) -> NamedSharding:
-    """NamedSharding of an activation kind of `weights.parallel.ACTIVATION_SHARDING` ("tokens", "hidden")."""
+    """NamedSharding of an activation kind of `weights.parallel.ACTIVATION_SHARDING` ("tokens", "positions",
+    "hidden")."""
     return NamedSharding(mesh, PartitionSpec(*ACTIVATION_SHARDING[kind]))
 
 
@@ -100,5 +101,5 @@ def sharded_batch(tokens: np.ndarray, mesh: Mesh) -> tuple[jax.Array, jax.Array,
     def place(x: np.ndarray) -> jax.Array:
         return put_sharded(x[:, order].astype(np.int32), sharding)
 
-    sequence = NamedSharding(mesh, PartitionSpec(ACTIVATION_SHARDING["tokens"][1]))
+    sequence = activation_sharding(mesh, "positions")
     return place(tokens), place(next_token_targets(tokens)), put_sharded(order.astype(np.int32), sequence)

@@ -88,11 +88,11 @@ def test_report_writes_json(tmp_path, capsys):
         "compare/results/ring-2026-11-21-h200.json")
 
 
-
 def test_rows_measured_again_replace_their_earlier_copies():
     earlier = [{"id": "torch/ring", "ms": 5.0}, {"id": "jax/ring", "ms": 9.0}]
     merged = ring_bench.merge_rows(earlier, [{"id": "jax/ring", "ms": 4.0}, {"id": "jax/flash-1gpu", "ms": 7.0}])
-    assert merged == [{"id": "torch/ring", "ms": 5.0}, {"id": "jax/ring", "ms": 4.0}, {"id": "jax/flash-1gpu", "ms": 7.0}]
+    assert merged == [{"id": "torch/ring", "ms": 5.0}, {"id": "jax/ring", "ms": 4.0},
+                      {"id": "jax/flash-1gpu", "ms": 7.0}]
 
 
 STAND_IN_WORKER = textwrap.dedent("""

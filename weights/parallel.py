@@ -19,7 +19,7 @@ set of axes for every parameter, as FSDP2 shards a module's parameters over one 
 
 `ACTIVATION_SHARDING` gives one mesh axis name (or None) per dim of the data: tokens [batch, seq] are split over
 `fsdp` on the batch dim and over `sp` on the sequence dim, in the order of the ring layout `RING_LAYOUT` (see
-weights/layout.py).
+weights/layout.py); the tokens' global positions [seq] are split over `sp` the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ PARAMETER_SHARDING: dict[str, tuple[tuple[str, ...] | None, ...]] = {
 
 ACTIVATION_SHARDING: dict[str, tuple[str | None, ...]] = {
     "tokens": ("fsdp", "sp"),            # [batch, seq]
+    "positions": ("sp",),                # [seq]: each token's global position, split like the sequence
     "hidden": ("fsdp", "sp", None),      # [batch, seq, hidden]
 }
 
