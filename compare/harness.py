@@ -40,7 +40,7 @@ from compare.ring_bench import _ints, _lengths
 from compare.train import host_devices_env, torchrun_launcher
 from weights import PRESETS, CheckpointError, open_weights, parameter_shapes, write_converted_checkpoint
 from weights.layout import check_split
-from weights.parallel import RING_LAYOUT
+from weights.parallel import REMAT_MODES, RING_LAYOUT
 
 EXIT_MISMATCH = 1
 KERNELS = {"torch": {"ours": "triton", "vendor": "sdpa_cudnn", "reference": "reference"},
@@ -68,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ablation", default="ours,vendor,reference",
                         help="attention kernels at the largest device count: ours, vendor (SDPA cuDNN / JAX cuDNN), "
                              "reference (plain math)")
-    parser.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto",
-                        help="benchmark with per-layer recomputation (auto: on for models over 2B parameters)")
+    parser.add_argument("--activation-checkpointing", choices=("auto", *REMAT_MODES), default="auto",
+                        help="benchmark with per-layer recomputation (`twinflash train --help` lists the modes; "
+                             "auto: full for models over 2B parameters, else off)")
     parser.add_argument("--check-seq-len", type=int, help="equivalence context length (default: the smallest of "
                         "--seq-lens, at most 2048)")
     parser.add_argument("--check-layers", type=int, help="equivalence on the model's first N layers (default: all, "
@@ -147,7 +148,7 @@ def plan_settings(args: argparse.Namespace, gpus: int) -> dict:
             raise CheckpointError(f"--perturb takes BACKEND:PARAM with a backend of {backends} and a parameter of "
                                   f"the model (e.g. torch:layers.0.attention.wq.weight), got {args.perturb!r}")
         perturb = (backend, name)
-    remat = {"on": True, "off": False, "auto": large}[args.activation_checkpointing]
+    remat = args.activation_checkpointing if args.activation_checkpointing != "auto" else ("full" if large else "off")
     return {"model": args.model, "mode": args.mode, "seq_lens": list(seq_lens), "device_counts": counts,
             "devices": devices, "steps": steps, "dtype": args.dtype or defaults["dtype"], "backends": backends,
             "attention_ablation": _parsed_list(args.ablation, ("ours", "vendor", "reference"), "--ablation"),

@@ -58,7 +58,7 @@ class Job:
     mode: str
     steps: int
     seed: int = 0
-    remat: bool = False
+    remat: str = "off"  # a weights.parallel.REMAT_MODES key
     perturb: str | None = None
     trace_dir: str | None = None
 

@@ -48,7 +48,7 @@ import numpy as np
 from weights import PRESETS, CheckpointError, LlamaConfig, open_weights
 from weights.data import random_batches, text_batches
 from weights.flops import model_flops_per_token
-from weights.parallel import MeshShape
+from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig
 from weights.training import (ATTENTION_BACKENDS, check_attention_backend, check_batch_shape, checkpoint_to_resume,
                               run_metadata)
@@ -93,7 +93,7 @@ class TrainSettings:
     data: str = "text"
     seed: int = 0
     optimizer: OptimizerConfig = OptimizerConfig()
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "off"  # a weights.parallel.REMAT_MODES key
     attention_backend: str = "triton"
     ring_variant: str = "ring"
     loss_chunk_tokens: int | None = None
@@ -144,7 +144,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
     parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip_norm, help="max global grad norm")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    parser.add_argument("--activation-checkpointing", nargs="?", choices=tuple(REMAT_MODES), const="full",
+                        default="off", metavar="MODE",
+                        help="per-layer activation checkpointing; alone: full. " + "; ".join(
+                            f"{mode}: {what}" for mode, what in REMAT_MODES.items()))
     parser.add_argument("--attention-backend", help="ring step kernel: triton, reference or sdpa_cudnn (torch), "
                         "pallas, reference or cudnn (jax); default ours (triton, pallas)")
     parser.add_argument("--ring-variant", choices=("ring", "allgather"), default="ring")
@@ -363,7 +366,7 @@ def _run_jax_here(settings: TrainSettings) -> int:
         check_shape(settings, jax.device_count())
         plan = step_memory_plan(settings)
         print(f"XLA memory plan of the {settings.model} train step, S={settings.seq_len}, mesh {settings.mesh}, "
-              f"{settings.dtype}, checkpointing {'on' if settings.activation_checkpointing else 'off'}, on "
+              f"{settings.dtype}, checkpointing {settings.activation_checkpointing}, on "
               f"{jax.devices()[0].platform} devices, per device: " + ", ".join(
                   f"{name} {size / 2**30:.2f} GiB" for name, size in plan.items()))
         return 0

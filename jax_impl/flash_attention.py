@@ -45,6 +45,7 @@ from jax import lax
 from .attention import reference_attention_backward, reference_attention_forward
 from .flash_backward import pallas_backward
 from .flash_forward import KernelConfig, padded_head_dim, pallas_forward
+from .remat import keep_for_backward
 
 BACKENDS = ("pallas", "reference", "cudnn")
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -67,7 +68,7 @@ class FlashBlockSizes:
 GPU_BLOCK_SIZES: dict[int, FlashBlockSizes] = {
     16: FlashBlockSizes(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 2)),
     32: FlashBlockSizes(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 2)),
-    64: FlashBlockSizes(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 2)),
+    64: FlashBlockSizes(KernelConfig(64, 64, 4, 2), KernelConfig(32, 128, 4, 3), KernelConfig(128, 64, 4, 3)),
     128: FlashBlockSizes(KernelConfig(128, 128, 8, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 64, 8, 3)),
     256: FlashBlockSizes(KernelConfig(64, 32, 8, 2), KernelConfig(32, 32, 8, 2), KernelConfig(64, 32, 8, 2)),
 }
@@ -275,7 +276,8 @@ def _attention_with_lse(q, k, v, causal, softmax_scale, backend):
 
 
 def _attention_fwd(q, k, v, causal, softmax_scale, backend):
-    out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    out, lse = keep_for_backward(*flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                          backend=backend))
     return (out, lse), (q, k, v, out, lse)
 
 

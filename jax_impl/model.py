@@ -8,9 +8,10 @@ and `nnx.split`/`nnx.merge` still give jit and sharding a pure pytree. Weights k
 
 Attention is pluggable: `Llama(config, params, attention_fn=...)` takes any `AttentionFn` (`fn(q, k, v) -> out`,
 causal); the default is plain math; the flash kernel and the ring (inside `jax.shard_map`) drop in unchanged.
-`positions` gives the global position of each local token, for sequence-parallel shards. `remat=True` checkpoints
-each decoder layer (a scan of `jax.checkpoint`-ed layers): only layer inputs are kept for the backward, which
-recomputes the rest, one layer at a time.
+`positions` gives the global position of each local token, for sequence-parallel shards. `remat` checkpoints
+each decoder layer (a scan of `jax.checkpoint`-ed layers; "full": only layer inputs are kept for the backward, which
+recomputes the rest; "save-attention": the attention's output and log-sum-exp are kept too, so the backward does
+not rerun the attention; see `jax_impl/remat.py`).
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
@@ -26,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jax_impl.attention import AttentionFn, reference_attention
+from jax_impl.remat import checkpointed_layer
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -118,10 +120,10 @@ class Llama(nnx.Module):
     """Built from a dict of canonical name -> array (see weights/checkpoint.py); nothing is initialised randomly."""
 
     def __init__(self, config: LlamaConfig, params: dict[str, jax.Array], attention_fn: AttentionFn | None = None,
-                 remat: bool = False):
+                 remat: str = "off"):
         self.config = config
         self.attention_fn = attention_fn or reference_attention
-        self.remat = remat  # recompute each layer's activations in the backward instead of keeping them
+        self.remat = remat  # a `weights.parallel.REMAT_MODES` key: which activations the backward recomputes
         self.tok_embeddings = Embedding(params["tok_embeddings.weight"])
         self.layers = nnx.List([TransformerBlock(config, params, f"layers.{i}.") for i in range(config.num_layers)])
         self.norm = RMSNorm(params["norm.weight"], config.rms_norm_eps)
@@ -135,7 +137,7 @@ class Llama(nnx.Module):
         x = self.tok_embeddings(tokens)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
 
-        if self.remat:
+        if self.remat != "off":
             x = self._checkpointed_layers(x, cos, sin)
         else:
             for layer in self.layers:
@@ -151,11 +153,10 @@ class Llama(nnx.Module):
         graph = nnx.graphdef(self.layers[0])
         stacked = jax.tree.map(lambda *weights: jnp.stack(weights), *(nnx.state(layer) for layer in self.layers))
 
-        @jax.checkpoint
         def run_layer(x: jax.Array, weights) -> tuple[jax.Array, None]:
             return nnx.merge(graph, weights)(x, cos, sin, self.attention_fn), None
 
-        return jax.lax.scan(run_layer, x, stacked)[0]
+        return jax.lax.scan(checkpointed_layer(run_layer, mode=self.remat), x, stacked)[0]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         head = self.tok_embeddings.weight[...] if self.output is None else self.output.weight[...]

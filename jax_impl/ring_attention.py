@@ -66,6 +66,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jax_impl.flash_attention import flash_attention_backward, flash_attention_forward
+from jax_impl.remat import keep_for_backward
 from weights.layout import LAYOUTS, check_ring_shapes, check_split, inverse_order, layout_order, position_runs
 
 VARIANTS = ("ring", "allgather")
@@ -316,7 +317,7 @@ def _ring_attention_fwd(q, k, v, cfg: _RingConfig):
     world, rank = jax.lax.axis_size(cfg.axis_name), jax.lax.axis_index(cfg.axis_name)
     run = _allgather_forward if _uses_allgather(cfg, world) else _ring_forward
     out, lse = run(cfg, world, rank, q, k, v)
-    out = out.astype(q.dtype)
+    out, lse = keep_for_backward(out.astype(q.dtype), lse)
     return (out, lse), (q, k, v, out, lse)
 
 

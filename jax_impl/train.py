@@ -111,7 +111,7 @@ class StepSpec:
     config: LlamaConfig
     mesh: Mesh
     dtype: str
-    remat: bool
+    remat: str  # a weights.parallel.REMAT_MODES key
     attention_backend: str
     ring_variant: str
     loss_chunk_tokens: int

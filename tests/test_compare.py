@@ -164,10 +164,21 @@ def test_communication_time_is_the_union_of_intervals():
 def test_communication_bytes_follow_the_shapes():
     config = PRESETS["llama3.2-1b"]
     one = step_comm_bytes(config, seq_len=4096, batch=1, mesh=MeshShape(sp=1), compute_bytes=2, train=True,
-                          remat=False, parameter_gathers=2, gradient_bytes=4)
+                          remat="off", parameter_gathers=2, gradient_bytes=4)
     assert one["total"] == 0  # nothing leaves a single device
     four = step_comm_bytes(config, seq_len=4096, batch=1, mesh=MeshShape(sp=4), compute_bytes=2, train=False,
-                           remat=False, parameter_gathers=1, gradient_bytes=4)
+                           remat="off", parameter_gathers=1, gradient_bytes=4)
     kv_per_layer = 2 * 1024 * config.num_kv_heads * config.head_dim * 2  # K and V of 1024 local tokens, bf16
     assert four["attention"] == 3 * kv_per_layer * config.num_layers
     assert four["parameters"] == pytest.approx(0.75 * config.num_params * 2)
+    # training: the backward moves K, V and float32 dK, dV again; "full" checkpointing repeats the forward's K/V,
+    # "save-attention" keeps the attention's output and so does not
+    train = {mode: step_comm_bytes(config, seq_len=4096, batch=1, mesh=MeshShape(sp=4), compute_bytes=2,
+                                   train=True, remat=mode, parameter_gathers=1, gradient_bytes=4)["attention"]
+             for mode in ("off", "full", "save-attention")}
+    backward = 3 * (2 * 1024 * config.num_kv_heads * config.head_dim) * (2 + 4) * config.num_layers
+    assert train["off"] == train["save-attention"] == four["attention"] + backward
+    assert train["full"] == 2 * four["attention"] + backward
+    with pytest.raises(ValueError, match="remat must be one of"):
+        step_comm_bytes(config, seq_len=4096, batch=1, mesh=MeshShape(sp=4), compute_bytes=2, train=True,
+                        remat="on", parameter_gathers=1, gradient_bytes=4)

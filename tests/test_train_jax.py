@@ -30,6 +30,7 @@ import transformers
 from compare.train import TrainSettings, training_batches
 from compare.train import main as train_main
 from jax_impl import checkpointing
+from jax_impl.flash_attention import flash_attention
 from jax_impl.model import Llama, load_model, parameter_dict
 from jax_impl.model import next_token_loss as model_next_token_loss
 from jax_impl.parallel import make_mesh, sharded_batch
@@ -37,7 +38,7 @@ from jax_impl.train import (StepSpec, adamw_update, clip_gradients, load_paramet
                             step_memory_plan)
 from weights import CheckpointError, RandomWeights, preset, write_converted_checkpoint
 from weights.layout import LayoutError
-from weights.parallel import MeshShape
+from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig
 from weights.training import adamw_coefficients, check_compatible, run_metadata
 
@@ -50,9 +51,11 @@ SHARDED_RTOL = 1e-5
 # torch vs JAX: same fp32 math, different kernels and reduction orders; the issue's bound (measured ~1e-6).
 TWIN_ATOL = 1e-4
 MESHES = {"fsdp2_sp2": MeshShape(fsdp=2, sp=2), "fsdp1_sp4": MeshShape(fsdp=1, sp=4)}
-# Per-mesh variations, so both paths of each option run: per-layer checkpointing on/off, and a loss chunk that
-# splits a device's 64 rows into one scanned chunk of 40 plus a remainder of 24.
-MESH_OPTIONS = {"fsdp2_sp2": {}, "fsdp1_sp4": {"activation_checkpointing": True, "loss_chunk_tokens": 40}}
+# Per-mesh variations, so each option's paths run: per-layer checkpointing keeping the attention's outputs or not
+# (the single-device run checkpoints nothing), and a loss chunk that splits a device's 64 rows into one scanned
+# chunk of 40 plus a remainder of 24.
+MESH_OPTIONS = {"fsdp2_sp2": {"activation_checkpointing": "save-attention"},
+                "fsdp1_sp4": {"activation_checkpointing": "full", "loss_chunk_tokens": 40}}
 
 
 def _settings(model, mesh: MeshShape, **fields) -> TrainSettings:
@@ -120,7 +123,8 @@ def test_stop_and_resume_equals_uninterrupted_run(runs, weights_dir, tmp_path, m
     uninterrupted run's, bit for bit; the half-written step is never listed and is cleaned up."""
     uninterrupted = runs["fsdp2_sp2"]
     ckpt = tmp_path / "ckpt"
-    settings = _settings(weights_dir, MESHES["fsdp2_sp2"], ckpt_dir=ckpt, ckpt_every=5, keep=2)
+    settings = _settings(weights_dir, MESHES["fsdp2_sp2"], ckpt_dir=ckpt, ckpt_every=5, keep=2,
+                         **MESH_OPTIONS["fsdp2_sp2"])
     first = _train(dataclasses.replace(settings, stop_at=10))
     assert [p.name for p in checkpointing.completed_checkpoints(ckpt)] == ["step_00000005", "step_00000010"]
 
@@ -184,7 +188,7 @@ def test_chunked_sharded_loss_equals_the_model_loss_and_its_gradient():
     source = RandomWeights(preset("tiny"))
     params = load_parameters(source, mesh)
     tokens_np = np.random.default_rng(1).integers(0, 256, (2, 24))
-    spec = StepSpec(config=source.config, mesh=mesh, dtype="fp32", remat=False, attention_backend="reference",
+    spec = StepSpec(config=source.config, mesh=mesh, dtype="fp32", remat="off", attention_backend="reference",
                     ring_variant="ring", loss_chunk_tokens=7, optimizer=OptimizerConfig())
     chunked, chunked_grads = jax.jit(jax.value_and_grad(next_token_loss), static_argnames="spec")(
         params, *sharded_batch(tokens_np, mesh), spec=spec)
@@ -208,20 +212,53 @@ def test_bf16_compute_trains_close_to_fp32(weights_dir, single_device):
     assert all(p.dtype == jnp.float32 for p in run.state["model"].values())  # fp32 master weights
 
 
-def _layer_gradients(remat: bool, tokens: jax.Array, params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def _layer_gradient_fn(remat: str, tokens: jax.Array):
+    """The gradient of the tiny model's loss with the Pallas kernel (interpreted on CPU) as its attention."""
     def loss(params):
-        return model_next_token_loss(Llama(preset("tiny"), params, remat=remat)(tokens), tokens)
+        return model_next_token_loss(Llama(preset("tiny"), params, flash_attention, remat=remat)(tokens), tokens)
 
-    return jax.jit(jax.grad(loss))(params)
+    return jax.grad(loss)
 
 
 def test_remat_changes_nothing_numerically():
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (1, 16)))
     params = parameter_dict(load_model("tiny"))
-    plain, remat = _layer_gradients(False, tokens, params), _layer_gradients(True, tokens, params)
-    assert plain.keys() == remat.keys() == params.keys()
-    for name in params:  # the same fp32 operations recomputed: identical up to XLA fusing them differently
-        np.testing.assert_allclose(remat[name], plain[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    grads = {mode: jax.jit(_layer_gradient_fn(mode, tokens))(params) for mode in REMAT_MODES}
+    for mode in ("full", "save-attention"):
+        assert grads[mode].keys() == params.keys()
+        for name in params:  # the same fp32 operations recomputed: identical up to XLA fusing them differently
+            np.testing.assert_allclose(grads[mode][name], grads["off"][name], rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{mode}: {name}")
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["one_device", "ring_sp4"])
+def test_save_attention_does_not_rerun_the_attention_forward(ring):
+    """Forward kernel launches in the traced gradient (forward pass + backward pass, after remat's partial
+    evaluation): "full" reruns each layer's attention forward in the backward, "save-attention" does not."""
+    if ring:  # the train step's loss: the ring inside shard_map over 4 devices, Pallas pair kernels
+        mesh = make_mesh(MESHES["fsdp1_sp4"])
+        source = RandomWeights(preset("tiny"))
+        params = load_parameters(source, mesh)
+        batch = sharded_batch(np.random.default_rng(1).integers(0, 256, (1, 32)), mesh)
+
+        def gradient(remat):
+            spec = StepSpec(config=source.config, mesh=mesh, dtype="fp32", remat=remat, attention_backend="pallas",
+                            ring_variant="ring", loss_chunk_tokens=16, optimizer=OptimizerConfig())
+            return lambda params: jax.grad(next_token_loss)(params, *batch, spec=spec)
+    else:
+        params = parameter_dict(load_model("tiny"))
+        tokens = jnp.zeros((1, 16), jnp.int32)
+
+        def gradient(remat):
+            return _layer_gradient_fn(remat, tokens)
+
+    def forward_kernels(remat: str) -> int:
+        return str(jax.make_jaxpr(gradient(remat))(params)).count("name=twinflash_forward")
+
+    launches = {mode: forward_kernels(mode) for mode in REMAT_MODES}
+    assert launches["off"] > 0
+    assert launches["full"] == 2 * launches["off"]  # the negative control: full checkpointing does rerun them
+    assert launches["save-attention"] == launches["off"]
 
 
 def test_remat_keeps_only_layer_inputs():
@@ -234,13 +271,13 @@ def test_remat_keeps_only_layer_inputs():
     params = {name: jnp.asarray(array) for name, array in RandomWeights(config)}
     tokens = jnp.zeros((1, 4096), jnp.int32)
 
-    def temp_bytes(remat: bool) -> int:
+    def temp_bytes(remat: str) -> int:
         def loss(params):
             return model_next_token_loss(Llama(config, params, remat=remat)(tokens), tokens)
 
         return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
 
-    assert temp_bytes(True) < 0.5 * temp_bytes(False)
+    assert temp_bytes("full") < 0.5 * temp_bytes("off")
 
 
 def test_memory_plan_of_the_step_without_weights(capsys):

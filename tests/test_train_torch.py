@@ -3,8 +3,8 @@ the tiny preset, byte-level stdlib text. Twin of tests/test_train_jax.py.
 
 Each training run costs a process start per rank (seconds on a small machine), so every run is a module-scoped
 fixture that several tests read, and the checks of bad input run in this process (the command refuses them
-before starting anything). Runs: fsdp=2 x sp=2 (ring variant, checkpoints, export), fsdp=1 x sp=4 (allgather
-variant, activation checkpointing, small loss chunks), one process, a stopped-and-resumed copy of the first, and
+before starting anything). Runs: fsdp=2 x sp=2 (ring variant, "save-attention" activation checkpointing,
+checkpoints, export), fsdp=1 x sp=4 (allgather variant, "full" activation checkpointing, small loss chunks), one process, a stopped-and-resumed copy of the first, and
 a short bf16 run with the default (triton) kernel; the others use the plain-math "reference" pair attention.
 
 Tolerances:
@@ -19,6 +19,7 @@ Tolerances:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -29,11 +30,12 @@ import torch
 
 from compare.train import TrainSettings, main
 from torch_impl.checkpointing import completed_checkpoints
+from torch_impl.flash_attention import flash_attention
 from torch_impl.model import load_model, next_token_loss
 from torch_impl.train import AdamW, ShardedNextTokenLoss, clip_grad_norm_
 from weights import PRESETS, RandomWeights, write_converted_checkpoint
 from weights.flops import matmul_parameters, model_flops_per_token
-from weights.parallel import MeshShape
+from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig
 from weights.training import adamw_coefficients, next_token_targets
 
@@ -44,6 +46,7 @@ COMMON = ["--backend", "torch", "--model", "tiny", "--seq-len", "64", "--steps",
 SHARDED_RTOL = 1e-5  # module docstring
 BF16_ATOL = 3e-2  # module docstring
 HF_ATOL = 1e-4  # module docstring
+SHARDED_ARGS = ("--mesh", "fsdp=2,sp=2", "--activation-checkpointing", "save-attention")
 
 
 def _train(out, *extra) -> list[dict]:
@@ -62,8 +65,8 @@ def _losses(records: list[dict]) -> np.ndarray:
 def sharded(tmp_path_factory):
     """fsdp=2 x sp=2, checkpoints every 10 steps (keep 1), final weights exported."""
     root = tmp_path_factory.mktemp("sharded")
-    records = _train(root / "out", "--mesh", "fsdp=2,sp=2", "--ckpt-dir", root / "ckpt", "--ckpt-every", 10,
-                     "--keep", 1, "--export", root / "export")
+    records = _train(root / "out", *SHARDED_ARGS, "--ckpt-dir", root / "ckpt", "--ckpt-every", 10, "--keep", 1,
+                     "--export", root / "export")
     return root, records
 
 
@@ -107,7 +110,7 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_bit_for_bit(sharded, t
     root, uninterrupted = sharded
     assert [p.name for p in completed_checkpoints(root / "ckpt")] == ["step-00000020"]  # --keep 1
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    args = ["--mesh", "fsdp=2,sp=2", "--ckpt-dir", ckpt, "--ckpt-every", 5, "--keep", 2]
+    args = [*SHARDED_ARGS, "--ckpt-dir", ckpt, "--ckpt-every", 5, "--keep", 2]
     first = _train(out, *args, "--stop-at", 10)
     assert [r["step"] for r in first] == list(range(10))
     assert [p.name for p in completed_checkpoints(ckpt)] == ["step-00000005", "step-00000010"]
@@ -234,15 +237,27 @@ def test_chunked_sharded_loss_equals_the_model_loss_and_its_gradient():
     torch.testing.assert_close(chunked_grad, llama.output.weight.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_remat_changes_nothing_numerically():
+def test_remat_changes_nothing_numerically_and_save_attention_does_not_rerun_the_attention(monkeypatch):
+    """Forward attention calls counted where the pair kernels are dispatched (the "reference" kernel: plain math
+    behind the same autograd Function as the Triton one): "full" reruns each layer's in the backward (the negative
+    control), "save-attention" does not; the gradients are the same in all three modes, bit for bit (the same fp32
+    operations on CPU, recomputed or not)."""
+    flash_module = sys.modules["torch_impl.flash_attention"]
+    launches, dispatch = [], flash_module._forward
+    monkeypatch.setattr(flash_module, "_forward", lambda *args: launches.append(1) or dispatch(*args))
     tokens = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (1, 16)))
-    grads = []
-    for remat in (False, True):
-        llama = load_model("tiny")
+    grads, counts = {}, {}
+    for remat in REMAT_MODES:
+        llama = load_model("tiny", attention_fn=functools.partial(flash_attention, backend="reference"))
         llama.remat = remat
+        launches.clear()
         next_token_loss(llama(tokens), tokens).backward()
-        grads.append(llama.layers[0].feed_forward.w1.weight.grad)
-    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+        grads[remat], counts[remat] = {n: p.grad for n, p in llama.named_parameters()}, len(launches)
+    layers = PRESETS["tiny"].num_layers
+    assert counts == {"off": layers, "full": 2 * layers, "save-attention": layers}
+    for remat in ("full", "save-attention"):
+        for name, grad in grads["off"].items():
+            torch.testing.assert_close(grads[remat][name], grad, rtol=0, atol=0, msg=f"{remat}: {name}")
 
 
 def test_settings_round_trip_and_flops_formula(tmp_path):

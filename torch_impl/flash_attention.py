@@ -26,6 +26,7 @@ import torch
 from torch_impl.attention import reference_attention_backward, reference_attention_forward
 from torch_impl.flash_backward import triton_backward
 from torch_impl.flash_forward import INTERPRETED, triton_forward
+from torch_impl.remat import keep_for_backward
 
 aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
 
@@ -223,7 +224,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, grad_dtype):
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, backend):
-        out, lse = _forward(q, k, v, causal, scale, q.dtype, backend)
+        out, lse = keep_for_backward(lambda: _forward(q, k, v, causal, scale, q.dtype, backend))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
         ctx.mark_non_differentiable(lse)

@@ -4,8 +4,9 @@ Twin of `jax_impl/model.py`: same modules, same names, same parameter paths (the
 Attention is pluggable: `Llama(config, attention_fn=...)` takes any `AttentionFn` (`fn(q, k, v) -> out`, causal,
 q [B, S, H, D], k/v [B, S, Hkv, D]); the default is plain math (`reference_attention`); the flash kernel and the
 ring drop in unchanged. `positions` gives the global position of each local token, so a sequence-parallel rank
-holding a zigzag shard rotates its tokens by their true positions. `remat=True` checkpoints each decoder layer
-(`torch.utils.checkpoint`, non-reentrant): only layer inputs are kept for the backward, which recomputes the rest.
+holding a zigzag shard rotates its tokens by their true positions. `remat` checkpoints each decoder layer
+("full": only layer inputs are kept for the backward, which recomputes the rest; "save-attention": the attention's
+output and log-sum-exp are kept too, so the backward does not rerun the attention; see `torch_impl/remat.py`).
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
@@ -18,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from torch_impl.attention import AttentionFn, reference_attention
+from torch_impl.remat import checkpointed_layer
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -100,11 +101,11 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None, remat: bool = False):
+    def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None, remat: str = "off"):
         super().__init__()
         self.config = config
         self.attention_fn = attention_fn or reference_attention
-        self.remat = remat  # recompute each layer's activations in the backward instead of keeping them
+        self.remat = remat  # a `weights.parallel.REMAT_MODES` key: which activations the backward recomputes
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -119,8 +120,8 @@ class Llama(nn.Module):
         x = self.tok_embeddings(tokens)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
         for layer in self.layers:
-            if self.remat:
-                x = checkpoint(layer, x, cos, sin, self.attention_fn, use_reentrant=False)
+            if self.remat != "off":
+                x = checkpointed_layer(layer, x, cos, sin, self.attention_fn, mode=self.remat)
             else:
                 x = layer(x, cos, sin, self.attention_fn)
         return self.norm(x)

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from torch_impl.flash_attention import flash_attention_backward, flash_attention_forward
+from torch_impl.remat import keep_for_backward
 from torch_impl.ring_comm import Ring
 from weights.layout import (LAYOUTS, check_ring_shapes, check_split, inverse_order, layout_order, position_runs,
                             rank_positions)
@@ -225,10 +226,13 @@ def _allgather_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, cfg: _RingConfig):
-        run = _allgather_forward if cfg.variant == "allgather" and ring.world > 1 else _ring_forward
-        with ring.draining():
-            out, lse = run(ring, cfg, q, k, v)
-        out = out.to(q.dtype)
+        def attend():
+            run = _allgather_forward if cfg.variant == "allgather" and ring.world > 1 else _ring_forward
+            with ring.draining():
+                out, lse = run(ring, cfg, q, k, v)
+            return out.to(q.dtype), lse
+
+        out, lse = keep_for_backward(attend)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.cfg = ring, cfg
         ctx.mark_non_differentiable(lse)

@@ -225,7 +225,7 @@ def build_training(settings, device: torch.device) -> Training:
     chunk_tokens = settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size)
     model = ShardedNextTokenLoss(llama, chunk_tokens)
     shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype],
-                activation_checkpointing=settings.activation_checkpointing)
+                remat=settings.activation_checkpointing)
     load_local_shards(llama, source, device)
     optimizer = AdamW(dict(llama.named_parameters()), settings.optimizer)
     return Training(mesh, llama, model, optimizer, source, run_metadata(settings, config), device)

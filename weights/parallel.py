@@ -45,6 +45,15 @@ PARAMETER_SHARDING: dict[str, tuple[tuple[str, ...] | None, ...]] = {
     "output.weight": (("fsdp", "sp"), None),
 }
 
+# Per-layer activation checkpointing (torch_impl/remat.py, jax_impl/remat.py): what a decoder layer keeps for
+# its backward. It changes what the ring moves (`step_comm_bytes`), so it is part of how a step is laid out.
+REMAT_MODES: dict[str, str] = {
+    "off": "keep every activation, recompute nothing",
+    "full": "keep each layer's input; the backward reruns the whole layer, attention included",
+    "save-attention": "keep each layer's input and its attention's output and log-sum-exp; the backward reruns "
+                      "the layer except the attention",
+}
+
 ACTIVATION_SHARDING: dict[str, tuple[str | None, ...]] = {
     "tokens": ("fsdp", "sp"),            # [batch, seq]
     "positions": ("sp",),                # [seq]: each token's global position, split like the sequence
@@ -112,14 +121,14 @@ class MeshShape:
 
 
 def step_comm_bytes(config: LlamaConfig, *, seq_len: int, batch: int, mesh: MeshShape, compute_bytes: int,
-                    train: bool, remat: bool, parameter_gathers: int, gradient_bytes: int) -> dict[str, float]:
+                    train: bool, remat: str, parameter_gathers: int, gradient_bytes: int) -> dict[str, float]:
     """Bytes one device sends in one step (forward, or forward + backward when `train`), counted from the shapes:
     {"attention": ..., "parameters": ..., "total": ...}. The achieved bandwidth of a benchmark is this over the
     measured communication time.
 
     attention   the ring over sp = P: each layer's forward passes this device's K and V (Hkv heads, compute
                 dtype) P - 1 times (the allgather variant moves the same bytes); the backward passes K and V again
-                and dK, dV in float32; activation checkpointing repeats the forward.
+                and dK, dV in float32; `remat` "full" (`REMAT_MODES`) repeats the forward's transfers.
     parameters  the parameters split over all devices (`PARAMETER_SHARDING`): each gather sends (D - 1) / D of
                 them in the compute dtype, `parameter_gathers` times per step (torch's FSDP2 gathers in the
                 forward and again in the backward, the JAX step once), and training reduce-scatters the
@@ -127,7 +136,9 @@ def step_comm_bytes(config: LlamaConfig, *, seq_len: int, batch: int, mesh: Mesh
     devices, ring = mesh.size, mesh.sp
     local_tokens = batch // mesh.fsdp * seq_len // ring
     kv_elements = 2 * local_tokens * config.num_kv_heads * config.head_dim  # K and V
-    forwards = 1 + (train and remat)
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
+    forwards = 1 + (train and remat == "full")
     attention = forwards * kv_elements * compute_bytes + (kv_elements * (compute_bytes + 4) if train else 0)
     attention *= (ring - 1) * config.num_layers
     share = (devices - 1) / devices
