@@ -18,7 +18,7 @@ from compare import jobs as J
 from compare.train import PEAK_FLOPS_PER_DEVICE
 from weights import LlamaConfig
 from weights.flops import forward_flops_per_token, model_flops_per_token
-from weights.parallel import MeshShape, step_comm_bytes
+from weights.parallel import MeshShape, step_comm_bytes, weights_regathered_for_backward
 
 MFU_FORMULA = ("MFU = model FLOPs per second / (989 TFLOP/s x devices); model FLOPs per token = 6 N + 6 x layers x "
                "heads x head_dim x S (training: forward + backward, causal attention, no credit for recomputation) "
@@ -29,6 +29,11 @@ _MEASURED = ("step_s", "forward_s", "backward_s", "comm_s", "comm_bytes", "comm_
 
 def _flops_per_token(config: LlamaConfig, seq_len: int, mode: str) -> float:
     return (model_flops_per_token if mode == "train" else forward_flops_per_token)(config, seq_len)
+
+
+def _parameter_gathers(job: J.Job, train: bool) -> int:
+    """All-gathers of the weights per step: torch's FSDP2 gathers again for the backward only when checkpointing."""
+    return 2 if (job.backend == "torch" and train and weights_regathered_for_backward(job.remat)) else 1
 
 
 def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: dict) -> dict:
@@ -50,7 +55,7 @@ def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: dic
         compute_bytes = 2 if job.dtype == "bf16" else 4
         point["comm_bytes"] = step_comm_bytes(
             config, seq_len=job.seq_len, batch=1, mesh=MeshShape(sp=job.devices), compute_bytes=compute_bytes,
-            train=train, remat=job.remat, parameter_gathers=2 if (job.backend == "torch" and train) else 1,
+            train=train, remat=job.remat, parameter_gathers=_parameter_gathers(job, train),
             gradient_bytes=4 if job.backend == "torch" else compute_bytes)["total"]
         if result["comm_s"]:
             point["comm_bandwidth_gbps"] = point["comm_bytes"] / result["comm_s"] / 1e9

@@ -19,7 +19,7 @@ from compare.cli import main as cli_main
 from compare.harness import run_launch
 from compare.report import validate_report
 from weights import PRESETS
-from weights.parallel import MeshShape, step_comm_bytes
+from weights.parallel import MeshShape, step_comm_bytes, weights_regathered_for_backward
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -179,6 +179,10 @@ def test_communication_bytes_follow_the_shapes():
     backward = 3 * (2 * 1024 * config.num_kv_heads * config.head_dim) * (2 + 4) * config.num_layers
     assert train["off"] == train["save-attention"] == four["attention"] + backward
     assert train["full"] == 2 * four["attention"] + backward
+    # torch's FSDP2 keeps a layer's gathered weights for its backward unless checkpointing recomputes the layer
+    assert [weights_regathered_for_backward(mode) for mode in ("off", "full", "save-attention")] == [False, True, True]
+    with pytest.raises(ValueError, match="remat must be one of"):
+        weights_regathered_for_backward("on")
     with pytest.raises(ValueError, match="remat must be one of"):
         step_comm_bytes(config, seq_len=4096, batch=1, mesh=MeshShape(sp=4), compute_bytes=2, train=True,
                         remat="on", parameter_gathers=1, gradient_bytes=4)

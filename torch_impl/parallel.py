@@ -38,7 +38,8 @@ from torch_impl.attention import AttentionFn
 from torch_impl.ring_attention import ring_attention
 from weights import ConvertedCheckpoint, RandomWeights, rope_inverse_frequencies
 from weights.layout import rank_positions
-from weights.parallel import MESH_AXES, RING_LAYOUT, MeshShape, parameter_shard_axes, sharded_dim
+from weights.parallel import (MESH_AXES, RING_LAYOUT, MeshShape, parameter_shard_axes, sharded_dim,
+                              weights_regathered_for_backward)
 from weights.training import check_batch_shape, next_token_targets
 
 
@@ -79,14 +80,16 @@ def shard_model(model: nn.Module, llama: nn.Module, mesh: DeviceMesh, *, compute
     """In place: per-layer activation checkpointing (the model's `remat`, a `weights.parallel.REMAT_MODES` key) and
     FSDP2 over `parameter_mesh(mesh)` on every decoder layer of `llama` and on `model`, the root that contains it (the loss module, so that the LM
     head used by the loss is gathered by the root's hooks). fp32 parameters stay the master copy; with a bf16
-    compute dtype FSDP gathers them in bf16 and reduces gradients in fp32. Gradients are summed over all ranks."""
+    compute dtype FSDP gathers them in bf16 and reduces gradients in fp32. Gradients are summed over all ranks.
+    A layer's gathered weights stay from its forward to its backward unless checkpointing recomputes it
+    (`weights_regathered_for_backward`: memory or one all-gather less per step)."""
     llama.remat = remat
     names = {param: name for name, param in llama.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     kwargs = dict(mesh=parameter_mesh(mesh), mp_policy=policy,
                   shard_placement_fn=lambda param: parameter_placement(names[param]))
     for layer in llama.layers:
-        fully_shard(layer, **kwargs)
+        fully_shard(layer, reshard_after_forward=weights_regathered_for_backward(remat), **kwargs)
     fully_shard(model, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):

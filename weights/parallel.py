@@ -120,6 +120,18 @@ class MeshShape:
         return f"fsdp={self.fsdp},sp={self.sp}"
 
 
+def weights_regathered_for_backward(remat: str) -> bool:
+    """Whether the torch backend's FSDP2 frees each decoder layer's gathered compute-dtype weights after the layer's
+    forward and gathers them again for its backward (`reshard_after_forward`). Only with activation checkpointing,
+    whose runs are the long, memory-bound ones. Without it they stay until the backward: one gather per step, as
+    in the JAX step, where XLA keeps the whole compute-dtype model from the forward to the backward. Measured on
+    4x H200 at S=32k, no checkpointing: +3.3 % tokens/s for the Llama-3.1-8B shape for +12.6 GiB per GPU, +4.5 %
+    for Llama-3.2-1B for +1.7 GiB (compare/results/README.md)."""
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
+    return remat != "off"
+
+
 def step_comm_bytes(config: LlamaConfig, *, seq_len: int, batch: int, mesh: MeshShape, compute_bytes: int,
                     train: bool, remat: str, parameter_gathers: int, gradient_bytes: int) -> dict[str, float]:
     """Bytes one device sends in one step (forward, or forward + backward when `train`), counted from the shapes:
@@ -130,8 +142,8 @@ def step_comm_bytes(config: LlamaConfig, *, seq_len: int, batch: int, mesh: Mesh
                 dtype) P - 1 times (the allgather variant moves the same bytes); the backward passes K and V again
                 and dK, dV in float32; `remat` "full" (`REMAT_MODES`) repeats the forward's transfers.
     parameters  the parameters split over all devices (`PARAMETER_SHARDING`): each gather sends (D - 1) / D of
-                them in the compute dtype, `parameter_gathers` times per step (torch's FSDP2 gathers in the
-                forward and again in the backward, the JAX step once), and training reduce-scatters the
+                them in the compute dtype, `parameter_gathers` times per step (the JAX step once, torch's
+                FSDP2 once or, with `weights_regathered_for_backward`, again in the backward), and training reduce-scatters the
                 gradients, (D - 1) / D of them in `gradient_bytes`."""
     devices, ring = mesh.size, mesh.sp
     local_tokens = batch // mesh.fsdp * seq_len // ring
