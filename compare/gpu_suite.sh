@@ -10,7 +10,8 @@
 #   bash compare/gpu_suite.sh compare MODEL [ARGS...]   `twinflash compare` on 4 GPUs at 32k and 128k (1 and 4 GPUs,
 #                                                     ablation), stopped launching at 540 s so the report is written
 #   bash compare/gpu_suite.sh train MODEL SEQ_LENS [BACKENDS] [STEPS] [ARGS...]   `twinflash train` throughput on
-#                                     4 GPUs (fsdp=1,sp=4, bf16, random tokens), each run under RUN_TIMEOUT_S (300)
+#                                     4 GPUs (fsdp=1,sp=4, bf16, random tokens), each run under RUN_TIMEOUT_S (300);
+#                                     every run's train.jsonl and log in one archive, $OUT/train-runs.tar.gz
 # Everything lands in $OUT (default ./out): logs, JSON, and the tables printed last.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -75,16 +76,19 @@ train)
     model=${2:?model: a preset or converted directory}; lens=${3:?seq lens, e.g. 32768,131072}
     backends=${4:-torch,jax}; steps=${5:-3}; shift 5 || shift $#
     environment
+    runs="$OUT/train-runs"  # archived at the end: the device tool brings back only a few files per call
+    mkdir -p "$runs"
     for len in ${lens//,/ }; do
         for backend in ${backends//,/ }; do
             run="train-$backend-$model-$len"
             timeout "${RUN_TIMEOUT_S:-300}" python3 -m compare.cli train --backend "$backend" --model "$model" \
                 --seq-len "$len" --steps "$steps" --mesh fsdp=1,sp=4 --batch 1 --dtype bf16 --data random "$@" \
-                --out "$OUT/$run" > "$OUT/$run.log" 2>&1
-            echo "exit $?" >> "$OUT/$run.log"
+                --out "$runs/$run" > "$runs/$run.log" 2>&1
+            echo "exit $?" >> "$runs/$run.log"
         done
     done
-    TAIL=3 summary "$OUT"/train-*.log
+    TAIL=3 summary "$runs"/train-*.log
+    tar -czf "$OUT/train-runs.tar.gz" -C "$OUT" train-runs && rm -rf "$runs"
     ;;
 *)
     echo "unknown stage $stage" >&2

@@ -1,12 +1,5 @@
 """Per-layer activation checkpointing (remat) for PyTorch: what a checkpointed decoder layer keeps for its backward.
-Twin of `jax_impl/remat.py`; the modes are `weights.parallel.REMAT_MODES`.
-
-  "full"            the layer's inputs only; the backward reruns the whole layer, attention included.
-  "save-attention"  also each attention call's output and log-sum-exp: the backward reruns the norms, the
-                    projections, RoPE and the MLP, not the attention. At long context the attention forward is the
-                    costliest part of a layer to redo (quadratic in the sequence, and on a ring it repeats the
-                    K/V transfers), while what it keeps is linear: out [S, H * D] in the compute dtype and lse
-                    [H, S] in float32 per layer, about one more copy of the layer input.
+Twin of `jax_impl/remat.py`. The modes, what each keeps and why: `weights.parallel.REMAT_MODES`.
 
 `checkpointed_layer` runs one layer under `torch.utils.checkpoint` (non-reentrant). For "save-attention" it gives
 the checkpoint a pair of contexts (its `context_fn`): while the forward runs, `keep_for_backward` stores what it

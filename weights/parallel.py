@@ -47,6 +47,9 @@ PARAMETER_SHARDING: dict[str, tuple[tuple[str, ...] | None, ...]] = {
 
 # Per-layer activation checkpointing (torch_impl/remat.py, jax_impl/remat.py): what a decoder layer keeps for
 # its backward. It changes what the ring moves (`step_comm_bytes`), so it is part of how a step is laid out.
+# "save-attention" exists because at long context the attention forward is the costliest part of a layer to redo
+# (quadratic in the sequence; on a ring it repeats the K/V transfers), while what it keeps is linear: out
+# [S, H * D] in the compute dtype and lse [H, S] in float32 per layer, about one more copy of the layer input.
 REMAT_MODES: dict[str, str] = {
     "off": "keep every activation, recompute nothing",
     "full": "keep each layer's input; the backward reruns the whole layer, attention included",
