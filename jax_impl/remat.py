@@ -15,8 +15,6 @@ from collections.abc import Callable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from weights.parallel import REMAT_MODES
-
 KEPT_FOR_BACKWARD = "twinflash_kept_for_backward"  # the checkpoint_name of the values "save-attention" keeps
 
 
@@ -30,5 +28,5 @@ def checkpointed_layer(layer: Callable, *, mode: str) -> Callable:
     if mode == "full":
         return jax.checkpoint(layer)
     if mode != "save-attention":
-        raise ValueError(f"remat mode must be one of {', '.join(REMAT_MODES)}, got {mode!r}")
+        raise ValueError(f"a checkpointed layer's mode is 'full' or 'save-attention', got {mode!r}")
     return jax.checkpoint(layer, policy=jax.checkpoint_policies.save_only_these_names(KEPT_FOR_BACKWARD))

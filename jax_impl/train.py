@@ -276,14 +276,10 @@ def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = N
     saves every `settings.ckpt_every` steps and at the end of the run, exports the final weights to
     `settings.export_paths` when set. Returns the final training state. Bad input (mesh, batch shape, checkpoint)
     raises CheckpointError before anything is computed or written."""
-    check_attention_backend(settings)
-    make_mesh(settings.mesh, devices)  # refuses a mesh that does not fit before anything is loaded
     check_batches(settings, batches)
-    config = open_weights(settings.model, settings.seed).config
-    latest, start = checkpoint_to_resume(settings, run_metadata(settings, config), checkpointing.latest_checkpoint,
-                                         checkpointing.read_metadata)
     run = build_training(settings, devices)
     mesh, spec, state, meta = run.mesh, run.spec, run.state, run.meta
+    latest, start = checkpoint_to_resume(settings, meta, checkpointing.latest_checkpoint, checkpointing.read_metadata)
     manager = None if settings.ckpt_dir is None else checkpointing.open_manager(settings.ckpt_dir, settings.keep)
     try:
         if latest is not None:
@@ -307,5 +303,5 @@ def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = N
         if manager is not None:
             manager.close()  # waits for a save in flight; raises if it failed
     if settings.export_paths is not None:
-        checkpointing.export_trained_weights(state["model"], config, *settings.export_paths, run.source)
+        checkpointing.export_trained_weights(state["model"], spec.config, *settings.export_paths, run.source)
     return state

@@ -5,7 +5,8 @@ Each training run costs a process start per rank (seconds on a small machine), s
 fixture that several tests read, and the checks of bad input run in this process (the command refuses them
 before starting anything). Runs: fsdp=2 x sp=2 (ring variant, "save-attention" activation checkpointing,
 checkpoints, export), fsdp=1 x sp=4 (allgather variant, "full" activation checkpointing, small loss chunks), one
-process, a stopped-and-resumed copy of the first, and a short bf16 run with the default (triton) kernel; the others use the plain-math "reference" pair attention.
+process, a stopped-and-resumed copy of the first, and a short bf16 run with the default (triton) kernel; the
+others use the plain-math "reference" pair attention.
 
 Tolerances:
   sharded vs one process, fp32: 1e-5 relative per step. The same float32 math summed in another order (per-rank

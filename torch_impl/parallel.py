@@ -78,9 +78,10 @@ def ring_attention_fn(mesh: DeviceMesh, *, backend: str = "triton", variant: str
 def shard_model(model: nn.Module, llama: nn.Module, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
                 remat: str) -> None:
     """In place: per-layer activation checkpointing (the model's `remat`, a `weights.parallel.REMAT_MODES` key) and
-    FSDP2 over `parameter_mesh(mesh)` on every decoder layer of `llama` and on `model`, the root that contains it (the loss module, so that the LM
-    head used by the loss is gathered by the root's hooks). fp32 parameters stay the master copy; with a bf16
-    compute dtype FSDP gathers them in bf16 and reduces gradients in fp32. Gradients are summed over all ranks.
+    FSDP2 over `parameter_mesh(mesh)` on every decoder layer of `llama` and on `model`, the root that contains it
+    (the loss module, so that the LM head used by the loss is gathered by the root's hooks). fp32 parameters stay
+    the master copy; with a bf16 compute dtype FSDP gathers them in bf16 and reduces gradients in fp32. Gradients
+    are summed over all ranks.
     A layer's gathered weights stay from its forward to its backward unless checkpointing recomputes it
     (`weights_regathered_for_backward`: memory or one all-gather less per step)."""
     llama.remat = remat

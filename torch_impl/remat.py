@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from weights.parallel import REMAT_MODES
-
 
 class _KeptTensors:
     """What one checkpointed call of a layer keeps: the results of its `keep_for_backward` calls, in call order."""
@@ -63,7 +61,7 @@ def checkpointed_layer(layer: Callable[..., torch.Tensor], *args, mode: str) -> 
     if mode == "full":
         return checkpoint(layer, *args, use_reentrant=False)
     if mode != "save-attention":
-        raise ValueError(f"remat mode must be one of {', '.join(REMAT_MODES)}, got {mode!r}")
+        raise ValueError(f"a checkpointed layer's mode is 'full' or 'save-attention', got {mode!r}")
     kept = _KeptTensors()
     return checkpoint(layer, *args, use_reentrant=False,
                       context_fn=lambda: (_keeping(kept, replaying=False), _keeping(kept, replaying=True)))

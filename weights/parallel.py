@@ -123,6 +123,11 @@ class MeshShape:
         return f"fsdp={self.fsdp},sp={self.sp}"
 
 
+def check_remat_mode(remat: str) -> None:
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
+
+
 def weights_regathered_for_backward(remat: str) -> bool:
     """Whether the torch backend's FSDP2 frees each decoder layer's gathered compute-dtype weights after the layer's
     forward and gathers them again for its backward (`reshard_after_forward`). Only with activation checkpointing,
@@ -130,8 +135,7 @@ def weights_regathered_for_backward(remat: str) -> bool:
     in the JAX step, where XLA keeps the whole compute-dtype model from the forward to the backward. Measured on
     4x H200 at S=32k, no checkpointing: +3.3 % tokens/s for the Llama-3.1-8B shape for +12.6 GiB per GPU, +4.5 %
     for Llama-3.2-1B for +1.7 GiB (compare/results/README.md)."""
-    if remat not in REMAT_MODES:
-        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
+    check_remat_mode(remat)
     return remat != "off"
 
 
@@ -146,13 +150,12 @@ def step_comm_bytes(config: LlamaConfig, *, seq_len: int, batch: int, mesh: Mesh
                 and dK, dV in float32; `remat` "full" (`REMAT_MODES`) repeats the forward's transfers.
     parameters  the parameters split over all devices (`PARAMETER_SHARDING`): each gather sends (D - 1) / D of
                 them in the compute dtype, `parameter_gathers` times per step (the JAX step once, torch's
-                FSDP2 once or, with `weights_regathered_for_backward`, again in the backward), and training reduce-scatters the
-                gradients, (D - 1) / D of them in `gradient_bytes`."""
+                FSDP2 once or, with `weights_regathered_for_backward`, again in the backward), and training
+                reduce-scatters the gradients, (D - 1) / D of them in `gradient_bytes`."""
     devices, ring = mesh.size, mesh.sp
     local_tokens = batch // mesh.fsdp * seq_len // ring
     kv_elements = 2 * local_tokens * config.num_kv_heads * config.head_dim  # K and V
-    if remat not in REMAT_MODES:
-        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
+    check_remat_mode(remat)
     forwards = 1 + (train and remat == "full")
     attention = forwards * kv_elements * compute_bytes + (kv_elements * (compute_bytes + 4) if train else 0)
     attention *= (ring - 1) * config.num_layers

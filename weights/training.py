@@ -29,7 +29,8 @@ from weights.schedule import OptimizerConfig
 TRAIN_FORMAT = "twinflash-train/1"  # the "format" of a training checkpoint's metadata, both backends
 IGNORE_INDEX = -100  # target of a position with no next token (torch's cross_entropy default ignore_index)
 LOGITS_CHUNK_ELEMENTS = 1 << 28  # default loss chunk: 256 Mi float32 logits (1 GiB) per chunk
-ATTENTION_BACKENDS = {"torch": ("triton", "reference", "sdpa_cudnn"), "jax": ("pallas", "reference", "cudnn")}  # ours first
+# ours first
+ATTENTION_BACKENDS = {"torch": ("triton", "reference", "sdpa_cudnn"), "jax": ("pallas", "reference", "cudnn")}
 
 
 # --- the data ---------------------------------------------------------------------------------------------------
