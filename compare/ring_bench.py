@@ -36,13 +36,13 @@ from pathlib import Path
 from compare.cli import OneLineParser
 from compare.train import torchrun_launcher
 from weights import CheckpointError
+from weights.attention import VARIANTS
 from weights.layout import check_split
 
 GPUS = 4
 LAYOUT = "zigzag"
 ONE_GPU_KIND = {"torch": "flash-1gpu", "peer": "cudnn-1gpu", "jax": "jax-flash-1gpu"}
 PARTS = ("torch", "peer", "jax")
-VARIANTS = ("ring", "allgather")
 PEER_ROTATIONS = ("allgather", "alltoall")
 METHOD = {
     "flops": "weights.flops.attention_flops(batch, heads, S, S, head_dim, causal=True, backward=True)",
@@ -52,7 +52,7 @@ METHOD = {
     "wire_GBps": "bytes sent per rank / time with a transfer in flight: torch, the comm streams' CUDA events "
                  "and the bytes it sent; JAX, NCCL kernels on GPU 0 in a jax.profiler trace of one call and the "
                  "bytes from the shapes; a lower bound (includes waiting for slower peers)",
-    "peer": "torch context_parallel + cuDNN SDPA as /work/shared/anchors/cp_cudnn.py",
+    "peer": "torch context_parallel + cuDNN SDPA as the project's anchor script cp_cudnn.py",
 }
 
 

@@ -3,7 +3,7 @@
   run_torch(plan)  under torchrun, one process per GPU (NCCL): our one-GPU kernel on the full sequence, our torch
                    ring (both variants), and the peer, PyTorch's own context parallelism
                    (`torch.distributed.tensor.experimental.context_parallel`) on cuDNN SDPA, plus cuDNN SDPA on one
-                   GPU. The peer is measured as /work/shared/anchors/cp_cudnn.py measured it: [B, H, S, D] buffers
+                   GPU. The peer is measured as the project's anchor script (cp_cudnn.py) measured it: [B, H, S, D] buffers
                    sharded by `context_parallel`, `set_rotate_method("allgather" | "alltoall")`, fwd + `.backward`.
   run_jax(plan)    one process over the 4 GPUs: our JAX flash kernel on one GPU and `jax_impl.ring_attention` in
                    `jax.shard_map` over a 4-device mesh.
@@ -13,10 +13,10 @@ back-to-back calls between two device synchronisations, wall clock (time.perf_co
 decision (iterations, time) is the maximum over ranks, so all ranks run the same calls and the slowest one counts.
 Long points run fewer iterations (`budget_s` per measurement); the row records how many.
 
-For our rings each row also gives (the JAX ring: `jax_impl.ring_attention.replace_communication_with_local_copies`,
-busy time from a jax.profiler trace of one call, bytes from the shapes):
-  compute_only_ms    the same calls with every transfer replaced by a local copy of the same size
-                     (`ring_comm.replace_communication_with_local_copies`): the run minus its communication.
+For our rings each row also gives (the JAX ring: busy time from a jax.profiler trace of one call, bytes from the
+shapes):
+  compute_only_ms    the same calls with every transfer replaced by a local copy of the same size (both rings'
+                     `local_copies=True`): the run minus its communication.
   exposed_comm_ms    ms - compute_only_ms: the communication the overlap failed to hide.
   comm_busy_ms       from CUDA events on the comm streams of one extra call: time with a transfer in flight
                      (including waits for a slower peer), the slowest rank's.
@@ -36,6 +36,8 @@ import json
 import os
 import platform
 import time
+
+from weights.attention import ring_bytes_sent
 
 
 def _append(path: str, record: dict) -> None:
@@ -144,7 +146,7 @@ def _torch_ring(task, plan, device, world, timing):
     import torch
 
     from torch_impl.ring_attention import ring_attention
-    from torch_impl.ring_comm import record_communication, replace_communication_with_local_copies
+    from torch_impl.ring_comm import CommLog
 
     b, local, h, hkv, d = task["batch"], task["seq_len"] // world, task["heads"], task["kv_heads"], task["head_dim"]
     rank = torch.distributed.get_rank()
@@ -153,16 +155,15 @@ def _torch_ring(task, plan, device, world, timing):
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     attend = functools.partial(ring_attention, causal=True, layout=task["layout"], variant=task["variant"])
 
-    def step():
-        torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
+    def step(**instruments):
+        torch.autograd.grad(attend(q, k, v, **instruments), (q, k, v), dout)
 
     ms, iters = _timed(step, plan, **timing)
-    with record_communication() as log:
-        step()
+    log = CommLog()
+    step(comm_log=log)
     timing["synchronize"]()
     busy_ms = timing["slowest"](log.busy_ms())
-    with replace_communication_with_local_copies():
-        compute_ms, _ = _timed(step, plan, **timing)
+    compute_ms, _ = _timed(functools.partial(step, local_copies=True), plan, **timing)
     return {"ms": ms, "iters": iters, "compute_only_ms": compute_ms, "exposed_comm_ms": ms - compute_ms,
             "comm_busy_ms": busy_ms, "bytes_sent_per_rank": log.bytes_sent(),
             "wire_GBps": log.bytes_sent() / busy_ms / 1e6 if busy_ms > 0 else None}
@@ -256,7 +257,7 @@ def run_jax(plan: dict) -> None:
     for task in plan["tasks"]:
         _append(plan["rows_path"], {"started": task["id"]})
         try:
-            fields = _jax_measure(task, plan, devices, mesh)
+            fields = jax_measure(task, plan, devices, mesh)
         except Exception as err:  # recorded in the row; the sweep goes on
             fields = {"error": _error_text(err)}
         _append(plan["rows_path"], {"row": {**task, **fields}})
@@ -264,31 +265,33 @@ def run_jax(plan: dict) -> None:
         gc.collect()
 
 
-def _jax_measure(task, plan, devices, mesh):
+def jax_measure(task, plan, devices, mesh):
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jax_impl.flash_attention import flash_attention
-    from jax_impl.ring_attention import replace_communication_with_local_copies, ring_attention
+    from jax_impl.ring_attention import ring_attention
 
     b, s, h, hkv, d = task["batch"], task["seq_len"], task["heads"], task["kv_heads"], task["head_dim"]
     keys = jax.random.split(jax.random.key(0), 4)
     shapes = [(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)]
-    if task["kind"] == "jax-flash-1gpu":
-        attend = functools.partial(flash_attention, causal=True)
-        placement = devices[0]
-    else:
-        tokens = PartitionSpec(None, "sp", None, None)
-        attend = jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=True, layout=task["layout"],
-                                                 variant=task["variant"]),
-                               mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens)
-        placement = NamedSharding(mesh, tokens)
+    tokens = PartitionSpec(None, "sp", None, None)
+
+    def attention(local_copies: bool):
+        if task["kind"] == "jax-flash-1gpu":
+            return functools.partial(flash_attention, causal=True)
+        return jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=True, layout=task["layout"],
+                                               variant=task["variant"], local_copies=local_copies),
+                             mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens)
+
+    placement = devices[0] if task["kind"] == "jax-flash-1gpu" else NamedSharding(mesh, tokens)
     q, k, v, dout = (jax.device_put(jax.random.normal(key, shape, jnp.bfloat16), placement)
                      for key, shape in zip(keys, shapes))
 
-    def timed_fwd_bwd() -> tuple[float, int]:
-        """(ms, iters) of fwd+bwd, traced now (the local-copies switch is read while tracing)."""
+    def timed_fwd_bwd(local_copies: bool = False) -> tuple[float, int]:
+        """(ms, iters) of fwd+bwd, with every collective a local copy when `local_copies`."""
+        attend = attention(local_copies)
         fwd_bwd = jax.jit(lambda q, k, v, dout: jax.vjp(attend, q, k, v)[1](dout))
         results = []  # dispatch is asynchronous; the calls run in order, so the last result marks the end
 
@@ -304,9 +307,8 @@ def _jax_measure(task, plan, devices, mesh):
     if task["kind"] == "jax-flash-1gpu":
         return {"ms": ms, "iters": iters}
     busy_s = _jax_comm_busy_s(timed_fwd_bwd.step)
-    with replace_communication_with_local_copies():
-        compute_ms, _ = timed_fwd_bwd()
-    sent = _jax_ring_bytes_per_rank(task, len(devices))
+    compute_ms, _ = timed_fwd_bwd(local_copies=True)
+    sent = jax_ring_bytes_per_rank(task, len(devices))
     return {"ms": ms, "iters": iters, "compute_only_ms": compute_ms, "exposed_comm_ms": ms - compute_ms,
             "comm_busy_ms": busy_s * 1e3, "bytes_sent_per_rank": sent,
             "wire_GBps": sent / busy_s / 1e9 if busy_s else None}
@@ -328,10 +330,7 @@ def _jax_comm_busy_s(step) -> float:
         return union_seconds(communication_intervals(log_dir, jax.default_backend()))
 
 
-def _jax_ring_bytes_per_rank(task, world: int) -> int:
-    """Bytes one rank sends in one fwd+bwd of the JAX ring, from the shapes (`jax_impl/ring_attention.py`): K and V
-    (bf16) go around P - 1 times in the forward and again in the backward; the ring variant passes float32 dK/dV
-    P times (P - 1 hops, then home), the allgather variant reduce-scatters them ((P - 1) / P of the whole)."""
+def jax_ring_bytes_per_rank(task, world: int) -> int:
+    """Bytes one rank sends in one bf16 fwd+bwd of the JAX ring, from the shapes (`weights.attention`'s model)."""
     local_kv = 2 * task["batch"] * task["seq_len"] // world * task["kv_heads"] * task["head_dim"]  # elements
-    grads = world if task["variant"] == "ring" else world - 1
-    return (2 * (world - 1) * 2 + grads * 4) * local_kv
+    return ring_bytes_sent(local_kv, world, compute_bytes=2, variant=task["variant"], backward=True)

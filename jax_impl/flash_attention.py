@@ -46,6 +46,7 @@ from .attention import reference_attention_backward, reference_attention_forward
 from .flash_backward import pallas_backward
 from .flash_forward import KernelConfig, padded_head_dim, pallas_forward
 from .remat import keep_for_backward
+from weights.attention import check_attention_shapes
 
 BACKENDS = ("pallas", "reference", "cudnn")
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -123,27 +124,15 @@ def _check_backend(backend: str) -> None:
 
 
 def _validate_qkv(q, k, v) -> None:
+    check_attention_shapes(q.shape, k.shape, v.shape)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got shape {x.shape}")
         if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} dtype must be bfloat16, float16 or float32, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    batch, seq_q, heads, head_dim = q.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"k/v batch {k.shape[0]} must equal q batch {batch}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k/v head_dim {k.shape[3]} must equal q head_dim {head_dim}")
+    head_dim = q.shape[3]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
-    if seq_q < 1 or k.shape[1] < 1:
-        raise ValueError(f"sequence lengths must be >= 1, got q seq {seq_q} and k/v seq {k.shape[1]}")
-    kv_heads = k.shape[2]
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({kv_heads})")
 
 
 def _resolve_scale(softmax_scale, head_dim: int) -> float:

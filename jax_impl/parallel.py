@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl.attention import AttentionFn
 from jax_impl.ring_attention import ring_attention
-from weights.errors import CheckpointError
+from weights.errors import BadInputError
 from weights.layout import layout_order
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, RING_LAYOUT, MeshShape, parameter_sharding
 from weights.training import check_batch_shape, next_token_targets
@@ -58,8 +58,8 @@ def parameter_spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSp
     for dim, axes in enumerate(spec):
         devices = 1 if axes is None else int(np.prod([mesh.shape[a] for a in axes]))
         if shape[dim] % devices:
-            raise CheckpointError(f"parameter {name} has {shape[dim]} rows on dim {dim}, which do not split "
-                                  f"evenly over the mesh's {devices} devices")
+            raise BadInputError(f"parameter {name} has {shape[dim]} rows on dim {dim}, which do not split "
+                                f"evenly over the mesh's {devices} devices")
     return PartitionSpec(*spec)
 
 

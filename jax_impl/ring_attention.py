@@ -5,13 +5,15 @@ of `torch_impl/ring_attention.py` (same names; torch.distributed there, JAX coll
 Public API (kept stable for the models and for `compare/ring_bench.py`):
 
   ring_attention(q, k, v, *, axis_name="sp", causal=True, layout="zigzag", variant="ring", return_lse=False,
-                 softmax_scale=None, backend="pallas")
+                 softmax_scale=None, backend="pallas", local_copies=False)
       Called INSIDE `jax.shard_map` over the mesh axis `axis_name`; q [B, S_local, H, D], k/v [B, S_local, Hkv, D]
       are this device's tokens in the layout's order (`weights.layout.rank_positions`: increasing positions).
       Returns out [B, S_local, H, D] in q's dtype, or (out, lse [B, H, S_local] float32) with `return_lse`; lse is
       returned as a constant (gradients flow through `out` only). Differentiable (a `jax.custom_vjp`), composes
       with `jax.jit` and with other mesh axes (e.g. batch sharded over "fsdp"). With its keywords bound by
-      `functools.partial`, it is the model's `AttentionFn` (`fn(q, k, v) -> out`, causal).
+      `functools.partial`, it is the model's `AttentionFn` (`fn(q, k, v) -> out`, causal). `local_copies`: every
+      collective becomes a local array of the same size (results wrong by design): the benchmark's ring minus its
+      communication, for measuring how much communication the overlap leaves exposed (twin of the torch ring's).
   ring_attention_sharded(q, k, v, mesh, *, axis_name="sp", batch_axis=None, ...same keywords)
       GLOBAL arrays in natural position order: reorders them into the layout's order, runs `ring_attention` in
       `jax.shard_map` (sequence over `axis_name`, batch over `batch_axis` if given) and returns the global
@@ -27,13 +29,8 @@ expanded on the wire).
 Variant "ring": at step s device r holds the K/V block of device j = (r - s) mod P, passed on with
 `jax.lax.ppermute` (P-1 hops; a hop depends only on the previous block, so XLA can overlap it with the step's
 compute). j == r only at step 0 (static); later j < r exactly when r >= s, which depends on the traced
-`jax.lax.axis_index`, so the step's block is chosen with `jax.lax.cond`. Causal work per step:
-  j == r      causal block (local positions increase, so the ordinary lower-triangular mask is right)
-  contiguous  j < r full block; j > r nothing
-  zigzag      j < r all local queries vs the FIRST half of the received K/V (its early chunk), full;
-              j > r the SECOND half of the local queries (the late chunk) vs all received K/V, full;
-              both are half a block, so every device is equally busy.
-Non-causal attention is a full block at every step. Partial results are merged in float32; a row that saw no
+`jax.lax.axis_index`, so the step's block is chosen with `jax.lax.cond`. The causal work of each step is the table
+of `weights.attention.ring_block` (shared with the torch twin). Partial results are merged in float32; a row that saw no
 key keeps lse -inf and output 0, without NaN. Backward: K/V go around again with float32 dK/dV accumulators
 travelling with their block (a separate ppermute, so the K/V hop need not wait for the gradients), arriving back
 at their owner after P hops; dq accumulates locally in float32; the pair backward gets the GLOBAL merged out and
@@ -54,10 +51,8 @@ without collectives (for either variant).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
@@ -67,9 +62,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jax_impl.flash_attention import flash_attention_backward, flash_attention_forward
 from jax_impl.remat import keep_for_backward
-from weights.layout import LAYOUTS, check_ring_shapes, check_split, inverse_order, layout_order, position_runs
-
-VARIANTS = ("ring", "allgather")
+from weights.attention import ALL, RingBlock, check_ring_choices, check_ring_shapes, ring_block
+from weights.layout import check_split, inverse_order, layout_order, position_runs
 
 
 @dataclass(frozen=True)
@@ -82,33 +76,7 @@ class _RingConfig:
     variant: str
     softmax_scale: float
     backend: str
-
-
-@dataclass(frozen=True)
-class _Block:
-    """The part of one step's pair that has work: local query rows x key columns of the block in hand."""
-
-    rows: slice
-    cols: slice
-    causal: bool
-
-
-_ALL = slice(None)
-
-
-def _ring_block(cfg: _RingConfig, source_vs_rank: str, local_len: int) -> _Block | None:
-    """The work of local queries against a K/V block from the "same", an "earlier" or a "later" rank; None when
-    the mask hides all of it."""
-    if not cfg.causal:
-        return _Block(_ALL, _ALL, False)
-    if source_vs_rank == "same":
-        return _Block(_ALL, _ALL, True)
-    if cfg.layout == "contiguous":
-        return _Block(_ALL, _ALL, False) if source_vs_rank == "earlier" else None
-    half = local_len // 2
-    if source_vs_rank == "earlier":
-        return _Block(_ALL, slice(None, half), False)
-    return _Block(slice(half, None), _ALL, False)
+    local_copies: bool = False  # static: a jit traced with it is cached apart from one without
 
 
 def _updated(acc, index: slice, axis: int, value, *, add: bool = False):
@@ -127,8 +95,8 @@ def _run_step(step_fn, step: int, rank, cfg: _RingConfig, local_len: int, *opera
     step 0 holds the local block; later, the source is an earlier rank exactly when rank >= step (no wrap-around),
     which depends on the traced rank, so the choice is a `lax.cond` when the two blocks differ."""
     if step == 0:
-        return step_fn(_ring_block(cfg, "same", local_len), *operands, cfg=cfg)
-    earlier, later = _ring_block(cfg, "earlier", local_len), _ring_block(cfg, "later", local_len)
+        return step_fn(ring_block(cfg.causal, cfg.layout, "same", local_len), *operands, cfg=cfg)
+    earlier, later = (ring_block(cfg.causal, cfg.layout, source, local_len) for source in ("earlier", "later"))
     if earlier == later:
         return step_fn(earlier, *operands, cfg=cfg)
     return jax.lax.cond(rank >= step, functools.partial(step_fn, earlier, cfg=cfg),
@@ -150,46 +118,26 @@ def _merge(acc_out, acc_lse, out, lse):
     return weight(acc_lse) * acc_out + weight(lse) * out, new_lse
 
 
-_local_copies_only = False  # read while tracing: see replace_communication_with_local_copies
-
-
-@contextlib.contextmanager
-def replace_communication_with_local_copies() -> Iterator[None]:
-    """Functions traced inside the block run the ring with every collective replaced by a local array of the same
-    size (results are then wrong by design): a ring run minus its communication, for measuring how much
-    communication the overlap leaves exposed. Twin of `torch_impl.ring_comm`'s. JAX's caches of traced and
-    compiled functions are cleared on entering and on leaving, so that nothing traced on one side runs on the
-    other."""
-    global _local_copies_only
-    previous, _local_copies_only = _local_copies_only, True
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        _local_copies_only = previous
-        jax.clear_caches()
-
-
 def _to_next(arrays, cfg: _RingConfig, world: int):
     """Sends each array to the next rank (r -> r+1 mod P) and returns the ones received from the previous."""
-    if _local_copies_only:
+    if cfg.local_copies:
         return jax.tree.map(jnp.copy, arrays)
     return jax.lax.ppermute(arrays, cfg.axis_name, perm=[(r, (r + 1) % world) for r in range(world)])
 
 
 def _all_gather(x: jax.Array, cfg: _RingConfig, world: int, axis: int) -> jax.Array:
-    if _local_copies_only:
+    if cfg.local_copies:
         return jnp.concatenate([x] * world, axis=axis)
     return jax.lax.all_gather(x, cfg.axis_name, axis=axis, tiled=True)
 
 
 def _reduce_scatter(x: jax.Array, cfg: _RingConfig, world: int, axis: int) -> jax.Array:
-    if _local_copies_only:
+    if cfg.local_copies:
         return jax.lax.slice_in_dim(x, 0, x.shape[axis] // world, axis=axis)
     return jax.lax.psum_scatter(x, cfg.axis_name, scatter_dimension=axis, tiled=True)
 
 
-def _forward_step(block: _Block | None, acc, q, k_block, v_block, cfg: _RingConfig):
+def _forward_step(block: RingBlock | None, acc, q, k_block, v_block, cfg: _RingConfig):
     """The accumulated (out float32, lse) of the local queries with this block's partial result merged in."""
     if block is None:
         return acc
@@ -201,7 +149,7 @@ def _forward_step(block: _Block | None, acc, q, k_block, v_block, cfg: _RingConf
     return _updated(acc_out, block.rows, 1, out), _updated(acc_lse, block.rows, 2, lse)
 
 
-def _backward_step(block: _Block | None, grads, dout, q, k_block, v_block, out, lse, cfg: _RingConfig):
+def _backward_step(block: RingBlock | None, grads, dout, q, k_block, v_block, out, lse, cfg: _RingConfig):
     """(dq, dk, dv) float32 accumulators with this block's gradients added (dk/dv: those of the block in hand)."""
     if block is None:
         return grads
@@ -252,7 +200,7 @@ def _query_runs(cfg: _RingConfig, world: int, rank: int, local_len: int) -> tupl
     """(local rows, key prefix length, causal) of the kernel calls: one per run of consecutive positions."""
     seq_len = local_len * world
     if not cfg.causal:
-        return ((_ALL, seq_len, False),)
+        return ((ALL, seq_len, False),)
     return tuple((rows, end, True) for rows, end in position_runs(seq_len, world, rank, cfg.layout))
 
 
@@ -339,23 +287,12 @@ _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Argument checks
-# ---------------------------------------------------------------------------------------------------------------
-
-def _check_choices(layout: str, variant: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------------------
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = "sp", causal: bool = True,
                    layout: str = "zigzag", variant: str = "ring", return_lse: bool = False,
-                   softmax_scale: float | None = None, backend: str = "pallas"):
+                   softmax_scale: float | None = None, backend: str = "pallas", local_copies: bool = False):
     """Attention over the sequence sharded along mesh axis `axis_name`; call inside `jax.shard_map`.
 
     q [B, S_local, H, D], k/v [B, S_local, Hkv, D]: this device's tokens in `layout` order. Returns out in q's
@@ -363,7 +300,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
     defaults to 1/sqrt(D). Raises ValueError for bad arguments, LayoutError (a ValueError) when zigzag's local
     length is odd. See the module docstring for the per-step work and the backward.
     """
-    _check_choices(layout, variant)
+    check_ring_choices(layout, variant)
     try:
         world = jax.lax.axis_size(axis_name)
     except NameError as err:
@@ -371,7 +308,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
                          "jax.shard_map over a mesh with that axis (or use ring_attention_sharded)") from err
     check_ring_shapes(q.shape, k.shape, v.shape, world, layout)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _ring_attention(q, k, v, _RingConfig(axis_name, bool(causal), layout, variant, scale, backend))
+    cfg = _RingConfig(axis_name, bool(causal), layout, variant, scale, backend, bool(local_copies))
+    out, lse = _ring_attention(q, k, v, cfg)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
@@ -391,12 +329,12 @@ def gather_from_ring(x: jax.Array, world: int, layout: str, axis: int = 1) -> ja
 def ring_attention_sharded(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh, *, axis_name: str = "sp",
                            batch_axis: str | None = None, causal: bool = True, layout: str = "zigzag",
                            variant: str = "ring", return_lse: bool = False, softmax_scale: float | None = None,
-                           backend: str = "pallas"):
+                           backend: str = "pallas", local_copies: bool = False):
     """`ring_attention` on GLOBAL arrays in natural position order (q [B, S, H, D], k/v [B, S, Hkv, D]): the
     sequence is sharded over mesh axis `axis_name` in `layout`, the batch over `batch_axis` (None: replicated).
     Returns out [B, S, H, D] (and lse [B, H, S] with `return_lse`) in natural order. Jittable; raises LayoutError
     when S does not split over the axis in that layout."""
-    _check_choices(layout, variant)
+    check_ring_choices(layout, variant)
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh (axes: {mesh.axis_names})")
     if batch_axis is not None and batch_axis not in mesh.axis_names:
@@ -406,7 +344,8 @@ def ring_attention_sharded(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh,
     tokens = PartitionSpec(batch_axis, axis_name, None, None)
     attend = jax.shard_map(
         functools.partial(ring_attention, axis_name=axis_name, causal=causal, layout=layout, variant=variant,
-                          return_lse=return_lse, softmax_scale=softmax_scale, backend=backend),
+                          return_lse=return_lse, softmax_scale=softmax_scale, backend=backend,
+                          local_copies=local_copies),
         mesh=mesh, in_specs=(tokens, tokens, tokens),
         out_specs=(tokens, PartitionSpec(batch_axis, None, axis_name)) if return_lse else tokens)
     result = attend(*(shard_for_ring(x, world, layout) for x in (q, k, v)))

@@ -10,8 +10,9 @@ import pytest
 import torch
 from hf_fixtures import make_hf_checkpoint
 
-from weights import (PRESETS, CheckpointError, ConvertedCheckpoint, LlamaConfig, RandomWeights, convert_hf_checkpoint,
-                     export_hf_checkpoint, open_weights, parameter_shapes, rope_inverse_frequencies)
+from weights import (PRESETS, BadInputError, CheckpointError, ConvertedCheckpoint, LlamaConfig, RandomWeights,
+                     convert_hf_checkpoint, export_hf_checkpoint, open_weights, parameter_shapes,
+                     rope_inverse_frequencies)
 from weights.checkpoint import SafetensorsFiles, canonical_to_hf
 
 
@@ -119,7 +120,7 @@ def test_random_weight_slices_across_stream_blocks_match_the_whole_tensor(monkey
 
 
 def test_unknown_preset_and_missing_dir_are_named():
-    with pytest.raises(CheckpointError, match="unknown preset 'llama9'"):
+    with pytest.raises(BadInputError, match="unknown preset 'llama9'"):
         open_weights("llama9")
     with pytest.raises(CheckpointError, match="missing checkpoint directory"):
         open_weights("/nonexistent/dir")

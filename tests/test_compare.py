@@ -176,9 +176,14 @@ def test_communication_bytes_follow_the_shapes():
     train = {mode: step_comm_bytes(config, seq_len=4096, batch=1, mesh=MeshShape(sp=4), compute_bytes=2,
                                    train=True, remat=mode, parameter_gathers=1, gradient_bytes=4)["attention"]
              for mode in ("off", "full", "save-attention")}
-    backward = 3 * (2 * 1024 * config.num_kv_heads * config.head_dim) * (2 + 4) * config.num_layers
+    # (the ring variant's dK/dV make P hops, home included; the allgather variant reduce-scatters P - 1 blocks)
+    kv = 2 * 1024 * config.num_kv_heads * config.head_dim
+    backward = (3 * 2 + 4 * 4) * kv * config.num_layers
     assert train["off"] == train["save-attention"] == four["attention"] + backward
     assert train["full"] == 2 * four["attention"] + backward
+    allgather = step_comm_bytes(config, seq_len=4096, batch=1, mesh=MeshShape(sp=4), compute_bytes=2, train=True,
+                                remat="off", parameter_gathers=1, gradient_bytes=4, ring_variant="allgather")
+    assert allgather["attention"] == four["attention"] + 3 * (2 + 4) * kv * config.num_layers
     # torch's FSDP2 keeps a layer's gathered weights for its backward unless checkpointing recomputes the layer
     assert [weights_regathered_for_backward(mode) for mode in ("off", "full", "save-attention")] == [False, True, True]
     with pytest.raises(ValueError, match="remat must be one of"):

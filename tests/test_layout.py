@@ -7,7 +7,7 @@ import pytest
 
 from weights import PRESETS, parameter_shapes
 from weights.data import decode_bytes, encode_bytes, random_batches, text_batches
-from weights.errors import CheckpointError
+from weights.errors import BadInputError
 from weights.layout import LayoutError, gather_sequence, layout_order, rank_positions, shard_sequence
 from weights.parallel import MESH_AXES, MeshShape, parameter_shard_axes, parameter_sharding, sharded_dim
 from weights.schedule import OptimizerConfig
@@ -51,9 +51,9 @@ def test_mesh_parsing_and_device_check():
     assert MeshShape.parse("fsdp=2,sp=2") == MeshShape(2, 2)
     assert MeshShape.parse("sp=4") == MeshShape(1, 4)
     for bad in ("tp=2", "fsdp=0", "fsdp=2,fsdp=2", "fsdp"):
-        with pytest.raises(CheckpointError, match="bad mesh"):
+        with pytest.raises(BadInputError, match="bad mesh"):
             MeshShape.parse(bad)
-    with pytest.raises(CheckpointError, match="needs 4 devices, but 2"):
+    with pytest.raises(BadInputError, match="needs 4 devices, but 2"):
         MeshShape(2, 2).check_devices(2)
 
 
@@ -75,7 +75,7 @@ def test_text_data_is_real_deterministic_bytes():
     printable = (batches >= 32) & (batches < 127) | (batches == 10)
     assert printable.mean() > 0.95  # Python source text, not noise
     assert decode_bytes(encode_bytes("héllo")) == "héllo"
-    with pytest.raises(CheckpointError, match="vocabulary of at least 256"):
+    with pytest.raises(BadInputError, match="vocabulary of at least 256"):
         text_batches(1, 1, 8, vocab_size=100)
     assert random_batches(2, 1, 8, vocab_size=10).max() < 10
 

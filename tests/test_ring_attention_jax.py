@@ -29,8 +29,8 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jax_impl.attention import reference_attention
-from jax_impl.ring_attention import (_merge, gather_from_ring, replace_communication_with_local_copies,
-                                     ring_attention, ring_attention_sharded, shard_for_ring)
+from jax_impl.ring_attention import (_merge, gather_from_ring, ring_attention, ring_attention_sharded,
+                                     shard_for_ring)
 from weights.layout import LayoutError
 
 FP32_ATOL = 2e-5
@@ -191,17 +191,18 @@ def test_collectives_move_only_kv_heads():
         assert all(shape.split("x")[-2] == "2" for _, shape in found), (variant, found)  # [..., heads, dim]
 
 
-def test_local_copies_mode_removes_every_collective_and_only_while_tracing_inside_it():
+def test_local_copies_mode_removes_every_collective_and_only_where_asked():
     """The benchmark's compute-only twin of a ring call: no collective in the program, results wrong by design (a
-    rank never sees the others' K/V); functions traced after the block communicate again."""
+    rank never sees the others' K/V); the same function without `local_copies` communicates."""
     q, k, v, dout = _inputs(1, 16, 4, 2, 8)
     mesh = _mesh((4, "sp"))
     for variant in ("ring", "allgather"):
-        attend = _results_with_grads(functools.partial(ring_attention_sharded, mesh=mesh, variant=variant,
-                                                       backend="reference", return_lse=True))
-        with replace_communication_with_local_copies():
-            local_text = jax.jit(attend).lower(q, k, v, dout).as_text()
-            local = jax.jit(attend)(q, k, v, dout)
+        ring = functools.partial(ring_attention_sharded, mesh=mesh, variant=variant, backend="reference",
+                                 return_lse=True)
+        attend = _results_with_grads(ring)
+        copying = _results_with_grads(functools.partial(ring, local_copies=True))
+        local_text = jax.jit(copying).lower(q, k, v, dout).as_text()
+        local = jax.jit(copying)(q, k, v, dout)
         assert not re.search(r"collective_permute|all_gather|reduce_scatter", local_text), variant
         assert re.search(r"collective_permute|all_gather", jax.jit(attend).lower(q, k, v, dout).as_text())
         real = _ring_results(q, k, v, dout, mesh, variant=variant)

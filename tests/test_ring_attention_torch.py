@@ -27,7 +27,7 @@ import torch.distributed as dist
 from distributed import run_on_ranks
 from torch_impl.attention import reference_attention, reference_attention_backward, reference_attention_forward
 from torch_impl.ring_attention import gather_from_ring, ring_attention, shard_for_ring
-from torch_impl.ring_comm import record_communication, replace_communication_with_local_copies
+from torch_impl.ring_comm import CommLog
 from weights.layout import LayoutError, gather_sequence
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)  # same float32 math in another summation order (module docstring)
@@ -95,14 +95,13 @@ def case_comm_volume(rank, world, *, variant, heads, kv_heads):
     q, k, v, dout = (shard_for_ring(x, None, "zigzag") for x in _inputs(3, 1, 16, heads, kv_heads, 32, "float32"))
     q.requires_grad_()
     attend = functools.partial(ring_attention, variant=variant, backend="reference")
-    with record_communication() as forward_log:
-        out = attend(q, k, v)
-    with record_communication() as backward_log:
-        out.backward(dout)
-    with record_communication() as copies_log, replace_communication_with_local_copies():
-        copied = attend(q, k, v)
-    return {"forward_bytes": forward_log.bytes_sent(), "backward_bytes": backward_log.bytes_sent(),
-            "forward_kinds": sorted({r.kind for r in forward_log.records}), "copies_bytes": copies_log.bytes_sent(),
+    log, copies_log = CommLog(), CommLog()
+    out = attend(q, k, v, comm_log=log)
+    forward_bytes, forward_kinds = log.bytes_sent(), sorted({r.kind for r in log.records})
+    out.backward(dout)  # the backward logs into the forward's log
+    copied = attend(q, k, v, comm_log=copies_log, local_copies=True)
+    return {"forward_bytes": forward_bytes, "backward_bytes": log.bytes_sent() - forward_bytes,
+            "forward_kinds": forward_kinds, "copies_bytes": copies_log.bytes_sent(),
             "copies_differ": bool((copied - out).abs().max() > 1e-3), "copies_finite": bool(copied.isfinite().all())}
 
 

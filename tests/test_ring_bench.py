@@ -151,7 +151,7 @@ def test_bad_arguments_one_line_and_exit_2(argv, message, capsys):
 def test_jax_ring_rows_measure_exposed_communication_and_bandwidth(variant):
     """The JAX side of the bench on 4 CPU host devices (the GPU run is the same code): the ring timed normally and
     in the local-copies mode, the busy time of its collectives from a profiler trace, bytes from the shapes."""
-    from compare.ring_bench_workers import _jax_measure, _jax_ring_bytes_per_rank
+    from compare.ring_bench_workers import jax_measure, jax_ring_bytes_per_rank
 
     import jax
     from jax.sharding import Mesh
@@ -161,10 +161,10 @@ def test_jax_ring_rows_measure_exposed_communication_and_bandwidth(variant):
     task = {"kind": "jax-ring", "batch": 1, "seq_len": 64, "heads": 4, "kv_heads": 2, "head_dim": 16,
             "layout": "zigzag", "variant": variant}
     plan = {"warmup": 1, "iters": 1, "budget_s": 0.1}
-    row = _jax_measure(task, plan, devices, Mesh(np.array(devices), ("sp",)))
+    row = jax_measure(task, plan, devices, Mesh(np.array(devices), ("sp",)))
     assert row["ms"] > 0 and row["compute_only_ms"] > 0
     assert row["exposed_comm_ms"] == pytest.approx(row["ms"] - row["compute_only_ms"])
     assert row["comm_busy_ms"] > 0 and row["wire_GBps"] > 0
     local_kv = 2 * 16 * 2 * 16  # K and V: 16 local tokens x 2 heads x 16 dims
     hops = 4 if variant == "ring" else 3
-    assert row["bytes_sent_per_rank"] == _jax_ring_bytes_per_rank(task, 4) == (2 * 3 * 2 + hops * 4) * local_kv
+    assert row["bytes_sent_per_rank"] == jax_ring_bytes_per_rank(task, 4) == (2 * 3 * 2 + hops * 4) * local_kv

@@ -36,7 +36,7 @@ from jax_impl.model import next_token_loss as model_next_token_loss
 from jax_impl.parallel import make_mesh, sharded_batch
 from jax_impl.train import (StepSpec, adamw_update, clip_gradients, load_parameters, next_token_loss, run_training,
                             step_memory_plan)
-from weights import CheckpointError, RandomWeights, preset, write_converted_checkpoint
+from weights import BadInputError, CheckpointError, RandomWeights, preset, write_converted_checkpoint
 from weights.layout import LayoutError
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig
@@ -300,11 +300,11 @@ def test_memory_plan_of_the_step_without_weights(capsys):
 
 
 def test_bad_input_is_refused_before_training(weights_dir):
-    with pytest.raises(CheckpointError, match="needs 4 devices, but 2 are available"):
+    with pytest.raises(BadInputError, match="needs 4 devices, but 2 are available"):
         _train(_settings(weights_dir, MESHES["fsdp2_sp2"]), devices=jax.devices()[:2])
     with pytest.raises(LayoutError, match="multiple of 8"):
         _train(dataclasses.replace(_settings(weights_dir, MESHES["fsdp1_sp4"]), seq_len=60))
-    with pytest.raises(CheckpointError, match="multiple of fsdp=2"):
+    with pytest.raises(BadInputError, match="multiple of fsdp=2"):
         _train(dataclasses.replace(_settings(weights_dir, MESHES["fsdp2_sp2"]), batch=3))
 
 

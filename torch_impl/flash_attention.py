@@ -27,6 +27,7 @@ from torch_impl.attention import reference_attention_backward, reference_attenti
 from torch_impl.flash_backward import triton_backward
 from torch_impl.flash_forward import INTERPRETED, triton_forward
 from torch_impl.remat import keep_for_backward
+from weights.attention import check_attention_shapes
 
 aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
 
@@ -46,28 +47,16 @@ def _validate(q, k, v, *, causal, softmax_scale, backend) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    batch, seq_q, heads, head_dim = q.shape
-    _, seq_k, kv_heads, _ = k.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"batch size mismatch: q has {batch}, k/v have {k.shape[0]}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"head_dim mismatch: q has {head_dim}, k/v have {k.shape[3]}")
+    check_attention_shapes(q.shape, k.shape, v.shape)
+    head_dim, seq_k = q.shape[3], k.shape[1]
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
-    if min(batch, seq_q, heads, seq_k, kv_heads) < 1:
-        raise ValueError(f"empty input: q shape {tuple(q.shape)}, k/v shape {tuple(k.shape)}")
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")

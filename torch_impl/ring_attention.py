@@ -6,24 +6,22 @@ and their CUDA-stream handling live in `torch_impl/ring_comm.py`.
 Public API:
 
   ring_attention(q, k, v, *, group=None, causal=True, layout="zigzag", variant="ring", return_lse=False,
-                 softmax_scale=None, backend="triton")
+                 softmax_scale=None, backend="triton", local_copies=False, comm_log=None)
       q [B, S_local, H, D], k/v [B, S_local, Hkv, D]: this rank's tokens in the layout's order
       (`weights.layout.rank_positions`: increasing positions). Returns out [B, S_local, H, D] in q's dtype, or
       (out, lse [B, H, S_local] float32) with `return_lse`; lse is not differentiable (gradients flow through out).
       `group` defaults to the world; without an initialised torch.distributed it is the single-device path.
       With its keywords bound by `functools.partial`, it is the model's `AttentionFn` (`fn(q, k, v) -> out`).
+      `local_copies` / `comm_log` are the benchmark's instruments (`torch_impl/ring_comm.py`): every transfer a
+      same-sized local copy (results wrong by design), and a `CommLog` of what the call and its backward send.
   shard_for_ring(x, group, layout, dim=1)      this rank's positions of a full sequence (no communication).
   gather_from_ring(x_local, group, layout, dim=1)  all ranks' parts back in position order.
 
 Per-pair work goes to `torch_impl.flash_attention` (`backend="triton"` kernels or `"reference"` plain math).
 
 Variant "ring": at step s rank r holds the K/V block of rank j = (r - s) mod P; the transfer for step s+1 is
-issued before step s's compute and waited for after it. Causal work per step:
-  j == r      causal block (local positions increase, so the ordinary lower-triangular mask is right)
-  contiguous  j < r full block; j > r nothing
-  zigzag      j < r all local queries vs the FIRST half of the received K/V (its early chunk), full;
-              j > r the SECOND half of the local queries (the late chunk) vs all received K/V, full.
-Non-causal attention is a full block at every step. Partial results are merged in float32; a row that saw no
+issued before step s's compute and waited for after it. The causal work of each step is the table of
+`weights.attention.ring_block` (shared with the JAX twin). Partial results are merged in float32; a row that saw no
 key keeps lse -inf and output 0, without NaN. Backward: K/V go around again with float32 dK/dV accumulators
 travelling with their block (sent after each step's compute, so they overlap the next step), arriving back at
 their owner after P hops; dq accumulates locally in float32; the pair backward gets the GLOBAL merged out and lse.
@@ -51,11 +49,10 @@ import torch.distributed as dist
 
 from torch_impl.flash_attention import flash_attention_backward, flash_attention_forward
 from torch_impl.remat import keep_for_backward
-from torch_impl.ring_comm import Ring
-from weights.layout import (LAYOUTS, check_ring_shapes, check_split, inverse_order, layout_order, position_runs,
-                            rank_positions)
+from torch_impl.ring_comm import CommLog, Ring
+from weights.attention import ALL, VARIANTS, check_ring_choices, check_ring_shapes, ring_block, source_of
+from weights.layout import LAYOUTS, check_split, inverse_order, layout_order, position_runs, rank_positions
 
-VARIANTS = ("ring", "allgather")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_DIMS = 6  # dimensions encoded per tensor in the cross-rank agreement check
 
@@ -67,32 +64,6 @@ class _RingConfig:
     variant: str
     softmax_scale: float
     backend: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _Block:
-    """The part of one step's pair that has work: local query rows x key columns of the block in hand."""
-
-    rows: slice
-    cols: slice
-    causal: bool
-
-
-_ALL = slice(None)
-
-
-def _ring_block(cfg: _RingConfig, rank: int, source: int, local_len: int) -> _Block | None:
-    """The work of local queries against the K/V block of rank `source`; None when the mask hides all of it."""
-    if not cfg.causal:
-        return _Block(_ALL, _ALL, False)
-    if source == rank:
-        return _Block(_ALL, _ALL, True)
-    if cfg.layout == "contiguous":
-        return _Block(_ALL, _ALL, False) if source < rank else None
-    half = local_len // 2
-    if source < rank:
-        return _Block(_ALL, slice(None, half), False)
-    return _Block(slice(half, None), _ALL, False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -119,7 +90,7 @@ def _ring_forward(ring: Ring, cfg: _RingConfig, q, k, v):
     k_block, v_block = k, v
     for step in range(ring.world):
         incoming = ring.exchange([k_block, v_block]) if step + 1 < ring.world else None
-        block = _ring_block(cfg, ring.rank, (ring.rank - step) % ring.world, local_len)
+        block = ring_block(cfg.causal, cfg.layout, source_of(ring.rank, (ring.rank - step) % ring.world), local_len)
         if block is not None:
             out, lse = flash_attention_forward(
                 q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols], causal=block.causal,
@@ -141,7 +112,7 @@ def _ring_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse):
     returning = None  # the accumulators of the block that arrives next, on their way
     for step in range(ring.world):
         incoming = ring.exchange([k_block, v_block]) if step + 1 < ring.world else None
-        block = _ring_block(cfg, ring.rank, (ring.rank - step) % ring.world, local_len)
+        block = ring_block(cfg.causal, cfg.layout, source_of(ring.rank, (ring.rank - step) % ring.world), local_len)
         grads = None
         if block is not None:
             grads = flash_attention_backward(
@@ -170,7 +141,6 @@ def _ring_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse):
 # ---------------------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=32)
-@functools.lru_cache(maxsize=32)
 def _position_slots(seq_len: int, world: int, layout: str, device: torch.device) -> torch.Tensor:
     """int64 [seq_len]: for each position, its index in layout order (rank 0's tokens, then rank 1's, ...).
     `x.index_select(dim, slots)` puts a layout-ordered x in position order; `index_add_(dim, slots, ...)` scatters
@@ -190,7 +160,7 @@ def _query_runs(ring: Ring, cfg: _RingConfig, local_len: int) -> tuple[tuple[sli
     """(local rows, key prefix length, causal) of the kernel calls: one per run of consecutive positions."""
     seq_len = local_len * ring.world
     if not cfg.causal:
-        return ((_ALL, seq_len, False),)
+        return ((ALL, seq_len, False),)
     return tuple((rows, end, True) for rows, end in position_runs(seq_len, ring.world, ring.rank, cfg.layout))
 
 
@@ -300,13 +270,6 @@ def _check_agreement(ring: Ring, fields: dict[str, tuple[int, ...]]) -> None:
             raise ValueError(f"ring_attention arguments differ across the {ring.world} ranks: {name} is {per_rank}")
 
 
-def _check_choices(layout: str, variant: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-
-
 def _check_local_shapes(q, k, v, world: int, layout: str) -> None:
     check_ring_shapes(q.shape, k.shape, v.shape, world, layout)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -324,7 +287,8 @@ def _check_local_shapes(q, k, v, world: int, layout: str) -> None:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                    causal: bool = True, layout: str = "zigzag", variant: str = "ring", return_lse: bool = False,
-                   softmax_scale: float | None = None, backend: str = "triton"):
+                   softmax_scale: float | None = None, backend: str = "triton", local_copies: bool = False,
+                   comm_log: CommLog | None = None):
     """Attention over a sequence sharded across the ranks of `group`; see the module docstring.
 
     Raises ValueError (on every rank alike) for bad or cross-rank-inconsistent arguments, LayoutError (a
@@ -333,10 +297,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    ring = Ring(group, q.device)
+    ring = Ring(group, q.device, local_copies=local_copies, log=comm_log)
     if ring.world > 1:
         _check_agreement(ring, _agreement_fields(q, k, v, causal, layout, variant, softmax_scale))
-    _check_choices(layout, variant)
+    check_ring_choices(layout, variant)
     _check_local_shapes(q, k, v, ring.world, layout)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     cfg = _RingConfig(bool(causal), layout, variant, scale, backend)

@@ -16,12 +16,12 @@ completion, then makes the compute stream wait for the comm stream. Sent and rec
 memory while a transfer may still touch it. On CPU (gloo) the same calls run without streams; `wait()` blocks.
 `Ring.draining()` waits for what is still in flight when a ring step raises.
 
-Instrumentation for `compare/ring_bench.py`:
-  record_communication()                 collects bytes sent per rank and, on CUDA, start/end events on the comm
-                                         streams for every operation issued inside it (`CommLog.busy_ms`).
-  replace_communication_with_local_copies()  the same calls, but each transfer becomes a local copy of the same
-                                         size: the ring then does the compute (and copies) of a real run with no
-                                         communication, which is how the benchmark measures exposed communication.
+Instrumentation for the ring benchmark, passed as arguments of a `Ring` (and of `ring_attention`), no hidden state:
+  log=CommLog()        collects bytes sent per rank and, on CUDA, start/end events on the comm streams for every
+                       operation the ring issues (`CommLog.busy_ms`).
+  local_copies=True    the same calls, but each transfer becomes a local copy of the same size: the ring then does
+                       the compute (and copies) of a real run with no communication, which is how the benchmark
+                       measures exposed communication.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class CommRecord:
 
 @dataclasses.dataclass
 class CommLog:
+    """The operations a ring issued (one log may be shared by several rings: a forward and its backward)."""
+
     records: list[CommRecord] = dataclasses.field(default_factory=list)
 
     def bytes_sent(self) -> int:
@@ -74,47 +76,7 @@ class CommLog:
         return busy
 
 
-_active_logs: list[CommLog] = []
-_local_copies_only = False
-
-
-@contextlib.contextmanager
-def record_communication() -> Iterator[CommLog]:
-    """Logs every ring operation issued inside the block (nested blocks each get all of them)."""
-    log = CommLog()
-    _active_logs.append(log)
-    try:
-        yield log
-    finally:
-        _active_logs.remove(log)
-
-
-@contextlib.contextmanager
-def replace_communication_with_local_copies() -> Iterator[None]:
-    """Inside the block every transfer is a same-sized local copy (results are then wrong by design): a ring run
-    minus its communication, for measuring how much communication the overlap leaves exposed."""
-    global _local_copies_only
-    previous, _local_copies_only = _local_copies_only, True
-    try:
-        yield
-    finally:
-        _local_copies_only = previous
-
-
 _COMM_STREAMS_PER_DEVICE = 2  # the ring backward has two transfers in flight (K/V and dK/dV)
-_comm_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
-_issued_on_device: dict[torch.device, int] = {}
-
-
-def _next_comm_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side streams of `device` in turn. Each in-flight transfer gets its own, so one transfer's wait for
-    NCCL is not queued behind another's wait for compute (which would also stretch its end event). Created once
-    and reused across calls (creating streams per call would churn the stream pool)."""
-    if device not in _comm_streams:
-        _comm_streams[device] = [torch.cuda.Stream(device=device) for _ in range(_COMM_STREAMS_PER_DEVICE)]
-        _issued_on_device[device] = 0
-    _issued_on_device[device] += 1
-    return _comm_streams[device][_issued_on_device[device] % _COMM_STREAMS_PER_DEVICE]
 
 
 class Pending:
@@ -147,7 +109,8 @@ class Ring:
     """The ranks of `group` (default: the world; a single rank when torch.distributed is not initialised) seen
     as a ring: rank r sends to r+1 and receives from r-1 (mod P)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, *, local_copies: bool = False,
+                 log: CommLog | None = None):
         if group is None and not (dist.is_available() and dist.is_initialized()):
             self.group, self.rank, self.world = None, 0, 1
         else:
@@ -157,7 +120,13 @@ class Ring:
         if self.world > 1:
             self.next_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
             self.previous_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
-        self._on_cuda = device.type == "cuda"
+        self.local_copies, self.log = local_copies, log
+        # Each in-flight transfer gets its own side stream, so one transfer's wait for NCCL is not queued behind
+        # another's wait for compute (which would also stretch its end event). torch.cuda.Stream() hands out
+        # CUDA's pooled streams in turn (nothing is created per ring).
+        self._comm_streams = ([torch.cuda.Stream(device=device) for _ in range(_COMM_STREAMS_PER_DEVICE)]
+                              if device.type == "cuda" else [])
+        self._issued = 0
         self._in_flight: list[Pending] = []
 
     @contextlib.contextmanager
@@ -187,7 +156,7 @@ class Ring:
         recvs = [torch.empty_like(t) for t in sends]
 
         def launch():
-            if _local_copies_only:
+            if self.local_copies:
                 for recv, send in zip(recvs, sends):
                     recv.copy_(send)
                 return []
@@ -204,7 +173,7 @@ class Ring:
         gathered = flat.view(self.world, *local.shape)
 
         def launch():
-            if _local_copies_only:
+            if self.local_copies:
                 gathered.copy_(local.expand_as(gathered))
                 return []
             return [_all_gather_single(flat, local.view(-1), group=self.group, async_op=True)]
@@ -217,7 +186,7 @@ class Ring:
         mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
 
         def launch():
-            if _local_copies_only:
+            if self.local_copies:
                 mine.copy_(full[self.rank])
                 return []
             return [_reduce_scatter_single(mine.view(-1), full.view(-1), group=self.group, async_op=True)]
@@ -227,14 +196,14 @@ class Ring:
     def _issue(self, kind: str, nbytes: int, launch: Callable[[], list], tensors: list[torch.Tensor],
                result) -> Pending:
         record = None
-        if _active_logs:
-            record = CommRecord(kind, 0 if _local_copies_only else nbytes)
-            for log in _active_logs:
-                log.records.append(record)
-        if not self._on_cuda:
+        if self.log is not None:
+            record = CommRecord(kind, 0 if self.local_copies else nbytes)
+            self.log.records.append(record)
+        if not self._comm_streams:
             return Pending(result, launch(), None, None, tensors, record, self._in_flight)
         compute = torch.cuda.current_stream(self.device)
-        stream = _next_comm_stream(self.device)
+        self._issued += 1
+        stream = self._comm_streams[self._issued % _COMM_STREAMS_PER_DEVICE]
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             if record is not None:

@@ -100,23 +100,13 @@ def parameter_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _rename(name: str, source: int, target: int) -> str | None:
-    for pair in _HF_NAMES:
-        pattern = re.escape(pair[source]).replace(r"\{i\}", r"(?P<i>\d+)")
-        match = re.fullmatch(pattern, name)
-        if match:
-            return pair[target].format(i=match.groupdict().get("i"))
-    return None
-
-
-def hf_to_canonical(name: str) -> str | None:
-    return _rename(name, 0, 1)
-
-
 def canonical_to_hf(name: str) -> str:
-    hf = _rename(name, 1, 0)
-    assert hf is not None, name
-    return hf
+    """The HF tensor name of a canonical one."""
+    for hf_pattern, canonical_pattern in _HF_NAMES:
+        match = re.fullmatch(re.escape(canonical_pattern).replace(r"\{i\}", r"(?P<i>\d+)"), name)
+        if match:
+            return hf_pattern.format(i=match.groupdict().get("i"))
+    raise AssertionError(f"no HF name for {name}")
 
 
 # --- reading ----------------------------------------------------------------------------------------------

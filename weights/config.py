@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from weights.errors import CheckpointError
+from weights.errors import BadInputError, CheckpointError
 
 HF_LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
@@ -68,8 +68,8 @@ class LlamaConfig:
     def check_token_ids(self, tokens) -> None:
         """Refuses token ids outside [0, vocab_size) (an integer numpy array of any shape)."""
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
-            raise CheckpointError(f"token ids must lie in [0, {self.vocab_size}); got min {int(tokens.min())}, "
-                                  f"max {int(tokens.max())}")
+            raise BadInputError(f"token ids must lie in [0, {self.vocab_size}); got min {int(tokens.min())}, "
+                                f"max {int(tokens.max())}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -205,4 +205,4 @@ def preset(name: str) -> LlamaConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise CheckpointError(f"unknown preset {name!r} (presets: {', '.join(PRESETS)})") from None
+        raise BadInputError(f"unknown preset {name!r} (presets: {', '.join(PRESETS)})") from None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from weights.errors import CheckpointError
+from weights.errors import BadInputError
 
 BYTE_VOCAB = 256
 
@@ -37,7 +37,7 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
         if total >= max_bytes:
             break
     if total == 0:
-        raise CheckpointError(f"no Python source files found under {root}")
+        raise BadInputError(f"no Python source files found under {root}")
     return np.concatenate(chunks).astype(np.int64)
 
 
@@ -45,13 +45,13 @@ def text_batches(steps: int, batch: int, seq_len: int, vocab_size: int, seed: in
     """int64 [steps, batch, seq_len]: consecutive packed windows of the stdlib corpus, windows shuffled once by
     `seed`. Needs a vocabulary of at least 256 (one id per byte)."""
     if vocab_size < BYTE_VOCAB:
-        raise CheckpointError(f"text data needs a vocabulary of at least {BYTE_VOCAB} (byte tokens); the model has "
+        raise BadInputError(f"text data needs a vocabulary of at least {BYTE_VOCAB} (byte tokens); the model has "
                               f"{vocab_size}: use random tokens instead")
     windows_needed = steps * batch
     corpus = stdlib_corpus(windows_needed * seq_len * 2)
     windows = len(corpus) // seq_len
     if windows < windows_needed:
-        raise CheckpointError(f"the stdlib corpus holds {windows} windows of {seq_len} tokens; "
+        raise BadInputError(f"the stdlib corpus holds {windows} windows of {seq_len} tokens; "
                               f"{steps} steps x batch {batch} need {windows_needed}")
     packed = corpus[: windows * seq_len].reshape(windows, seq_len)
     order = np.random.default_rng(seed).permutation(windows)[:windows_needed]

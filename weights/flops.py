@@ -6,12 +6,14 @@ causal (half of the score matrix is masked), and the backward as 2.5 forwards (f
 so forward + backward = 3.5 forwards. Softmax and masking flops are not counted.
 
 `model_flops_per_token` is the numerator of training MFU (6N plus causal attention, the backward counted as two
-forwards), used by `twinflash train`.
+forwards), used by `twinflash train` and `twinflash compare`; `PEAK_FLOPS_PER_DEVICE` is its denominator.
 """
 
 from __future__ import annotations
 
 from weights.config import LlamaConfig
+
+PEAK_FLOPS_PER_DEVICE = 989e12  # dense bf16 peak of an H100/H200 SXM: the denominator of every MFU
 
 
 def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool,

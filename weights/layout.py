@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from weights.errors import CheckpointError
+from weights.errors import BadInputError
 
 LAYOUTS = ("contiguous", "zigzag")
 
 
-class LayoutError(CheckpointError):
+class LayoutError(BadInputError):
     """A sequence length or device count the layout cannot take."""
 
 
@@ -41,25 +41,6 @@ def check_split(seq_len: int, world: int, layout: str) -> None:
         options = f"{lower} or {lower + multiple}" if lower else f"{multiple}"
         raise LayoutError(f"sequence length {seq_len} does not split into the {layout} layout over {world} devices: "
                           f"it must be a multiple of {multiple} (e.g. {options})")
-
-
-def check_ring_shapes(q_shape: tuple, k_shape: tuple, v_shape: tuple, world: int, layout: str) -> None:
-    """The shape rules of ring attention on one device's local q [B, S_local, H, D] and k/v [B, S_local, Hkv, D]
-    (both backends'): ValueError naming the mismatch, LayoutError when S_local * world does not split."""
-    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
-        if len(shape) != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(shape)}")
-    if tuple(k_shape) != tuple(v_shape):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
-    if q_shape[0] != k_shape[0] or q_shape[1] != k_shape[1] or q_shape[3] != k_shape[3]:
-        raise ValueError(f"q {tuple(q_shape)} and k {tuple(k_shape)} must agree in batch, local sequence length "
-                         "and head_dim (ring attention is self-attention over one sharded sequence)")
-    if q_shape[2] % k_shape[2]:
-        raise ValueError(f"q's {q_shape[2]} heads must be a multiple of k's {k_shape[2]} heads")
-    try:
-        check_split(q_shape[1] * world, world, layout)
-    except LayoutError as err:
-        raise LayoutError(f"q has {q_shape[1]} tokens on each of {world} devices, so the {err}") from None
 
 
 def rank_positions(seq_len: int, world: int, rank: int, layout: str) -> np.ndarray:

@@ -27,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 
+from weights.attention import ring_bytes_sent
 from weights.config import LlamaConfig
-from weights.errors import CheckpointError
+from weights.errors import BadInputError
 
 MESH_AXES = ("fsdp", "sp")
 RING_LAYOUT = "zigzag"  # the sequence's order across `sp` in training: balanced causal work on every ring device
@@ -109,15 +110,15 @@ class MeshShape:
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, _, value = part.partition("=")
             if name not in MESH_AXES or not value.isdigit() or int(value) < 1 or name in sizes:
-                raise CheckpointError(f"bad mesh {text!r}: expected e.g. 'fsdp=2,sp=2' with axes {MESH_AXES} "
-                                      "each at most once and sizes >= 1")
+                raise BadInputError(f"bad mesh {text!r}: expected e.g. 'fsdp=2,sp=2' with axes {MESH_AXES} "
+                                    "each at most once and sizes >= 1")
             sizes[name] = int(value)
         return cls(**sizes)
 
     def check_devices(self, available: int) -> None:
         if self.size != available:
-            raise CheckpointError(f"mesh fsdp={self.fsdp} x sp={self.sp} needs {self.size} devices, "
-                                  f"but {available} are available")
+            raise BadInputError(f"mesh fsdp={self.fsdp} x sp={self.sp} needs {self.size} devices, "
+                                f"but {available} are available")
 
     def __str__(self) -> str:
         return f"fsdp={self.fsdp},sp={self.sp}"
@@ -140,14 +141,15 @@ def weights_regathered_for_backward(remat: str) -> bool:
 
 
 def step_comm_bytes(config: LlamaConfig, *, seq_len: int, batch: int, mesh: MeshShape, compute_bytes: int,
-                    train: bool, remat: str, parameter_gathers: int, gradient_bytes: int) -> dict[str, float]:
+                    train: bool, remat: str, parameter_gathers: int, gradient_bytes: int,
+                    ring_variant: str = "ring") -> dict[str, float]:
     """Bytes one device sends in one step (forward, or forward + backward when `train`), counted from the shapes:
     {"attention": ..., "parameters": ..., "total": ...}. The achieved bandwidth of a benchmark is this over the
     measured communication time.
 
-    attention   the ring over sp = P: each layer's forward passes this device's K and V (Hkv heads, compute
-                dtype) P - 1 times (the allgather variant moves the same bytes); the backward passes K and V again
-                and dK, dV in float32; `remat` "full" (`REMAT_MODES`) repeats the forward's transfers.
+    attention   the ring over sp = P, per layer `weights.attention.ring_bytes_sent` of this device's K and V
+                (Hkv heads, compute dtype) in `ring_variant`; `remat` "full" (`REMAT_MODES`) repeats the forward's
+                transfers.
     parameters  the parameters split over all devices (`PARAMETER_SHARDING`): each gather sends (D - 1) / D of
                 them in the compute dtype, `parameter_gathers` times per step (the JAX step once, torch's
                 FSDP2 once or, with `weights_regathered_for_backward`, again in the backward), and training
@@ -157,8 +159,8 @@ def step_comm_bytes(config: LlamaConfig, *, seq_len: int, batch: int, mesh: Mesh
     kv_elements = 2 * local_tokens * config.num_kv_heads * config.head_dim  # K and V
     check_remat_mode(remat)
     forwards = 1 + (train and remat == "full")
-    attention = forwards * kv_elements * compute_bytes + (kv_elements * (compute_bytes + 4) if train else 0)
-    attention *= (ring - 1) * config.num_layers
+    attention = config.num_layers * ring_bytes_sent(kv_elements, ring, compute_bytes=compute_bytes,
+                                                    variant=ring_variant, backward=train, forward_passes=forwards)
     share = (devices - 1) / devices
     parameters = share * config.num_params * (parameter_gathers * compute_bytes + (gradient_bytes if train else 0))
     return {"attention": float(attention), "parameters": float(parameters), "total": float(attention + parameters)}

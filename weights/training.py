@@ -21,7 +21,7 @@ import numpy as np
 from weights.checkpoint import (ConvertedCheckpoint, RandomWeights, export_hf_checkpoint, kept_hf_files,
                                 write_converted_checkpoint)
 from weights.config import LlamaConfig
-from weights.errors import CheckpointError
+from weights.errors import BadInputError, CheckpointError
 from weights.layout import check_split
 from weights.parallel import RING_LAYOUT, MeshShape
 from weights.schedule import OptimizerConfig
@@ -48,10 +48,10 @@ def valid_target_count(batch: int, seq_len: int) -> int:
 def check_batch_shape(batch: int, seq_len: int, shape: MeshShape) -> None:
     """Refuses a batch the fsdp axis cannot split or a sequence the ring layout cannot split over sp."""
     if batch < 1 or batch % shape.fsdp:
-        raise CheckpointError(f"batch size {batch} must be a positive multiple of fsdp={shape.fsdp} "
-                              "(each fsdp rank takes whole sequences)")
+        raise BadInputError(f"batch size {batch} must be a positive multiple of fsdp={shape.fsdp} "
+                            "(each fsdp rank takes whole sequences)")
     if seq_len < 2:
-        raise CheckpointError(f"sequence length must be >= 2 (a next-token target needs two tokens), got {seq_len}")
+        raise BadInputError(f"sequence length must be >= 2 (a next-token target needs two tokens), got {seq_len}")
     check_split(seq_len, shape.sp, RING_LAYOUT)
 
 
@@ -66,8 +66,8 @@ def check_attention_backend(settings) -> None:
     """Refuses an attention backend that `settings.backend` does not have."""
     choices = ATTENTION_BACKENDS[settings.backend]
     if settings.attention_backend not in choices:
-        raise CheckpointError(f"--attention-backend for {settings.backend} must be one of {', '.join(choices)}, "
-                              f"got {settings.attention_backend!r}")
+        raise BadInputError(f"--attention-backend for {settings.backend} must be one of {', '.join(choices)}, "
+                            f"got {settings.attention_backend!r}")
 
 
 # --- the step ---------------------------------------------------------------------------------------------------

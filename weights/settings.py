@@ -1,0 +1,79 @@
+"""The run contract: `TrainSettings`, the one description of a training run that `twinflash train` builds from
+its arguments, both backends' `run_training` receive (torch_impl/train.py, jax_impl/train.py) and
+weights/training.py checks. Framework-neutral, so that the backends and the CLI all import it from here; it travels
+between processes as JSON (`to_json` / `from_json`: the torchrun workers and the JAX child read it so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from weights.parallel import MeshShape
+from weights.schedule import OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """One training run, as both backends' `run_training` read it.
+
+    model          preset name or converted checkpoint directory (presets: random weights from `seed`)
+    seq_len, batch tokens per sequence and sequences per step (global; split over fsdp x sp)
+    steps          length of the run (and of the learning-rate schedule)
+    mesh           (fsdp, sp) sizes; their product is the device count
+    dtype          "fp32" or "bf16" compute (fp32 master weights and optimizer state either way)
+    data, seed     "text" (stdlib source, byte tokens) or "random" tokens; `seed` orders the data and makes
+                   preset weights
+    attention_backend, ring_variant   kernel of each ring step ("triton"/"pallas" or "reference") and ring
+                   algorithm ("ring" or "allgather")
+    loss_chunk_tokens  positions per logits chunk of the loss (None: 256 Mi logits per chunk)
+    ckpt_dir, ckpt_every, keep, resume  checkpoints: every N steps and at the end of the run, the last K kept,
+                   --resume continues from the latest one
+    stop_at        end this run after that many steps of `steps` (a job's time slot; --resume continues)
+    out            directory of train.jsonl
+    export_dir     the final weights go to `export_paths`: EXPORT/converted (twinflash format) and EXPORT/hf
+    plan_memory    (JAX) print XLA's per-device memory plan of the step instead of training
+    """
+
+    backend: str
+    model: str
+    seq_len: int
+    steps: int
+    mesh: MeshShape
+    batch: int
+    dtype: str = "fp32"
+    data: str = "text"
+    seed: int = 0
+    optimizer: OptimizerConfig = OptimizerConfig()
+    activation_checkpointing: str = "off"  # a weights.parallel.REMAT_MODES key
+    attention_backend: str = "triton"
+    ring_variant: str = "ring"
+    loss_chunk_tokens: int | None = None
+    ckpt_dir: Path | None = None
+    ckpt_every: int | None = None
+    keep: int = 3
+    resume: bool = False
+    stop_at: int | None = None
+    out: Path | None = None
+    export_dir: Path | None = None
+    plan_memory: bool = False
+
+    @property
+    def export_paths(self) -> tuple[Path, Path] | None:
+        """(converted directory, HF directory) of the final weights, or None without `export_dir`."""
+        return None if self.export_dir is None else (self.export_dir / "converted", self.export_dir / "hf")
+
+    def to_json(self) -> str:
+        fields = dataclasses.asdict(self)
+        fields["mesh"] = str(self.mesh)
+        return json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainSettings:
+        fields = json.loads(text)
+        fields["mesh"] = MeshShape.parse(fields["mesh"])
+        fields["optimizer"] = OptimizerConfig(**fields["optimizer"])
+        for name in ("ckpt_dir", "out", "export_dir"):
+            fields[name] = None if fields[name] is None else Path(fields[name])
+        return cls(**fields)
