@@ -1,27 +1,22 @@
-"""The `twinflash` command line: argument parsing and the one-line error contract.
+"""The `twinflash` command line, its one entry: the subcommands and their dispatch, under the one error contract of
+`compare/args.py` (bad input of any kind, a `weights.errors.BadInputError` or an argument error, ends as one line on
+stderr, `twinflash: error: ...`, and exit code 2, with nothing written; bugs keep their traceback).
 
-Every subcommand's bad input (a `CheckpointError`, which includes layout errors, or an argument error) ends as one
-line on stderr, `twinflash: error: ...`, and exit code 2, with nothing written; bugs keep their traceback.
+Subcommands: `convert` and `export` (weights/), `run` (compare/commands/run.py), `train`
+(compare/commands/train.py), `compare` (compare/harness/), `bench kernels|ring` (compare/bench/).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-from weights import PRESETS, CheckpointError
-
-EXIT_BAD_INPUT = 2
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (argparse prints the usage block too)."""
-
-    def error(self, message: str):
-        raise CheckpointError(f"{message} (see `{self.prog} --help`)")
+from compare.args import OneLineParser, with_error_contract
+from compare.commands import train
+from compare.harness import command as compare_command
+from weights import PRESETS, BadInputError
+from weights.atomic import atomic_file
 
 
 def _save_npy_new(path: Path, array) -> None:
@@ -29,16 +24,10 @@ def _save_npy_new(path: Path, array) -> None:
     import numpy as np
 
     if path.exists():
-        raise CheckpointError(f"{path} exists; refusing to overwrite it")
+        raise BadInputError(f"{path} exists; refusing to overwrite it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npy", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.save(handle, array)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_file(path, "wb") as handle:
+        np.save(handle, array)
 
 
 def cmd_convert(args) -> None:
@@ -56,10 +45,10 @@ def cmd_export(args) -> None:
 
 
 def cmd_run(args) -> None:
-    from compare.run import prepare_tokens, run_forward
+    from compare.commands.run import prepare_tokens, run_forward
 
     if args.dump_logits is not None and args.dump_logits.exists():
-        raise CheckpointError(f"{args.dump_logits} exists; refusing to overwrite it")
+        raise BadInputError(f"{args.dump_logits} exists; refusing to overwrite it")
     tokens = prepare_tokens(args.model, args.seed, args.tokens, args.batch, args.seq_len)
     result = run_forward(args.backend, args.model, tokens, args.dtype, args.seed)
     batch, seq_len = tokens.shape
@@ -77,22 +66,18 @@ def cmd_run(args) -> None:
 
 def cmd_bench(args) -> int:
     if args.what == "kernels":
-        from compare.kernel_bench import main as bench_main
+        from compare.bench.kernel_bench import main as bench_main
     else:
-        from compare.ring_bench import main as bench_main
+        from compare.bench.ring_bench import main as bench_main
     return bench_main(args.bench_args)
 
 
 def cmd_train(args) -> int:
-    from compare.train import run_command
-
-    return run_command(args)
+    return train.run_command(args)
 
 
 def cmd_compare(args) -> int:
-    from compare.harness import run_command
-
-    return run_command(args, args.argv)
+    return compare_command.run_command(args, args.argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,17 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dump-logits", type=Path, help="write float32 [batch, seq_len, vocab] logits here (.npy)")
     run.set_defaults(func=cmd_run)
 
-    from compare.train import add_arguments as add_train_arguments
-
-    train = commands.add_parser("train", help="distributed Llama training (fsdp x sp mesh), train.jsonl per step")
-    add_train_arguments(train)
-    train.set_defaults(func=cmd_train)
-
-    from compare.harness import add_arguments as add_compare_arguments
+    training = commands.add_parser("train", help="distributed Llama training (fsdp x sp mesh), train.jsonl per step")
+    train.add_arguments(training)
+    training.set_defaults(func=cmd_train)
 
     compare = commands.add_parser("compare", help="both backends, same weights and devices: equivalence + benchmark "
                                   "report (no arguments on a CPU machine: tiny model, 4 emulated devices)")
-    add_compare_arguments(compare)
+    compare_command.add_arguments(compare)
     compare.set_defaults(func=cmd_compare)
 
     bench = commands.add_parser("bench", help="GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs)",
@@ -144,14 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        argv = sys.argv[1:] if argv is None else list(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+
+    def command() -> int | None:
         args = build_parser().parse_args(argv)
         args.argv = argv[1:]  # recorded in reports: the arguments after the subcommand
-        return args.func(args) or 0
-    except CheckpointError as bad:
-        print(f"twinflash: error: {bad}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return args.func(args)
+
+    return with_error_contract(command)
 
 
 if __name__ == "__main__":

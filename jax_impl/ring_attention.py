@@ -2,7 +2,7 @@
 around a named `jax.shard_map` mesh axis, and each device merges its queries' partial results by log-sum-exp. Twin
 of `torch_impl/ring_attention.py` (same names; torch.distributed there, JAX collectives here).
 
-Public API (kept stable for the models and for `compare/ring_bench.py`):
+Public API (kept stable for the models and for `compare/bench/ring_bench.py`):
 
   ring_attention(q, k, v, *, axis_name="sp", causal=True, layout="zigzag", variant="ring", return_lse=False,
                  softmax_scale=None, backend="pallas", local_copies=False)

@@ -1,7 +1,7 @@
 """Distributed Llama training for the JAX backend: the sequence-sharded next-token loss, AdamW with global grad-norm
 clipping, the jitted train step and the training loop. Twin of `torch_impl/train.py`. Mesh, shardings and the data
 split are `jax_impl/parallel.py`; checkpoints and weight export are `jax_impl/checkpointing.py`; the
-`twinflash train` command that builds the batches and reports the steps is `compare/train.py`.
+`twinflash train` command that builds the batches and reports the steps is `compare/commands/train.py`.
 
 Numerics both backends follow, so that their per-step losses agree (fp32):
   loss       sum of next-token cross-entropy over the valid target positions of the whole global batch, divided by
@@ -56,6 +56,7 @@ from jax_impl.parallel import (activation_sharding, make_mesh, parameter_shardin
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES
 from weights.schedule import OptimizerConfig
+from weights.settings import TrainSettings
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
                               checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens, host_peak_rss_bytes,
                               run_metadata, valid_target_count)
@@ -222,7 +223,7 @@ class Training:
     meta: dict
 
 
-def build_training(settings, devices: Sequence[jax.Device] | None = None) -> Training:
+def build_training(settings: TrainSettings, devices: Sequence[jax.Device] | None = None) -> Training:
     """The sharded parameters and optimizer state of `settings` over `devices` (default: all of JAX's), loaded from
     `settings.model`; no checkpoint read, nothing trained."""
     check_attention_backend(settings)
@@ -241,7 +242,7 @@ def _step_spec(settings, config: LlamaConfig, mesh: Mesh) -> StepSpec:
                     optimizer=settings.optimizer)
 
 
-def step_memory_plan(settings, devices: Sequence[jax.Device] | None = None) -> dict[str, int]:
+def step_memory_plan(settings: TrainSettings, devices: Sequence[jax.Device] | None = None) -> dict[str, int]:
     """XLA's plan of the train step of `settings` per device, in bytes: "arguments" (the sharded training state and
     batch), "outputs", "aliased" (outputs reusing donated arguments) and "temporaries" (everything the step
     allocates while it runs). The step is compiled for abstract inputs (shapes and shardings): no weights are read
@@ -267,15 +268,15 @@ def step_memory_plan(settings, devices: Sequence[jax.Device] | None = None) -> d
             "aliased": plan.alias_size_in_bytes, "temporaries": plan.temp_size_in_bytes}
 
 
-def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = None,
+def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
                  devices: Sequence[jax.Device] | None = None) -> State:
     """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches) in this process over
-    `devices` (default: all of JAX's, whose count must match `settings.mesh`); see compare/train.py's
-    `TrainSettings` for the fields read here. Calls `on_step(step=, loss=, lr=, grad_norm=, seconds=,
+    `devices` (default: all of JAX's, whose count must match `settings.mesh`); see `weights.settings.TrainSettings`
+    for the fields read here. Calls `on_step(step=, loss=, lr=, grad_norm=, seconds=,
     peak_memory_bytes=[per device])` after every step. Resumes from the latest checkpoint with `settings.resume`,
     saves every `settings.ckpt_every` steps and at the end of the run, exports the final weights to
     `settings.export_paths` when set. Returns the final training state. Bad input (mesh, batch shape, checkpoint)
-    raises CheckpointError before anything is computed or written."""
+    raises BadInputError before anything is computed or written."""
     check_batches(settings, batches)
     run = build_training(settings, devices)
     mesh, spec, state, meta = run.mesh, run.spec, run.state, run.meta

@@ -14,10 +14,10 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from compare import jobs as J
 from compare.cli import main as cli_main
-from compare.harness import run_launch
-from compare.report import validate_report
+from compare.harness import jobs as J
+from compare.harness.launches import run_launch
+from compare.report.write import validate_report
 from weights import PRESETS
 from weights.parallel import MeshShape, step_comm_bytes, weights_regathered_for_backward
 
@@ -110,7 +110,7 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
 _FAKE_WORKER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from compare import jobs as J
+    from compare.harness import jobs as J
     jobs, work_dir = J.read_job_file(Path(sys.argv[1]))
     for job in jobs:
         J.mark_started(work_dir, job)

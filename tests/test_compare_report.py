@@ -1,4 +1,4 @@
-"""compare/report.py: the report of `twinflash compare` from a synthetic report dict (train mode, torch and jax,
+"""compare/report/: the report of `twinflash compare` from a synthetic report dict (train mode, torch and jax,
 two context lengths, 1 and 4 devices, an attention ablation with an OOM and an unsupported point, one failing
 equivalence comparison): every file written, the schema kept, the verdict / OOM / failing parameter / tolerance
 reasons in both renderings, HTML escaped, and invalid reports refused before anything is written."""
@@ -13,14 +13,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from compare.report import (
-    SCHEMA_PATH,
-    load_peers,
-    render_html,
-    render_markdown,
-    validate_report,
-    write_report,
-)
+from compare.report.render import render_html, render_markdown
+from compare.report.write import SCHEMA_PATH, load_peers, validate_report, write_report
 
 WHY_LOGITS = "fp32 logits; the ring changes the summation order only"
 WHY_GRAD = "Triton vs XLA reduction order, amplified by 2 layers of backward"

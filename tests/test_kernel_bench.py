@@ -1,4 +1,4 @@
-"""Tests of `twinflash bench kernels` (compare/kernel_bench.py) that need no GPU: the FLOP count, the merge of the
+"""Tests of `twinflash bench kernels` (compare/bench/kernel_bench.py) that need no GPU: the FLOP count, the merge of the
 two parts' rows into one table with ratios, the rendering, the JSON report and the no-CUDA exit."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from compare import kernel_bench
+from compare.bench import kernel_bench
 from weights.flops import attention_flops
 
 

@@ -1,4 +1,4 @@
-"""CPU tests of `twinflash bench ring`'s plumbing (compare/ring_bench.py): the plan, the worker relaunch protocol
+"""CPU tests of `twinflash bench ring`'s plumbing (compare/bench/ring_bench.py): the plan, the worker relaunch protocol
 (with stand-in workers that crash or hang), the derived columns on synthetic rows, the table, the JSON, and the
 one-line exit without 4 GPUs. The measurements themselves need 4 GPUs (see the module's docstring)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compare import ring_bench
+from compare.bench import ring_bench
 from weights.flops import attention_flops
 
 
@@ -151,7 +151,7 @@ def test_bad_arguments_one_line_and_exit_2(argv, message, capsys):
 def test_jax_ring_rows_measure_exposed_communication_and_bandwidth(variant):
     """The JAX side of the bench on 4 CPU host devices (the GPU run is the same code): the ring timed normally and
     in the local-copies mode, the busy time of its collectives from a profiler trace, bytes from the shapes."""
-    from compare.ring_bench_workers import jax_measure, jax_ring_bytes_per_rank
+    from compare.bench.ring_bench_workers import jax_measure, jax_ring_bytes_per_rank
 
     import jax
     from jax.sharding import Mesh

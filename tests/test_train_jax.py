@@ -27,8 +27,8 @@ import pytest
 import torch
 import transformers
 
-from compare.train import TrainSettings, training_batches
-from compare.train import main as train_main
+from compare.commands.train import main as train_main
+from compare.commands.train import training_batches
 from jax_impl import checkpointing
 from jax_impl.flash_attention import flash_attention
 from jax_impl.model import Llama, load_model, parameter_dict
@@ -40,6 +40,7 @@ from weights import BadInputError, CheckpointError, RandomWeights, preset, write
 from weights.layout import LayoutError
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig
+from weights.settings import TrainSettings
 from weights.training import adamw_coefficients, check_compatible, run_metadata
 
 SEQ_LEN = 64
@@ -346,7 +347,7 @@ def test_both_backends_write_the_same_train_jsonl(runs, weights_dir, tmp_path):
     common = ["--model", str(weights_dir), "--seq-len", str(SEQ_LEN), "--steps", str(STEPS),
               "--mesh", str(MESHES["fsdp2_sp2"]), "--batch", str(BATCH), "--attention-backend", "reference"]
     assert train_main(["--backend", "jax", *common, "--out", str(tmp_path / "jax")]) == 0
-    torch_run = subprocess.run([sys.executable, "-m", "compare.train", "--backend", "torch", *common,
+    torch_run = subprocess.run([sys.executable, "-m", "compare.commands.train", "--backend", "torch", *common,
                                 "--out", str(tmp_path / "torch")], capture_output=True, text=True, timeout=600)
     assert torch_run.returncode == 0, torch_run.stderr[-3000:]
     records = {backend: [json.loads(line) for line in (tmp_path / backend / "train.jsonl").read_text().splitlines()]

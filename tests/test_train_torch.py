@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from compare.train import TrainSettings, main
+from compare.commands.train import main
 from torch_impl.checkpointing import completed_checkpoints
 from torch_impl.flash_attention import flash_attention
 from torch_impl.model import load_model, next_token_loss
@@ -38,6 +38,7 @@ from weights import PRESETS, RandomWeights, write_converted_checkpoint
 from weights.flops import matmul_parameters, model_flops_per_token
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig
+from weights.settings import TrainSettings
 from weights.training import adamw_coefficients, next_token_targets
 
 LAUNCH_TIMEOUT_S = 300
@@ -52,7 +53,7 @@ SHARDED_ARGS = ("--mesh", "fsdp=2,sp=2", "--activation-checkpointing", "save-att
 
 def _train(out, *extra) -> list[dict]:
     """Runs the command in a fresh interpreter (it starts torchrun itself); returns OUT/train.jsonl's records."""
-    command = [sys.executable, "-m", "compare.train", *COMMON, "--out", str(out), *map(str, extra)]
+    command = [sys.executable, "-m", "compare.commands.train", *COMMON, "--out", str(out), *map(str, extra)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]

@@ -1,7 +1,7 @@
 """Distributed Llama training for the PyTorch backend: the sequence-sharded next-token loss, AdamW with global
 grad-norm clipping, the train step and the training loop. Twin of `jax_impl/train.py`. Mesh, FSDP2 and the data
 split are `torch_impl/parallel.py`; checkpoints and weight export are `torch_impl/checkpointing.py`; the
-`twinflash train` command that builds the batches and reports the steps is `compare/train.py`.
+`twinflash train` command that builds the batches and reports the steps is `compare/commands/train.py`.
 
 Numerics both backends follow, so that their per-step losses agree (fp32):
   loss       sum of next-token cross-entropy over the valid target positions of the whole global batch, divided by
@@ -39,6 +39,7 @@ from torch_impl.model import DTYPES, Llama
 from torch_impl.parallel import load_local_shards, local_batch, make_mesh, ring_attention_fn, shard_model
 from weights import ConvertedCheckpoint, RandomWeights, open_weights
 from weights.schedule import OptimizerConfig
+from weights.settings import TrainSettings
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
                               checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens, host_peak_rss_bytes,
                               run_metadata, valid_target_count)
@@ -185,9 +186,9 @@ def train_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tens
 StepCallback = Callable[..., None]
 
 
-def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = None) -> None:
+def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None) -> None:
     """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches, the same on every
-    rank) under torchrun; see compare/train.py's `TrainSettings` for the fields read here. On rank 0,
+    rank) under torchrun; see `weights.settings.TrainSettings` for the fields read here. On rank 0,
     `on_step(step=, loss=, lr=, grad_norm=, seconds=, peak_memory_bytes=[per rank])` after every step. Resumes
     from the latest checkpoint with `settings.resume`, saves every `settings.ckpt_every` steps and at the end of
     the run, exports the final weights to `settings.export_paths` when set."""
@@ -212,7 +213,7 @@ class Training:
     device: torch.device
 
 
-def build_training(settings, device: torch.device) -> Training:
+def build_training(settings: TrainSettings, device: torch.device) -> Training:
     """The sharded model and optimizer of `settings` on the initialised process group (`init_distributed`), its
     weights loaded from `settings.model`; no checkpoint read, nothing trained."""
     check_attention_backend(settings)

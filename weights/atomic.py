@@ -14,12 +14,13 @@ from typing import IO
 
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
-    """Yields a new file beside `path` (same directory, so the rename stays on one file system); on a clean exit
-    it replaces `path` in one rename, on an exception it is removed and `path` is left as it was."""
+    """Yields a new file beside `path` (same directory, so the rename stays on one file system; text in UTF-8); on
+    a clean exit it replaces `path` in one rename, on an exception it is removed and `path` is left as it was.
+    Several of them in one `contextlib.ExitStack` publish a set of files only once all are written."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, mode) as handle:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as handle:
             yield handle
         os.replace(tmp, path)
     finally:

@@ -46,13 +46,13 @@ def text_batches(steps: int, batch: int, seq_len: int, vocab_size: int, seed: in
     `seed`. Needs a vocabulary of at least 256 (one id per byte)."""
     if vocab_size < BYTE_VOCAB:
         raise BadInputError(f"text data needs a vocabulary of at least {BYTE_VOCAB} (byte tokens); the model has "
-                              f"{vocab_size}: use random tokens instead")
+                            f"{vocab_size}: use random tokens instead")
     windows_needed = steps * batch
     corpus = stdlib_corpus(windows_needed * seq_len * 2)
     windows = len(corpus) // seq_len
     if windows < windows_needed:
         raise BadInputError(f"the stdlib corpus holds {windows} windows of {seq_len} tokens; "
-                              f"{steps} steps x batch {batch} need {windows_needed}")
+                            f"{steps} steps x batch {batch} need {windows_needed}")
     packed = corpus[: windows * seq_len].reshape(windows, seq_len)
     order = np.random.default_rng(seed).permutation(windows)[:windows_needed]
     return packed[order].reshape(steps, batch, seq_len)

@@ -2,7 +2,8 @@
 without one, the checks of a run's batches against the mesh, the default loss chunk, AdamW's per-step host
 scalars, when a checkpoint is due, the run metadata a training checkpoint records and the refusal to resume an
 incompatible one, and the export of trained weights. Read by torch_impl/train.py and jax_impl/train.py (twins),
-their checkpointing.py and compare/train.py, whose `TrainSettings` is the `settings` argument here.
+their checkpointing.py and compare/commands/train.py; `weights.settings.TrainSettings` is the `settings` argument
+here.
 
 The backends keep what their frameworks force apart: the loss and optimizer arithmetic on device, the checkpoint
 files (torch.distributed.checkpoint, orbax) and how trained weights are gathered to the host.

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in stages that each fit one 10-minute call on a 4x H200 host (the device tool's
 # nvidia-h200-x4; the kernel stages need one GPU), run from the repository root with the image's python3 (no install: the checkout is on PYTHONPATH).
-#   bash compare/gpu_suite.sh kernel-tests               GPU kernel tests, both backends, and a quick `bench kernels`
-#   bash compare/gpu_suite.sh kernel-bench PART [LENS] [JSON...]   one part (torch | jax) of `bench kernels`,
+#   bash compare/bench/gpu_suite.sh kernel-tests               GPU kernel tests, both backends, and a quick `bench kernels`
+#   bash compare/bench/gpu_suite.sh kernel-bench PART [LENS] [JSON...]   one part (torch | jax) of `bench kernels`,
 #                                                                   merged with earlier parts' JSON
-#   bash compare/gpu_suite.sh ring      4-GPU ring tests (torch NCCL, JAX), then `bench ring` at Hkv=8
-#   bash compare/gpu_suite.sh ring-bench [SEQ_LENS] [KV_HEADS] [PARTS] [JSON...]   `bench ring` (default parts
+#   bash compare/bench/gpu_suite.sh ring      4-GPU ring tests (torch NCCL, JAX), then `bench ring` at Hkv=8
+#   bash compare/bench/gpu_suite.sh ring-bench [SEQ_LENS] [KV_HEADS] [PARTS] [JSON...]   `bench ring` (default parts
 #                                     torch,peer,jax), merged with earlier runs' JSON (re-measured rows replace theirs)
-#   bash compare/gpu_suite.sh compare MODEL [ARGS...]   `twinflash compare` on 4 GPUs at 32k and 128k (1 and 4 GPUs,
+#   bash compare/bench/gpu_suite.sh compare MODEL [ARGS...]   `twinflash compare` on 4 GPUs at 32k and 128k (1 and 4 GPUs,
 #                                                     ablation), stopped launching at 540 s so the report is written
-#   bash compare/gpu_suite.sh train MODEL SEQ_LENS [BACKENDS] [STEPS] [ARGS...]   `twinflash train` throughput on
+#   bash compare/bench/gpu_suite.sh train MODEL SEQ_LENS [BACKENDS] [STEPS] [ARGS...]   `twinflash train` throughput on
 #                                     4 GPUs (fsdp=1,sp=4, bf16, random tokens), each run under RUN_TIMEOUT_S (300);
 #                                     every run's train.jsonl and log in one archive, $OUT/train-runs.tar.gz
 # Everything lands in $OUT (default ./out): logs, JSON, and the tables printed last.
@@ -35,7 +35,7 @@ kernel-tests)  # GPU kernel tests of both backends, then a quick `bench kernels`
     environment
     timeout 240 python3 -m pytest -q -m gpu -x tests/test_flash_attention_torch.py > "$OUT/gpu-tests-torch.log" 2>&1
     timeout 200 python3 -m pytest -q -m gpu -x tests/test_flash_attention_jax.py > "$OUT/gpu-tests-jax.log" 2>&1
-    timeout 140 python3 -m compare.kernel_bench --quick --part-timeout-s 65 --out "$OUT/kernels-quick.json" \
+    timeout 140 python3 -m compare.bench.kernel_bench --quick --part-timeout-s 65 --out "$OUT/kernels-quick.json" \
         > "$OUT/bench-quick.log" 2>&1
     TAIL=4 summary "$OUT"/gpu-tests-*.log
     tail -n 30 "$OUT/bench-quick.log"
@@ -43,7 +43,7 @@ kernel-tests)  # GPU kernel tests of both backends, then a quick `bench kernels`
 kernel-bench)  # kernel-bench PART [SEQ_LENS] [ROWS_FROM...]: one part of the full sweep, merged with earlier JSON
     part=${2:?part: torch | jax}; lens=${3:-4k,16k,64k}; shift 3 || shift $#
     rows=(); for f in "$@"; do rows+=(--rows-from "$f"); done
-    timeout 570 python3 -m compare.kernel_bench --parts "$part" --seq-lens "$lens" --part-timeout-s 550 \
+    timeout 570 python3 -m compare.bench.kernel_bench --parts "$part" --seq-lens "$lens" --part-timeout-s 550 \
         "${rows[@]}" --out "$OUT/kernels-$part.json" > "$OUT/bench-$part.log" 2>&1
     tail -n 45 "$OUT/bench-$part.log"
     ;;
@@ -51,7 +51,7 @@ ring)  # 4-GPU ring tests of both backends, then `bench ring` at Hkv=8 (GQA) for
     environment
     timeout 300 python3 -m pytest -q -m gpu -x tests/test_ring_attention_torch.py > "$OUT/gpu-ring-torch.log" 2>&1
     timeout 100 python3 -m pytest -q -m gpu -x tests/test_ring_attention_jax.py > "$OUT/gpu-ring-jax.log" 2>&1
-    timeout 250 python3 -m compare.ring_bench --seq-lens 32k,128k --kv-heads 8 --warmup 2 --iters 3 \
+    timeout 250 python3 -m compare.bench.ring_bench --seq-lens 32k,128k --kv-heads 8 --warmup 2 --iters 3 \
         --launch-timeout-s 160 --out "$OUT/ring.json" > "$OUT/ring.log" 2>&1
     TAIL=4 summary "$OUT"/gpu-ring-*.log
     tail -n 40 "$OUT/ring.log"
@@ -61,7 +61,7 @@ ring-bench)
     rows=(); for f in "$@"; do rows+=(--rows-from "$f"); done
     environment
     # the JSON is rewritten after each worker, so a run cut short by the timeout keeps what it measured
-    timeout "${RING_TIMEOUT_S:-570}" python3 -m compare.ring_bench --parts "$parts" --seq-lens "$lens" --kv-heads "$heads" \
+    timeout "${RING_TIMEOUT_S:-570}" python3 -m compare.bench.ring_bench --parts "$parts" --seq-lens "$lens" --kv-heads "$heads" \
         --launch-timeout-s 320 "${rows[@]}" --out "$OUT/ring.json" > "$OUT/ring.log" 2>&1
     tail -n 40 "$OUT/ring.log"
     ;;

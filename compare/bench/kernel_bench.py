@@ -9,11 +9,11 @@ Measured, bf16, batch 1, H=32, D=128 (defaults), for each S (--seq-lens), causal
               jax_cudnn   jax.nn.dot_product_attention(implementation="cudnn") (GQA native)
               pallas_mha  JAX's shipped Pallas kernel, jax.experimental.pallas.ops.gpu.attention.mha
                           (K/V repeated to H heads outside the timed call, it has no GQA)
-Timing as the peers' anchors (/work/shared/anchors/torch_kernels.py, jax_kernels.py): torch with
+Timing as the peers' anchor scripts (torch_kernels.py, jax_kernels.py) time them: torch with
 triton.testing.do_bench (median, CUDA events); JAX with block_until_ready, median of repeated calls after two
 warm-up calls. TFLOP/s from `weights.flops.attention_flops` for every implementation (so ratios are time ratios).
 
-Roles of `python -m compare.kernel_bench`: the plain invocation is the parent; it runs the torch part, then the
+Roles of `python -m compare.bench.kernel_bench`: the plain invocation is the parent; it runs the torch part, then the
 JAX part (XLA_PYTHON_CLIENT_PREALLOCATE=false), each as a subprocess `--part torch|jax` that prints one JSON
 object per line, merges them (and the rows of --rows-from files: a sweep may be split over invocations) into one
 table with ratios (ours / FA2, ours / cuDNN, pallas / shipped mha, pallas / JAX cuDNN) and writes the JSON
@@ -29,7 +29,6 @@ import functools
 import json
 import math
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -38,9 +37,10 @@ import threading
 import time
 from pathlib import Path
 
-from compare.cli import EXIT_BAD_INPUT, OneLineParser
-from compare.ring_bench import _ints, _lengths, _previous, check_parts_and_heads, write_json
-from weights import CheckpointError
+from compare.args import OneLineParser, ints, lengths, with_error_contract
+from compare.bench import common
+from compare.bench.common import check_parts_and_heads, previous_rows, write_json
+from weights import BadInputError
 from weights.flops import attention_flops
 
 IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"), "jax": ("pallas", "jax_cudnn", "pallas_mha")}
@@ -66,8 +66,8 @@ def jax_median_ms(fn, *inputs, repeats: int) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="twinflash bench kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", type=_lengths, default=(4096, 16384, 65536), help="e.g. 4k,16k,64k")
-    parser.add_argument("--kv-heads", type=_ints, default=(32, 8), help="Hkv values (H=32: MHA and GQA)")
+    parser.add_argument("--seq-lens", type=lengths, default=(4096, 16384, 65536), help="e.g. 4k,16k,64k")
+    parser.add_argument("--kv-heads", type=ints, default=(32, 8), help="Hkv values (H=32: MHA and GQA)")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
@@ -241,7 +241,7 @@ def run_part(part: str, args) -> tuple[dict, list[dict]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if part == "jax":
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    command = [sys.executable, "-m", "compare.kernel_bench", "--part", part, *_child_args(args)]
+    command = [sys.executable, "-m", "compare.bench.kernel_bench", "--part", part, *_child_args(args)]
     print(f"[kernel bench] {part}: {shlex.join(command)}", file=sys.stderr, flush=True)
     meta, rows = {}, []
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as proc:
@@ -317,8 +317,7 @@ def render_table(table: list[dict]):
 
 
 def default_out_path(meta: dict, today: datetime.date) -> Path:
-    gpu = meta.get("gpu", "unknown-gpu").lower().replace("nvidia", "").strip()
-    return Path("compare/results") / f"kernels-{today.isoformat()}-{re.sub(r'[^a-z0-9]+', '-', gpu).strip('-')}.json"
+    return common.default_out_path("kernels", meta, today)
 
 
 def report(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> Path:
@@ -342,29 +341,28 @@ def report(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> P
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = build_parser().parse_args(argv)
-        _check_args(args)
-        if args.part == "torch":
-            _torch_part(args)
-            return 0
-        if args.part == "jax":
-            _jax_part(args)
-            return 0
-        import torch
+    return with_error_contract(lambda: _main(argv))
 
-        if not torch.cuda.is_available():
-            print(f"twinflash: error: {NO_CUDA}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        meta, rows = _previous(args.rows_from)
-        for part in args.parts:
-            part_meta, part_rows = run_part(part, args)
-            meta.update(part_meta)
-            rows += part_rows
-        report(rows, meta, argv, args.out)
-    except CheckpointError as bad:
-        print(f"twinflash: error: {bad}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    if args.part == "torch":
+        _torch_part(args)
+        return 0
+    if args.part == "jax":
+        _jax_part(args)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BadInputError(NO_CUDA)
+    meta, rows = previous_rows(args.rows_from)
+    for part in args.parts:
+        part_meta, part_rows = run_part(part, args)
+        meta.update(part_meta)
+        rows += part_rows
+    report(rows, meta, argv, args.out)
     return 0
 
 

@@ -1,10 +1,10 @@
-"""Block-size sweep of the JAX Pallas FlashAttention kernels on one GPU (`python -m compare.pallas_sweep`).
+"""Block-size sweep of the JAX Pallas FlashAttention kernels on one GPU (`python -m compare.bench.pallas_sweep`).
 
 For each head dim (--head-dims) it times, bf16, B x S x H (Hkv) as given, causal and/or full:
   fwd   the forward kernel over FORWARD_CANDIDATES;
   dkdv  the backward (both kernels) over DKDV_CANDIDATES, the dQ kernel held at its table default;
   dq    the backward over DQ_CANDIDATES, the dK/dV kernel held at the best dkdv found;
-then flash_attention fwd and fwd+bwd (as `compare.kernel_bench` times them) with the table default and with
+then flash_attention fwd and fwd+bwd (as `compare.bench.kernel_bench` times them) with the table default and with
 the best configs. A config that fails to compile (shared memory, registers) is recorded as an error; every
 config's result is checked against the first one's (max_abs_diff), so a fast wrong config stands out.
 Timing: block_until_ready, median of --repeats after two warm-up calls. TFLOP/s from
@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from compare.kernel_bench import jax_median_ms
+from compare.bench.kernel_bench import jax_median_ms
 from weights.flops import attention_flops
 
 # (block_q, block_k, num_warps, num_stages). dkdv: block_k rows of K/V per program, block_q query rows per step.
@@ -39,7 +39,7 @@ def _parse_ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m compare.pallas_sweep", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m compare.bench.pallas_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=32)

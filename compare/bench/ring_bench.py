@@ -1,16 +1,16 @@
 """`twinflash bench ring`: sequence-parallel attention on 4 GPUs, our torch ring and JAX ring against one GPU and
 against the peer, PyTorch's context parallelism on cuDNN SDPA. This module plans the sweep, launches the workers
-(`compare/ring_bench_workers.py` says what is measured and how), merges their rows and reports a table and JSON.
+(`compare/bench/ring_bench_workers.py` says what is measured and how), merges their rows and reports a table and JSON.
 
-Roles of `python -m compare.ring_bench`:
-  plain invocation  the parent: launches `torchrun --nproc_per_node=4 -m compare.ring_bench --worker torch` (our
-                    torch kernels and ring, and the peer), then `python -m compare.ring_bench --worker jax` (with
+Roles of `python -m compare.bench.ring_bench`:
+  plain invocation  the parent: launches `torchrun --nproc_per_node=4 -m compare.bench.ring_bench --worker torch` (our
+                    torch kernels and ring, and the peer), then `python -m compare.bench.ring_bench --worker jax` (with
                     XLA_PYTHON_CLIENT_PREALLOCATE=false), each with a JSON plan; a worker that crashes or hangs
                     (per-launch timeout) costs the task it was on, which is recorded as an error, and is relaunched
                     for the remaining tasks. The JSON is rewritten after each worker (a run cut short keeps
                     what it measured); at the end the table is printed. `--rows-from` merges an earlier run's
                     rows (a point measured again replaces its earlier row), so parts can run as separate commands.
-  under torchrun    without --worker (e.g. `torchrun --nproc_per_node=4 -m compare.ring_bench --quick`): the torch
+  under torchrun    without --worker (e.g. `torchrun --nproc_per_node=4 -m compare.bench.ring_bench --quick`): the torch
                     and peer parts only, reported by rank 0.
 
 Sweep: for each S_total (--seq-lens) and Hkv (--kv-heads): causal, H=32, D=128, bf16, batch 1, fwd+bwd, zigzag.
@@ -25,17 +25,17 @@ import argparse
 import datetime
 import json
 import os
-import re
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from compare.cli import OneLineParser
-from compare.train import torchrun_launcher
-from weights import CheckpointError
+from compare.args import OneLineParser, ints, lengths, with_error_contract
+from compare.bench import common
+from compare.bench.common import check_parts_and_heads, previous_rows, write_json
+from compare.launch import stop_process_group, torchrun_launcher
+from weights import BadInputError
 from weights.attention import VARIANTS
 from weights.layout import check_split
 
@@ -60,28 +60,10 @@ METHOD = {
 # Plan
 # ---------------------------------------------------------------------------------------------------------------
 
-def _lengths(text: str) -> tuple[int, ...]:
-    """'32k,128k' or '32768,131072' -> (32768, 131072)."""
-    values = []
-    for item in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", item)
-        if not match:
-            raise argparse.ArgumentTypeError(f"{item!r} is not a length like 32768 or 32k")
-        values.append(int(match[1]) * (1024 if match[2] else 1))
-    return tuple(values)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="twinflash bench ring", description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", type=_lengths, default=(32768, 131072), help="total lengths, e.g. 32k,128k,512k")
-    parser.add_argument("--kv-heads", type=_ints, default=(32, 8), help="Hkv values (H=32: MHA and GQA)")
+    parser.add_argument("--seq-lens", type=lengths, default=(32768, 131072), help="total lengths, e.g. 32k,128k,512k")
+    parser.add_argument("--kv-heads", type=ints, default=(32, 8), help="Hkv values (H=32: MHA and GQA)")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
@@ -97,18 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker", choices=("torch", "jax"), help=argparse.SUPPRESS)
     parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
     return parser
-
-
-def check_parts_and_heads(args, choices: tuple[str, ...]) -> None:
-    """The benchmarks' shared argument rules: `--parts` (comma list, may be empty) within `choices`, each
-    `--kv-heads` value dividing `--heads`. Sets `args.parts` to the parsed tuple."""
-    args.parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    unknown = set(args.parts) - set(choices)
-    if unknown:
-        raise CheckpointError(f"--parts: unknown {', '.join(sorted(unknown))} (choices: {', '.join(choices)})")
-    for kv in args.kv_heads:
-        if kv < 1 or args.heads % kv:
-            raise CheckpointError(f"--kv-heads: {kv} does not divide --heads {args.heads}")
 
 
 def _check_args(args) -> None:
@@ -167,9 +137,9 @@ def _worker_command(part: str, plan_path: Path) -> tuple[list[str], dict]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if part == "jax":
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        return [sys.executable, "-m", "compare.ring_bench", "--worker", "jax", "--plan", str(plan_path)], env
+        return [sys.executable, "-m", "compare.bench.ring_bench", "--worker", "jax", "--plan", str(plan_path)], env
     launcher, torchrun_env = torchrun_launcher(GPUS)
-    return [*launcher, "-m", "compare.ring_bench", "--worker", "torch", "--plan", str(plan_path)], \
+    return [*launcher, "-m", "compare.bench.ring_bench", "--worker", "torch", "--plan", str(plan_path)], \
         torchrun_env | {"PYTHONUNBUFFERED": "1"}
 
 
@@ -191,8 +161,7 @@ def run_worker(worker: str, tasks: list[dict], args, workdir: Path) -> tuple[dic
                 proc.wait(timeout=args.launch_timeout_s)
                 failure = f"worker exited with {proc.returncode}" if proc.returncode else None
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                stop_process_group(proc)
                 failure = f"worker timed out after {args.launch_timeout_s:.0f}s"
         launch_meta, launch_rows, started = read_rows_file(rows_path)
         meta.update(launch_meta)
@@ -269,15 +238,7 @@ def render_table(rows: list[dict]):
 
 
 def default_out_path(meta: dict, today: datetime.date) -> Path:
-    gpu = meta.get("gpu", "unknown-gpu").lower().replace("nvidia", "").strip()
-    return Path("compare/results") / f"ring-{today.isoformat()}-{re.sub(r'[^a-z0-9]+', '-', gpu).strip('-')}.json"
-
-
-def write_json(path: Path, document: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(document, indent=1) + "\n")
-    os.replace(tmp, path)
+    return common.default_out_path("ring", meta, today)
 
 
 def save(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> tuple[Path, list[dict]]:
@@ -304,18 +265,6 @@ def report(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> P
 # Entry point
 # ---------------------------------------------------------------------------------------------------------------
 
-def _previous(paths: list[Path]) -> tuple[dict, list[dict]]:
-    meta, rows = {}, []
-    for path in paths:
-        try:
-            document = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"--rows-from {path}: {err}") from None
-        meta.update(document.get("versions", {}))
-        rows += document.get("rows", [])
-    return meta, rows
-
-
 def merge_rows(earlier: list[dict], measured: list[dict]) -> list[dict]:
     """`earlier` (from --rows-from) with `measured` added; a re-measured point replaces its earlier row."""
     fresh = {row["id"] for row in measured}
@@ -323,7 +272,7 @@ def merge_rows(earlier: list[dict], measured: list[dict]) -> list[dict]:
 
 
 def _run_under_torchrun(args, argv) -> None:
-    from compare.ring_bench_workers import run_torch
+    from compare.bench.ring_bench_workers import run_torch
 
     if args.plan is not None:  # launched by the parent
         run_torch(json.loads(args.plan.read_text()))
@@ -340,36 +289,36 @@ def _run_under_torchrun(args, argv) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = build_parser().parse_args(argv)
-        if args.worker == "jax":
-            from compare.ring_bench_workers import run_jax
+    return with_error_contract(lambda: _main(argv))
 
-            run_jax(json.loads(args.plan.read_text()))
-            return 0
-        _check_args(args)
-        if "LOCAL_RANK" in os.environ:
-            _run_under_torchrun(args, argv)
-            return 0
-        import torch
 
-        found = torch.cuda.device_count()
-        if found < GPUS:
-            raise CheckpointError(f"`bench ring` needs {GPUS} CUDA GPUs; this machine has {found}")
-        meta, rows = _previous(args.rows_from)
-        tasks = plan_tasks(args)
-        with tempfile.TemporaryDirectory(prefix="ring-bench-") as tmp:
-            for worker, parts in (("torch", ("torch", "peer")), ("jax", ("jax",))):
-                worker_tasks = [t for part in parts for t in tasks.get(part, [])]
-                if worker_tasks:
-                    worker_meta, worker_rows = run_worker(worker, worker_tasks, args, Path(tmp))
-                    meta.update(worker_meta)
-                    rows = merge_rows(rows, worker_rows)
-                    save(rows, meta, argv, args.out)  # kept if a later part is cut short
-        report(rows, meta, argv, args.out)
-    except CheckpointError as bad:
-        print(f"twinflash: error: {bad}", file=sys.stderr)
-        return 2
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker == "jax":
+        from compare.bench.ring_bench_workers import run_jax
+
+        run_jax(json.loads(args.plan.read_text()))
+        return 0
+    _check_args(args)
+    if "LOCAL_RANK" in os.environ:
+        _run_under_torchrun(args, argv)
+        return 0
+    import torch
+
+    found = torch.cuda.device_count()
+    if found < GPUS:
+        raise BadInputError(f"`bench ring` needs {GPUS} CUDA GPUs; this machine has {found}")
+    meta, rows = previous_rows(args.rows_from)
+    tasks = plan_tasks(args)
+    with tempfile.TemporaryDirectory(prefix="ring-bench-") as tmp:
+        for worker, parts in (("torch", ("torch", "peer")), ("jax", ("jax",))):
+            worker_tasks = [t for part in parts for t in tasks.get(part, [])]
+            if worker_tasks:
+                worker_meta, worker_rows = run_worker(worker, worker_tasks, args, Path(tmp))
+                meta.update(worker_meta)
+                rows = merge_rows(rows, worker_rows)
+                save(rows, meta, argv, args.out)  # kept if a later part is cut short
+    report(rows, meta, argv, args.out)
     return 0
 
 

@@ -1,10 +1,10 @@
-"""The measuring side of `twinflash bench ring` (`compare/ring_bench.py` plans, launches and reports).
+"""The measuring side of `twinflash bench ring` (`compare/bench/ring_bench.py` plans, launches and reports).
 
   run_torch(plan)  under torchrun, one process per GPU (NCCL): our one-GPU kernel on the full sequence, our torch
                    ring (both variants), and the peer, PyTorch's own context parallelism
                    (`torch.distributed.tensor.experimental.context_parallel`) on cuDNN SDPA, plus cuDNN SDPA on one
-                   GPU. The peer is measured as the project's anchor script (cp_cudnn.py) measured it: [B, H, S, D] buffers
-                   sharded by `context_parallel`, `set_rotate_method("allgather" | "alltoall")`, fwd + `.backward`.
+                   GPU. The peer is measured as the project's anchor script (cp_cudnn.py) measured it: [B, H, S, D]
+                   buffers sharded by `context_parallel`, `set_rotate_method("allgather" | "alltoall")`, fwd + `.backward`.
   run_jax(plan)    one process over the 4 GPUs: our JAX flash kernel on one GPU and `jax_impl.ring_attention` in
                    `jax.shard_map` over a 4-device mesh.
 
@@ -321,8 +321,8 @@ def _jax_comm_busy_s(step) -> float:
 
     import jax
 
-    from compare.jobs import union_seconds
-    from compare.worker_jax import communication_intervals
+    from compare.harness.jobs import union_seconds
+    from compare.harness.worker_jax import communication_intervals
 
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):

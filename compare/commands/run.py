@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from weights import CheckpointError, LlamaConfig, open_weights
+from weights import BadInputError, LlamaConfig, open_weights
 from weights.training import host_peak_rss_bytes
 
 BACKENDS = ("torch", "jax")
@@ -46,20 +46,20 @@ def read_tokens(path: Path, config: LlamaConfig) -> np.ndarray:
     try:
         tokens = np.load(path, allow_pickle=False)
     except FileNotFoundError:
-        raise CheckpointError(f"missing token file {path}") from None
+        raise BadInputError(f"missing token file {path}") from None
     except (ValueError, OSError) as bad:
-        raise CheckpointError(f"cannot read {path} as a .npy array: {bad}") from None
+        raise BadInputError(f"cannot read {path} as a .npy array: {bad}") from None
     if not np.issubdtype(tokens.dtype, np.integer):
-        raise CheckpointError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
+        raise BadInputError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
     if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise CheckpointError(f"{path}: tokens must have shape [batch, seq_len >= 2], got {list(tokens.shape)}")
+        raise BadInputError(f"{path}: tokens must have shape [batch, seq_len >= 2], got {list(tokens.shape)}")
     config.check_token_ids(tokens)
     return tokens.astype(np.int64)
 
 
 def random_tokens(config: LlamaConfig, batch: int, seq_len: int, seed: int) -> np.ndarray:
     if batch < 1 or seq_len < 2:
-        raise CheckpointError(f"need --batch >= 1 and --seq-len >= 2, got {batch} and {seq_len}")
+        raise BadInputError(f"need --batch >= 1 and --seq-len >= 2, got {batch} and {seq_len}")
     return np.random.default_rng(seed).integers(0, config.vocab_size, (batch, seq_len), dtype=np.int64)
 
 
@@ -115,7 +115,7 @@ def run_forward(backend: str, model: str, tokens: np.ndarray, dtype: str, seed: 
         return forward_torch(model, tokens, dtype, seed)
     if backend == "jax":
         return forward_jax(model, tokens, dtype, seed)
-    raise CheckpointError(f"unknown backend {backend!r} (choices: {', '.join(BACKENDS)})")
+    raise BadInputError(f"unknown backend {backend!r} (choices: {', '.join(BACKENDS)})")
 
 
 def prepare_tokens(model: str, seed: int, tokens_path: Path | None, batch: int, seq_len: int) -> np.ndarray:

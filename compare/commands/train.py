@@ -1,8 +1,8 @@
 """`twinflash train`: distributed Llama training with either backend, with a live progress display and
-OUT/train.jsonl. Owns `TrainSettings`, the one description of a run that both backends' `run_training` receive,
-the batches (built here once with numpy, so both backends see the same tokens in the same order), the checks of
-bad input, the launch of the torch processes (and of the JAX child process on CPU), and the per-step report
-(tokens/s, TFLOP/s, MFU).
+OUT/train.jsonl. Builds `weights.settings.TrainSettings`, the one description of a run that both backends'
+`run_training` receive, from the arguments; owns the batches (built here once with numpy, so both backends see the
+same tokens in the same order), the checks of bad input, which processes a run needs (`compare/launch.py` starts
+them: torchrun, or the JAX child process on CPU), and the per-step report (tokens/s, TFLOP/s, MFU).
 
 Backends: `torch_impl.train.run_training(settings, batches, on_step)` runs one process per device under torchrun
 (this command starts torchrun itself when not already under it: gloo processes on CPU, one per GPU with NCCL);
@@ -22,8 +22,8 @@ sequence of S tokens:
   6 * N * S + 12 * layers * heads * head_dim * S^2 / 2
 where N counts the parameters every token multiplies in a matmul (all but an untied input embedding table) and
 the second term is causal attention (QK^T and PV, 2 * 2 * S^2 * head_dim per head forward, x3 for forward +
-backward, halved by the mask). MFU = model FLOPs per second / (989e12 * devices), 989 TFLOP/s being the dense
-bf16 peak of an H100/H200 SXM.
+backward, halved by the mask). MFU = model FLOPs per second / (`weights.flops.PEAK_FLOPS_PER_DEVICE` * devices),
+989 TFLOP/s, the dense bf16 peak of an H100/H200 SXM.
 
 Bad input (mesh not matching the device count, a sequence length the layout cannot take, a batch the fsdp axis
 cannot split, an incompatible checkpoint, outputs that exist) is refused before any process starts: one line,
@@ -33,32 +33,28 @@ exit 2, nothing written.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from weights import PRESETS, CheckpointError, LlamaConfig, open_weights
+from compare.args import OneLineParser, with_error_contract
+from compare.launch import SETTINGS_FLAG, TORCHRUN_ENV, hand_off, host_devices_env, torchrun_launcher
+from weights import PRESETS, BadInputError, LlamaConfig, open_weights
+from weights.atomic import write_text_atomically
 from weights.data import random_batches, text_batches
-from weights.flops import model_flops_per_token
+from weights.flops import PEAK_FLOPS_PER_DEVICE, model_flops_per_token
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig
+from weights.settings import TrainSettings
 from weights.training import (ATTENTION_BACKENDS, check_attention_backend, check_batch_shape, checkpoint_to_resume,
                               run_metadata)
 
-EXIT_BAD_INPUT = 2
-PEAK_FLOPS_PER_DEVICE = 989e12  # dense bf16, H100/H200 SXM
 JSONL = "train.jsonl"
-_TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker
-_SETTINGS_FLAG = "--settings-json"  # `python -m compare.train --settings-json FILE`: a process of our own launch
-_HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # XLA_FLAGS entry: JAX's number of CPU devices
 
 
 # --- arguments --------------------------------------------------------------------------------------------------
@@ -107,13 +103,13 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
                     ("--loss-chunk-tokens", args.loss_chunk_tokens, 1), ("--warmup-steps", args.warmup_steps, 0))
     for name, value, least in lower_bounds:
         if value is not None and value < least:
-            raise CheckpointError(f"{name} must be >= {least}, got {value}")
+            raise BadInputError(f"{name} must be >= {least}, got {value}")
     if args.stop_at is not None and args.stop_at > args.steps:
-        raise CheckpointError(f"--stop-at {args.stop_at} is beyond --steps {args.steps}")
+        raise BadInputError(f"--stop-at {args.stop_at} is beyond --steps {args.steps}")
     if args.resume and args.ckpt_dir is None:
-        raise CheckpointError("--resume needs --ckpt-dir")
+        raise BadInputError("--resume needs --ckpt-dir")
     if args.plan_memory and args.backend != "jax":
-        raise CheckpointError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
+        raise BadInputError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
     optimizer = OptimizerConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps,
                                 weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip)
     settings = TrainSettings(
@@ -138,13 +134,13 @@ def training_batches(settings: TrainSettings, config: LlamaConfig) -> np.ndarray
 
 def _check_outputs(settings: TrainSettings, start_step: int) -> None:
     if settings.out is not None and (settings.out / JSONL).exists() and not settings.resume:
-        raise CheckpointError(f"{settings.out / JSONL} exists; refusing to overwrite it (use --resume to continue "
-                              "that run, or another --out)")
+        raise BadInputError(f"{settings.out / JSONL} exists; refusing to overwrite it (use --resume to continue "
+                            "that run, or another --out)")
     for path in settings.export_paths or ():
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise CheckpointError(f"{path} exists and is not empty; refusing to overwrite it")
+            raise BadInputError(f"{path} exists and is not empty; refusing to overwrite it")
     if settings.stop_at is not None and settings.stop_at <= start_step:
-        raise CheckpointError(f"--stop-at {settings.stop_at} is not after the checkpoint's step {start_step}")
+        raise BadInputError(f"--stop-at {settings.stop_at} is not after the checkpoint's step {start_step}")
 
 
 def check_shape(settings: TrainSettings, device_count: int) -> LlamaConfig:
@@ -243,9 +239,7 @@ def _drop_lines_from(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
 # --- running ---------------------------------------------------------------------------------------------------------
@@ -266,29 +260,10 @@ def _run_torch_worker(settings: TrainSettings) -> int:
     return 0
 
 
-def _hand_off(settings: TrainSettings, launcher: list[str], env: dict[str, str]) -> int:
-    """Runs `launcher + [-m compare.train --settings-json FILE]` with `settings` in FILE and waits; returns its
-    exit code. The processes it starts train (`_run_handed_off`)."""
-    with tempfile.TemporaryDirectory(prefix="twinflash-train-") as tmp:
-        settings_file = Path(tmp) / "settings.json"
-        settings_file.write_text(settings.to_json())
-        command = [*launcher, "-m", "compare.train", _SETTINGS_FLAG, str(settings_file)]
-        return subprocess.run(command, env=env).returncode
-
-
-def torchrun_launcher(device_count: int) -> tuple[list[str], dict[str, str]]:
-    """(`python -m torch.distributed.run` with one process per device on this host, its environment: this
-    process's, with the CPU threads split between the processes unless OMP_NUM_THREADS is set). Append
-    `-m MODULE ARGS`."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // device_count)))
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={device_count}"], env
-
-
 def _launch_torchrun(settings: TrainSettings, device_count: int) -> int:
     """Starts one worker per device with torchrun on this host and waits for them; returns torchrun's exit code."""
     check_run(settings, device_count)
-    return _hand_off(settings, *torchrun_launcher(device_count))
+    return hand_off(settings, *torchrun_launcher(device_count))
 
 
 def _run_jax_here(settings: TrainSettings) -> int:
@@ -311,14 +286,6 @@ def _run_jax_here(settings: TrainSettings) -> int:
     return 0
 
 
-def host_devices_env(count: int) -> dict[str, str]:
-    """This process's environment with XLA_FLAGS asking for `count` host devices (replacing any such request)."""
-    env = dict(os.environ)
-    flags = [flag for flag in env.get("XLA_FLAGS", "").split() if not flag.startswith(_HOST_DEVICES_FLAG + "=")]
-    env["XLA_FLAGS"] = " ".join([*flags, f"{_HOST_DEVICES_FLAG}={count}"])
-    return env
-
-
 def _run_jax(settings: TrainSettings) -> int:
     """A JAX run over the mesh's devices: here, or on CPU when JAX here has another number of devices, in a child
     process with that many emulated host devices (JAX fixes its CPU device count when it first starts)."""
@@ -327,12 +294,12 @@ def _run_jax(settings: TrainSettings) -> int:
     if jax.default_backend() == "cpu" and jax.device_count() != settings.mesh.size:
         # bad input refused here, before the child starts
         (check_shape if settings.plan_memory else check_run)(settings, settings.mesh.size)
-        return _hand_off(settings, [sys.executable], host_devices_env(settings.mesh.size))
+        return hand_off(settings, [sys.executable], host_devices_env(settings.mesh.size))
     return _run_jax_here(settings)
 
 
-def _run_handed_off(settings: TrainSettings) -> int:
-    """A process `_hand_off` started: a torchrun worker, or the JAX child with the mesh's host devices."""
+def run_handed_off(settings: TrainSettings) -> int:
+    """A process `compare.launch.hand_off` started: a torchrun worker, or the JAX child with the mesh's host devices."""
     return _run_torch_worker(settings) if settings.backend == "torch" else _run_jax_here(settings)
 
 
@@ -344,12 +311,12 @@ def _device_count() -> int | None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """`twinflash train` after argument parsing; raises CheckpointError for bad input."""
+    """`twinflash train` after argument parsing; raises BadInputError for bad input."""
     if args.backend == "jax":
         import jax
 
         return _run_jax(settings_from_args(args, jax.device_count()))
-    if _TORCHRUN_ENV in os.environ:
+    if TORCHRUN_ENV in os.environ:
         return _run_torch_worker(settings_from_args(args, int(os.environ["WORLD_SIZE"])))
     gpus = _device_count()
     settings = settings_from_args(args, gpus or 1)
@@ -357,20 +324,18 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m compare.train ...` (what torchrun runs) with the CLI's one-line error contract."""
-    from compare.cli import OneLineParser
-
+    """`python -m compare.commands.train ...` (what torchrun runs) with the CLI's one-line error contract (printed
+    by rank 0 only: every rank refuses the same input)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        if argv[:1] == [_SETTINGS_FLAG] and len(argv) == 2:  # `_hand_off` to the processes it starts
-            return _run_handed_off(TrainSettings.from_json(Path(argv[1]).read_text()))
+
+    def command() -> int:
+        if argv[:1] == [SETTINGS_FLAG] and len(argv) == 2:  # `hand_off` to the processes it starts
+            return run_handed_off(TrainSettings.from_json(Path(argv[1]).read_text()))
         parser = OneLineParser(prog="twinflash train", description=__doc__.splitlines()[0])
         add_arguments(parser)
         return run_command(parser.parse_args(argv))
-    except CheckpointError as bad:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"twinflash: error: {bad}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+
+    return with_error_contract(command, quiet=os.environ.get("RANK", "0") != "0")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The equivalence section of `twinflash compare`: each backend against the float32 single-device reference, and
-the two backends against each other, from the files their equivalence jobs left (`compare/jobs.py`). Owns the
+the two backends against each other, from the files their equivalence jobs left (`compare/harness/jobs.py`). Owns the
 metrics (logits max-abs, mean-abs and KL divergence, loss, per-parameter gradient max-abs difference and norm
 ratio, loss curves, the loaded weights' sums) and their tolerances, each with the reason beside it.
 

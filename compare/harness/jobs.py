@@ -5,8 +5,8 @@ inputs both backends build the same way (`job_batches`, `Job.settings`), and the
 traces (`union_seconds`: the communication time of a step is the union of its communication events' intervals on
 device 0 — the time the links were busy, overlap with compute not subtracted, what the bandwidth divides).
 
-Workers: `compare/worker_torch.py` (one process per device, under torchrun) and `compare/worker_jax.py` (one
-process, all devices), twins that run a job file's jobs in order. A job that raises in the torch worker ends its
+Workers: `compare/harness/worker_torch.py` (one process per device, under torchrun) and
+`compare/harness/worker_jax.py` (one process, all devices), twins that run a job file's jobs in order. A job that raises in the torch worker ends its
 launch (a rank that failed can leave the others waiting in a collective, so the whole group is taken down and the
 harness starts a new launch for the jobs left); the JAX worker, one process, records an out-of-memory or other
 error as the job's result and goes on.
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from compare.train import TrainSettings
 from weights import open_weights
 from weights.data import random_batches, text_batches
 from weights.parallel import MeshShape
 from weights.schedule import OptimizerConfig
+from weights.settings import TrainSettings
 
 PERTURBATION = 1e-2  # --perturb multiplies one parameter by 1 + this in one backend (a real, small mismatch)
 EQUIVALENCE_LR = 1e-3  # train-mode loss curves: large enough that the curve moves, small enough to stay smooth

@@ -1,9 +1,9 @@
-"""The JAX backend's side of `twinflash compare`: runs the jobs of a job file (`compare/jobs.py`) in this one
+"""The JAX backend's side of `twinflash compare`: runs the jobs of a job file (`compare/harness/jobs.py`) in this one
 process, each job over the first `devices` of JAX's devices (fsdp=1, sp=devices). Twin of
-`compare/worker_torch.py`; the models, kernels, ring and training step are `jax_impl`'s own, built by
+`compare/harness/worker_torch.py`; the models, kernels, ring and training step are `jax_impl`'s own, built by
 `jax_impl.train.build_training` exactly as `twinflash train` builds them.
 
-`python -m compare.worker_jax JOBFILE` (on CPU with XLA_FLAGS asking for the host devices, which the harness
+`python -m compare.harness.worker_jax JOBFILE` (on CPU with XLA_FLAGS asking for the host devices, which the harness
 sets). An out-of-memory or other error of a job is recorded as its result and the next job runs.
 
 Equivalence jobs run with float32 matmuls at full precision (`jax.default_matmul_precision("highest")`): on GPUs
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from compare.jobs import (PERTURBATION, Job, union_seconds, is_collective_op, is_out_of_memory, job_batches,
+from compare.harness.jobs import (PERTURBATION, Job, union_seconds, is_collective_op, is_out_of_memory, job_batches,
                           mark_started, read_job_file, write_result)
 from jax_impl.parallel import sharded_batch
 from jax_impl.train import Training, build_training, next_token_loss, peak_memory_bytes, step_scalars, train_step

@@ -1,10 +1,10 @@
-"""The torch backend's side of `twinflash compare`: runs the jobs of a job file (`compare/jobs.py`) on this
+"""The torch backend's side of `twinflash compare`: runs the jobs of a job file (`compare/harness/jobs.py`) on this
 torchrun launch's ranks, one process per device, each job over all of them (fsdp=1, sp=world). Twin of
-`compare/worker_jax.py`; the models, kernels, ring and training step are `torch_impl`'s own, built by
+`compare/harness/worker_jax.py`; the models, kernels, ring and training step are `torch_impl`'s own, built by
 `torch_impl.train.build_training` exactly as `twinflash train` builds them.
 
-`python -m torch.distributed.run --nproc-per-node=P -m compare.worker_torch JOBFILE`. Rank 0 writes the files;
-a failing job raises, which ends the launch (see compare/jobs.py).
+`python -m torch.distributed.run --nproc-per-node=P -m compare.harness.worker_torch JOBFILE`. Rank 0 writes the files;
+a failing job raises, which ends the launch (see compare/harness/jobs.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.numpy import save_file
 from torch.profiler import ProfilerActivity, profile
 
-from compare.jobs import (PERTURBATION, Job, union_seconds, job_batches, mark_started, read_job_file,
+from compare.harness.jobs import (PERTURBATION, Job, union_seconds, job_batches, mark_started, read_job_file,
                           write_result)
 from torch_impl.parallel import local_batch
 from torch_impl.train import Training, all_ranks, build_training, init_distributed, peak_memory_bytes, train_step

@@ -1,7 +1,7 @@
-"""The report dict of `twinflash compare` (format "twinflash-compare/1", schema compare/report_schema.json) from
+"""The report dict of `twinflash compare` (format "twinflash-compare/1", schema compare/report/schema.json) from
 its jobs' results: the benchmark arithmetic of each point (throughput, TFLOP/s, MFU, communication bandwidth,
 scaling efficiency, time to N tokens), the environment the numbers were measured in, and the model's description.
-`compare/harness.py` runs the jobs; `compare/report.py` renders the dict.
+`compare/harness/` runs the jobs; `compare/report/write.py` writes the dict, rendered.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ import socket
 import subprocess
 from pathlib import Path
 
-from compare import jobs as J
-from compare.train import PEAK_FLOPS_PER_DEVICE
+from compare.harness import jobs as J
 from weights import LlamaConfig
-from weights.flops import forward_flops_per_token, model_flops_per_token
+from weights.flops import PEAK_FLOPS_PER_DEVICE, forward_flops_per_token, model_flops_per_token
 from weights.parallel import MeshShape, step_comm_bytes, weights_regathered_for_backward
 
-MFU_FORMULA = ("MFU = model FLOPs per second / (989 TFLOP/s x devices); model FLOPs per token = 6 N + 6 x layers x "
-               "heads x head_dim x S (training: forward + backward, causal attention, no credit for recomputation) "
+MFU_FORMULA = (f"MFU = model FLOPs per second / ({PEAK_FLOPS_PER_DEVICE / 1e12:.0f} TFLOP/s x devices); "
+               "model FLOPs per token = 6 N + 6 x layers x heads x head_dim x S (training: forward + backward, causal attention, no credit for recomputation) "
                "or a third of that (forward mode); N = parameters multiplied in matmuls (weights.flops)")
 _MEASURED = ("step_s", "forward_s", "backward_s", "comm_s", "comm_bytes", "comm_bandwidth_gbps", "tokens_per_s",
              "tflops_per_device", "mfu", "peak_memory_bytes", "scaling_efficiency", "time_to_tokens_s")

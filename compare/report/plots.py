@@ -1,4 +1,4 @@
-"""The PNG plots of `twinflash compare`'s report (out_dir/plots/*.png, written by compare/report.py's
+"""The PNG plots of `twinflash compare`'s report (out_dir/plots/*.png, written by compare/report/write.py's
 `write_report`): matplotlib `Figure` objects on the Agg canvas, no pyplot state. `figures(report)` gives
 [(name, Figure)] in a fixed order, leaving out a plot that has no data rather than drawing it empty:
 
@@ -23,7 +23,7 @@ import math
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from compare.report import ATTENTIONS, STATUS_LABELS, _finite, _max_devices, _points, fmt_seq
+from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, sorted_points
 
 _COLORS = {"torch": "#ee4c2c", "jax": "#1a73e8", "reference": "#6c757d"}
 _ATTENTION_COLORS = {"ours": "#2a9d8f", "vendor": "#e9c46a", "reference": "#8d99ae"}
@@ -48,15 +48,15 @@ def _label_failed(ax, x: float, text: str, color: str = "#cf222e") -> None:
 
 
 def _ok(p: dict, key: str) -> bool:
-    return p["status"] == "ok" and _finite(p[key])
+    return p["status"] == "ok" and finite(p[key])
 
 
 def _ours(report: dict, devices: int | None = None) -> list[dict]:
-    return [p for p in _points(report) if p["attention"] == "ours" and devices in (None, p["devices"])]
+    return [p for p in sorted_points(report) if p["attention"] == "ours" and devices in (None, p["devices"])]
 
 
 def _lines_vs_seq(report: dict, panels: list[tuple], title: str):
-    points = _ours(report, top := _max_devices(report))
+    points = _ours(report, top := max_devices(report))
     panels = [panel for panel in panels if any(_ok(p, panel[0]) for p in points)]
     if not panels:
         return None
@@ -119,7 +119,7 @@ def _ms_or_status(p: dict | None, key: str = "step_s"):
 
 
 def _plot_breakdown(report: dict):
-    points = _ours(report, top := _max_devices(report))
+    points = _ours(report, top := max_devices(report))
     parts = (("step_s", "step", "#555555"), ("forward_s", "forward", "#4c78a8"),
              ("backward_s", "backward", "#f58518"), ("comm_s", "comm", "#54a24b"))
     if not any(_ok(p, key) for p in points for key, _, _ in parts[1:]):
@@ -133,8 +133,8 @@ def _plot_breakdown(report: dict):
 
 
 def _plot_ablation(report: dict):
-    top = _max_devices(report)
-    points = {(p["backend"], p["attention"], p["seq_len"]): p for p in _points(report) if p["devices"] == top}
+    top = max_devices(report)
+    points = {(p["backend"], p["attention"], p["seq_len"]): p for p in sorted_points(report) if p["devices"] == top}
     kinds = [a for a in ATTENTIONS if any(k[1] == a for k in points)]
     values = [p["step_s"] for p in points.values() if _ok(p, "step_s") and p["step_s"] > 0]
     if len(kinds) < 2 or not values:

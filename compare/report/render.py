@@ -1,71 +1,29 @@
-"""`twinflash compare`'s report: out_dir/report.json, report.md, report.html and plots/*.png from the dict that
-compare/harness.py builds (format "twinflash-compare/1", each key described in compare/report_schema.json). Owns
-the schema check (`validate_report`), the two renderings (`render_markdown`, `render_html`: one document model, two
-writers), the number formats (`fmt`), and the peers' numbers (`load_peers`: compare/peers.json, measured on H200
-with /work/shared/anchors). The plots are compare/report_plots.py's (`figures`); this module writes them.
+"""The two renderings of `twinflash compare`'s report, report.md and report.html (`render_markdown`,
+`render_html`: one document model, two writers), and the number formats (`fmt`); `compare/report/write.py`
+checks and writes them.
 
-`write_report(report, out_dir)` validates first and writes nothing for an invalid report (ValueError, one line
-naming the first violation's path); otherwise each file goes to a temporary name in out_dir and is renamed into
-place (os.replace) once all are rendered. report.json's "plots" lists the PNGs written (a plot without data is left
-out, not drawn empty); a "plots" list in the input is replaced. A benchmark point whose status is not "ok" shows it
-(OOM, ERROR, TIMEOUT, UNSUPPORTED) in its measurement cells and its message under the table. Peers: our best point
-per (backend, context length) at the most devices beside the peers' table, and an "ours vs peer" line where a point
-measures a peer's work (same model, devices and context length: MFU against MFU).
+A benchmark point whose status is not "ok" shows it (OOM, ERROR, TIMEOUT, UNSUPPORTED) in its measurement cells and
+its message under the table. Peers: our best point per (backend, context length) at the most devices beside the
+peers' table, and an "ours vs peer" line where a point measures a peer's work (same model, devices and context
+length: MFU against MFU).
 """
 
 from __future__ import annotations
 
 import functools
 import html
-import json
 import math
-import os
 import re
-import warnings
-from pathlib import Path
 from typing import Any
 
-SCHEMA_PATH = Path(__file__).with_name("report_schema.json")
-PEERS_PATH = Path(__file__).with_name("peers.json")
+from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, sorted_points
+
 WORST_PARAMETERS = 10  # parameters listed per comparison, besides every failing one
-ATTENTIONS = ("ours", "vendor", "reference")
-STATUS_LABELS = {"oom": "OOM", "error": "ERROR", "timeout": "TIMEOUT", "unsupported": "UNSUPPORTED"}
 _GRAD_CHECK = "gradient max-abs (worst parameter)"
 DASH = "–"
 
 
-# --- schema and peers ------------------------------------------------------------------------------------------
-
-@functools.cache
-def _schema() -> dict:
-    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-
-
-def validate_report(report: dict) -> None:
-    """Raises ValueError (one line: the path of the first violation and what is wrong) unless `report` matches
-    compare/report_schema.json. Needs jsonschema (a dependency of twinflash; a machine with only the backends'
-    own packages, such as a GPU image, skips the check with a warning)."""
-    try:
-        import jsonschema
-    except ModuleNotFoundError:
-        warnings.warn("jsonschema is not installed: report.json was not checked against its schema", stacklevel=2)
-        return
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(_schema()).iter_errors(report))
-    if error is not None:
-        path = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
-        raise ValueError(f"invalid compare report at {path}: {' '.join(error.message.split())[:300]}")
-
-
-def load_peers() -> list[dict]:
-    """The peers' measurements of compare/peers.json: [{work, peer, value, unit, source}]."""
-    return json.loads(PEERS_PATH.read_text(encoding="utf-8"))
-
-
 # --- number formats --------------------------------------------------------------------------------------------
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
 
 def _duration(v: float) -> str:
     for least, div, unit in ((2 * 86400, 86400, "days"), (3600, 3600, "h"), (60, 60, "min")):
@@ -91,15 +49,11 @@ def fmt(value: Any, kind: str) -> str:
     is a dash, NaN and infinities are spelled out."""
     if value is None:
         return DASH
-    return _FORMATS[kind](value) if _finite(value) else str(value)
+    return _FORMATS[kind](value) if finite(value) else str(value)
 
 
 def fmt_tokens(n: float) -> str:
     return next((f"{n / d:.3g}{s}" for d, s in ((1e12, "T"), (1e9, "B"), (1e6, "M")) if n >= d), f"{n:,.0f}")
-
-
-def fmt_seq(s: int) -> str:
-    return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
 
 
 def _verdict(passed: bool) -> str:
@@ -109,16 +63,6 @@ def _verdict(passed: bool) -> str:
 # --- document model, shared by markdown and HTML ---------------------------------------------------------------
 # blocks: ("h", level, text) ("p", [inline]) ("table", headers, rows) ("code", text) ("list", [[inline]])
 # ("img", alt, src); inline (a table cell, or an item of a list): str, ("b", text) bold, ("a", text, href) link
-
-def _points(report: dict) -> list[dict]:
-    order = {b: i for i, b in enumerate(report["settings"]["backends"])}
-    return sorted(report["benchmark"]["points"], key=lambda p: (order.get(p["backend"], len(order)),
-                  ATTENTIONS.index(p["attention"]), p["seq_len"], p["devices"]))
-
-
-def _max_devices(report: dict) -> int:
-    return max((p["devices"] for p in report["benchmark"]["points"]), default=report["settings"]["devices"])
-
 
 def _where(p: dict) -> str:
     return f"{p['backend']} {p['attention']} ({p['kernel']}) S={fmt_seq(p['seq_len'])} on {p['devices']} device(s)"
@@ -176,11 +120,11 @@ def _equivalence(report: dict) -> list[tuple]:
         if not params:
             continue
         tol = next((k["tolerance"] for k in c["checks"] if k["metric"] == _GRAD_CHECK), None)
-        tol = tol if _finite(tol) and tol > 0 else None
+        tol = tol if finite(tol) and tol > 0 else None
 
         def badness(p, tol=tol):
             d = p["max_abs_diff"] / tol if tol else p["max_abs_diff"]
-            return d if _finite(d) else math.inf
+            return d if finite(d) else math.inf
 
         ranked = sorted(params, key=badness, reverse=True)
         shown = ranked[:WORST_PARAMETERS] + [p for p in ranked[WORST_PARAMETERS:] if not p["passed"]]
@@ -210,7 +154,7 @@ def _benchmark(report: dict) -> list[tuple]:
                "comm volume", "comm GB/s", "tokens/s", "TFLOP/s per device", "MFU", "peak memory per device",
                "scaling efficiency", f"time to {fmt_tokens(report['settings']['time_to_tokens'])} tokens"]
     what = "training step (forward, backward, optimizer)" if report["settings"]["mode"] == "train" else "forward"
-    points = _points(report)
+    points = sorted_points(report)
     rows = [[p["backend"], p["attention"], p["kernel"], fmt_seq(p["seq_len"]), str(p["devices"])]
             + _cells(p, columns) for p in points]
     notes = [[f"{_where(p)}: {STATUS_LABELS.get(p['status'], p['status'])}: {p['message']}"]
@@ -222,9 +166,9 @@ def _benchmark(report: dict) -> list[tuple]:
 
 
 def _ablation(report: dict) -> list[tuple]:
-    top = _max_devices(report)
+    top = max_devices(report)
     cells: dict[tuple, dict[str, dict]] = {}
-    for p in _points(report):
+    for p in sorted_points(report):
         if p["devices"] == top:
             cells.setdefault((p["backend"], p["seq_len"]), {})[p["attention"]] = p
     kinds = [a for a in ATTENTIONS if any(a in row for row in cells.values())]
@@ -232,7 +176,7 @@ def _ablation(report: dict) -> list[tuple]:
         return []
     rows = []
     for (backend, seq), row in cells.items():
-        ok = all(a in row and row[a]["status"] == "ok" and _finite(row[a]["step_s"]) for a in ("ours", "vendor"))
+        ok = all(a in row and row[a]["status"] == "ok" and finite(row[a]["step_s"]) for a in ("ours", "vendor"))
         speedup = f"{row['vendor']['step_s'] / row['ours']['step_s']:.2f}×" if ok and row["ours"]["step_s"] else DASH
         rows.append([backend, fmt_seq(seq)] + [f"{_cells(row[a], [('step_s', 'seconds')])[0]} ({row[a]['kernel']})"
                                                if a in row else DASH for a in kinds] + [speedup])
@@ -248,10 +192,10 @@ def _peer_scope(work: str) -> tuple[int | None, int | None]:
 
 
 def _peers(report: dict) -> list[tuple]:
-    top, best = _max_devices(report), {}
-    for p in _points(report):
+    top, best = max_devices(report), {}
+    for p in sorted_points(report):
         key = (p["backend"], p["seq_len"])
-        if p["devices"] == top and p["status"] == "ok" and _finite(p["tokens_per_s"]) and (
+        if p["devices"] == top and p["status"] == "ok" and finite(p["tokens_per_s"]) and (
                 key not in best or p["tokens_per_s"] > best[key]["tokens_per_s"]):
             best[key] = p
     doc = [("h", 2, "Peers"), ("p", [f"Ours: the best point per backend and context length on {top} device(s)."]),
@@ -270,17 +214,17 @@ def _peers(report: dict) -> list[tuple]:
                f"({p['mfu'] * 100 / q['value']:.2f}×; {q['work']})")]
              for q in report["peers"] if q["unit"] == "% MFU" and report["settings"]["mode"] == "train"
              and squash(report["model"]["name"].lower()) in squash(q["work"].lower())
-             for p in _points(report) if (p["devices"], p["seq_len"]) == _peer_scope(q["work"])
-             and p["status"] == "ok" and _finite(p["mfu"]) and q["value"]]
+             for p in sorted_points(report) if (p["devices"], p["seq_len"]) == _peer_scope(q["work"])
+             and p["status"] == "ok" and finite(p["mfu"]) and q["value"]]
     return doc + ([("list", lines)] if lines else [])
 
 
 def _flops_and_traces(report: dict) -> list[tuple]:
     peak = report["flops"]["peak_flops_per_device"]
     doc = [("h", 2, "FLOPs and MFU"), ("code", report["flops"]["formula"]),
-           ("p", [f"Peak per device: {peak / 1e12:,.0f} TFLOP/s." if _finite(peak)
+           ("p", [f"Peak per device: {peak / 1e12:,.0f} TFLOP/s." if finite(peak)
                   else "No peak known for this platform: MFU is not reported."])]
-    traces = [[("a", p["trace"], p["trace"]), f" ({_where(p)})"] for p in _points(report) if p["trace"]]
+    traces = [[("a", p["trace"], p["trace"]), f" ({_where(p)})"] for p in sorted_points(report) if p["trace"]]
     return doc + ([("h", 2, "Profiler traces"), ("list", traces)] if traces else [])
 
 
@@ -348,41 +292,3 @@ def render_html(report: dict) -> str:
     return (f'<!doctype html>\n<html lang="en">\n<head><meta charset="utf-8"><title>{title}</title>\n'
             f"<style>{_CSS}</style></head>\n<body>\n"
             + "\n".join(_HTML[kind](*rest) for kind, *rest in _document(report)) + "\n</body>\n</html>\n")
-
-
-def _numpy_scalar(value: Any) -> Any:
-    """json.dumps' fallback: numpy scalars (the schema takes them as numbers) as Python numbers."""
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def write_report(report: dict, out_dir: Path) -> None:
-    """Checks `report` (ValueError, nothing written) and writes out_dir/report.json ("plots" filled in),
-    report.md, report.html and out_dir/plots/*.png; each file is renamed into place once all are rendered."""
-    # imported here, not at the top: report_plots imports this module's helpers
-    from compare import report_plots
-
-    data = {**report, "plots": []} if isinstance(report, dict) else report
-    validate_report(data)
-    out_dir = Path(out_dir)
-    figures = report_plots.figures(data)
-    data["plots"] = [f"plots/{name}.png" for name, _ in figures]
-    texts = {"report.json": json.dumps(data, indent=1, default=_numpy_scalar) + "\n",
-             "report.md": render_markdown(data), "report.html": render_html(data)}
-    (out_dir / "plots" if figures else out_dir).mkdir(parents=True, exist_ok=True)
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for name, fig in figures:
-            final = out_dir / "plots" / f"{name}.png"
-            staged.append((final.with_name(f".{final.name}.{os.getpid()}.tmp"), final))
-            fig.savefig(staged[-1][0], format="png")
-        for name, text in texts.items():
-            staged.append((out_dir / f".{name}.{os.getpid()}.tmp", out_dir / name))
-            staged[-1][0].write_text(text, encoding="utf-8")
-    except BaseException:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
-        raise
-    for tmp, final in staged:
-        os.replace(tmp, final)
