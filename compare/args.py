@@ -1,12 +1,14 @@
-"""What every `twinflash` subcommand's arguments share: the one-line parser, the list-valued argument types, and
-the one error contract (bad input: one line `twinflash: error: <cause>` on stderr, exit code 2, nothing written;
+"""What every `twinflash` subcommand's arguments share: the one-line parser, the list-valued argument types, the
+command line as results record it (no machine paths), and the one error contract (bad input: one line `twinflash: error: <cause>` on stderr, exit code 2, nothing written;
 a bug keeps its traceback). A leaf module: every command imports it, it imports no command.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shlex
 import sys
 from collections.abc import Callable
 
@@ -48,3 +50,17 @@ def with_error_contract(command: Callable[[], int | None], *, quiet: bool = Fals
         if not quiet:
             print(f"twinflash: error: {bad}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def recorded_command(words: list[str]) -> str:
+    """The command line a result records, in terms that hold on any machine: a path inside the working directory
+    (the checkout) relative to it, one inside the device's output folder ($OUT) as `$OUT/...`."""
+    roots = [(os.getcwd() + os.sep, "")]
+    if os.environ.get("OUT"):
+        roots.insert(0, (os.environ["OUT"].rstrip(os.sep) + os.sep, "$OUT/"))
+    portable = []
+    for word in words:
+        for root, replacement in roots:
+            word = word.replace(root, replacement)
+        portable.append(word)
+    return shlex.join(portable)

@@ -6,8 +6,8 @@ traffic (`attention.py`), the mesh and its sharding (`parallel.py`), training da
 counts and the peak that MFU divides by (`flops.py`), and the one atomic file writer (`atomic.py`)."""
 
 from weights.checkpoint import (ConvertedCheckpoint, RandomWeights, convert_hf_checkpoint, export_hf_checkpoint,
-                                open_weights, parameter_shapes, write_converted_checkpoint)
-from weights.config import PRESETS, LlamaConfig, RopeScaling, preset
+                                open_weights, write_converted_checkpoint)
+from weights.config import PRESETS, LlamaConfig, RopeScaling, parameter_shapes, preset
 from weights.errors import EXIT_BAD_INPUT, BadInputError, CheckpointError
 from weights.rope import rope_inverse_frequencies
 

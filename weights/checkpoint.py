@@ -49,7 +49,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from weights.config import PRESETS, LlamaConfig, preset, read_json
+from weights.config import PRESETS, LlamaConfig, parameter_shapes, preset, read_json
 from weights.errors import CheckpointError
 
 FORMAT = "twinflash-llama/1"
@@ -77,27 +77,6 @@ _HF_NAMES = (
     ("model.norm.weight", "norm.weight"),
     ("lm_head.weight", "output.weight"),
 )
-
-
-def parameter_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor name of a model with this config, in model order, with its shape."""
-    c = config
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (c.vocab_size, c.hidden_size)}
-    for i in range(c.num_layers):
-        p = f"layers.{i}."
-        shapes[p + "attention_norm.weight"] = (c.hidden_size,)
-        shapes[p + "attention.wq.weight"] = (c.num_heads * c.head_dim, c.hidden_size)
-        shapes[p + "attention.wk.weight"] = (c.num_kv_heads * c.head_dim, c.hidden_size)
-        shapes[p + "attention.wv.weight"] = (c.num_kv_heads * c.head_dim, c.hidden_size)
-        shapes[p + "attention.wo.weight"] = (c.hidden_size, c.num_heads * c.head_dim)
-        shapes[p + "ffn_norm.weight"] = (c.hidden_size,)
-        shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "feed_forward.w2.weight"] = (c.hidden_size, c.intermediate_size)
-    shapes["norm.weight"] = (c.hidden_size,)
-    if not c.tie_word_embeddings:
-        shapes["output.weight"] = (c.vocab_size, c.hidden_size)
-    return shapes
 
 
 def canonical_to_hf(name: str) -> str:

@@ -1,4 +1,5 @@
-"""The Llama model configuration shared by both backends, its named presets, and HF `config.json` I/O.
+"""The Llama model configuration shared by both backends, its named presets, HF `config.json` I/O, and the
+canonical parameter names and shapes a config implies (`parameter_shapes`).
 
 `LlamaConfig` is the single definition of a model's shape: the torch and JAX models, the checkpoint
 converter and the FLOP counts all read it and nothing else. It reads Hugging Face `config.json` in both
@@ -55,8 +56,6 @@ class LlamaConfig:
     @property
     def num_params(self) -> int:
         """Parameter count, embeddings included (an untied LM head counts separately)."""
-        from weights.checkpoint import parameter_shapes  # local: checkpoint imports this module
-
         total = 0
         for shape in parameter_shapes(self).values():
             n = 1
@@ -206,3 +205,24 @@ def preset(name: str) -> LlamaConfig:
         return PRESETS[name]
     except KeyError:
         raise BadInputError(f"unknown preset {name!r} (presets: {', '.join(PRESETS)})") from None
+
+
+def parameter_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor name of a model with this config, in model order, with its shape."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        shapes[p + "attention_norm.weight"] = (c.hidden_size,)
+        shapes[p + "attention.wq.weight"] = (c.num_heads * c.head_dim, c.hidden_size)
+        shapes[p + "attention.wk.weight"] = (c.num_kv_heads * c.head_dim, c.hidden_size)
+        shapes[p + "attention.wv.weight"] = (c.num_kv_heads * c.head_dim, c.hidden_size)
+        shapes[p + "attention.wo.weight"] = (c.hidden_size, c.num_heads * c.head_dim)
+        shapes[p + "ffn_norm.weight"] = (c.hidden_size,)
+        shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "feed_forward.w2.weight"] = (c.hidden_size, c.intermediate_size)
+    shapes["norm.weight"] = (c.hidden_size,)
+    if not c.tie_word_embeddings:
+        shapes["output.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes

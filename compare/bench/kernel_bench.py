@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from compare.args import OneLineParser, ints, lengths, with_error_contract
+from compare.args import OneLineParser, ints, lengths, recorded_command, with_error_contract
 from compare.bench import common
 from compare.bench.common import check_parts_and_heads, previous_rows, write_json
 from weights import BadInputError
@@ -331,7 +331,7 @@ def report(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> P
             print(f"[kernel bench] {kind}: {row.get('impl')} S={row.get('S')} causal={row.get('causal')} "
                   f"Hkv={row.get('kv_heads')}: {row.get('error') or row['note']}", file=sys.stderr)
     path = out or default_out_path(meta, datetime.date.today())
-    write_json(path, {"command": shlex.join(["twinflash", "bench", "kernels", *argv]),
+    write_json(path, {"command": recorded_command(["twinflash", "bench", "kernels", *argv]),
                       "date": datetime.datetime.now().isoformat(timespec="seconds"), "versions": meta,
                       "flops": "weights.flops.attention_flops(batch, heads, S, S, head_dim, causal, backward)",
                       "rows": rows, "table": table})

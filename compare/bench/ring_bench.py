@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from compare.args import OneLineParser, ints, lengths, with_error_contract
+from compare.args import OneLineParser, ints, lengths, recorded_command, with_error_contract
 from compare.bench import common
 from compare.bench.common import check_parts_and_heads, previous_rows, write_json
 from compare.launch import stop_process_group, torchrun_launcher
@@ -245,7 +245,7 @@ def save(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> tup
     """Writes the JSON document (rows with the derived columns); returns its path and those rows."""
     rows = summarize(rows)
     path = out or default_out_path(meta, datetime.date.today())
-    write_json(path, {"command": shlex.join(["twinflash", "bench", "ring", *argv]),
+    write_json(path, {"command": recorded_command(["twinflash", "bench", "ring", *argv]),
                       "date": datetime.datetime.now().isoformat(timespec="seconds"), "gpus": GPUS,
                       "versions": meta, "method": METHOD, "rows": rows})
     return path, rows

@@ -14,6 +14,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+from compare.args import recorded_command
 from compare.harness import jobs as J
 from weights import LlamaConfig
 from weights.flops import PEAK_FLOPS_PER_DEVICE, forward_flops_per_token, model_flops_per_token
@@ -115,7 +116,7 @@ def report_dict(*, settings: dict, config: LlamaConfig, equivalence: dict, point
               "attention_ablation", "time_to_tokens")
     return {
         "format": "twinflash-compare/1",
-        "command": " ".join(["twinflash", "compare", *argv]),
+        "command": recorded_command(["twinflash", "compare", *argv]),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "passed": equivalence["passed"],
         "settings": {k: settings[k] for k in public},
