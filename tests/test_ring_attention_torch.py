@@ -5,13 +5,9 @@ Process start costs seconds, so each world size is spawned once (a module-scoped
 that size; each case returns its local results, which the tests here assemble with `weights.layout` and compare.
 The launcher waits with a timeout, so a hang fails the run instead of stalling it.
 
-Tolerances:
-  fp32, reference pair backend: 1e-5 abs/rel. Ring and single device do the same float32 math; only the
-  summation order differs (blocks merged by log-sum-exp, dk/dv summed over steps), which moves values of
-  magnitude ~1 by ~1e-7..1e-6.
-  bf16, triton pair backend: the flash-attention rule against a float64 reference on the same (bf16-valued)
-  inputs: error <= 2 x the error of the naive bf16 implementation (`reference_attention`) + 1e-3 (bf16 rounding
-  of an O(1) output is ~4e-3, so the absolute term only matters where both errors are ~0).
+The cases the JAX twin runs too, their inputs and tolerances (with their reasons) are tests/ring_twins.py's: fp32
+with the reference pair backend against single-device float32 attention, bf16 with the Triton pair kernels by the
+flash rule. The torch-only cases (cross-rank agreement, communication volume, process subgroups, NCCL) are here.
 """
 
 from __future__ import annotations
@@ -25,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_on_ranks
+from ring_twins import (FOUR_DEVICES, FP32_TOL, NAMES, ONE_DEVICE, OUR_KERNELS_BF16, TWO_DEVICES, RingCase,
+                        assert_matches, ids, inputs)
 from torch_impl.attention import reference_attention, reference_attention_backward, reference_attention_forward
 from torch_impl.ring_attention import gather_from_ring, ring_attention, shard_for_ring
 from torch_impl.ring_comm import CommLog
 from weights.layout import LayoutError, gather_sequence
 
-FP32_TOL = dict(rtol=1e-5, atol=1e-5)  # same float32 math in another summation order (module docstring)
-BF16_ATOL = 1e-3  # the flash-attention rule's absolute term (module docstring)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -39,20 +35,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 # Case functions (run inside the rank processes)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _inputs(seed, batch, seq, heads, kv_heads, dim, dtype, device="cpu"):
-    """Full-sequence q, k, v, dout, identical on every process."""
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(batch, seq, heads, dim), (batch, seq, kv_heads, dim), (batch, seq, kv_heads, dim),
-              (batch, seq, heads, dim)]
-    return [torch.randn(s, generator=gen).to(device=device, dtype=DTYPES[dtype]) for s in shapes]
+def _inputs(case: RingCase, device="cpu", dtype=None):
+    """Full-sequence q, k, v, dout of `case` (tests/ring_twins.py), identical on every process, in the case's dtype
+    (or `dtype`)."""
+    return [torch.from_numpy(x).to(device=device, dtype=DTYPES[dtype or case.dtype]) for x in inputs(case)]
 
 
 def _numpy(x):
     return x.detach().float().cpu().numpy()
 
 
-def case_attention(rank, world, *, causal, layout, variant, heads, kv_heads, dtype="float32", backend="reference",
-                   batch=2, seq=32, dim=32, seed=0, device="cpu", subgroups=False):
+def case_attention(rank, world, *, case: RingCase, backend="reference", device="cpu", subgroups=False):
     """Local (out, lse, dq, dk, dv) of one ring attention call, gradients through autograd. With `subgroups`
     the world splits into two rings of even and odd ranks (global peers != group ranks)."""
     if device == "cuda":
@@ -60,10 +53,9 @@ def case_attention(rank, world, *, causal, layout, variant, heads, kv_heads, dty
     group = None
     if subgroups:
         group = [dist.new_group(list(range(parity, world, 2))) for parity in (0, 1)][rank % 2]
-    full = _inputs(seed, batch, seq, heads, kv_heads, dim, dtype, device)
-    q, k, v, dout = (shard_for_ring(x, group, layout) for x in full)
+    q, k, v, dout = (shard_for_ring(x, group, case.layout) for x in _inputs(case, device))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    out, lse = ring_attention(q, k, v, group=group, causal=causal, layout=layout, variant=variant,
+    out, lse = ring_attention(q, k, v, group=group, causal=case.causal, layout=case.layout, variant=case.variant,
                               return_lse=True, backend=backend)
     out.backward(dout)
     return {"out": _numpy(out), "lse": _numpy(lse), "dq": _numpy(q.grad), "dk": _numpy(k.grad),
@@ -92,7 +84,8 @@ def case_expect_error(rank, world, *, odd_rank=None, change=None):
 
 def case_comm_volume(rank, world, *, variant, heads, kv_heads):
     """Bytes this rank sends for one forward and one backward, and whether local-copy mode changes the output."""
-    q, k, v, dout = (shard_for_ring(x, None, "zigzag") for x in _inputs(3, 1, 16, heads, kv_heads, 32, "float32"))
+    case = RingCase(world, True, "zigzag", variant, heads=heads, kv_heads=kv_heads, batch=1, seq=16, seed=3)
+    q, k, v, dout = (shard_for_ring(x, None, "zigzag") for x in _inputs(case))
     q.requires_grad_()
     attend = functools.partial(ring_attention, variant=variant, backend="reference")
     log, copies_log = CommLog(), CommLog()
@@ -145,51 +138,35 @@ def case_end_to_end(rank, world, *, layout, variant):
 # Expected values (single device, full sequence)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _attention_case(causal, layout, variant, heads, kv_heads, **extra):
-    return ("case_attention", dict(causal=causal, layout=layout, variant=variant, heads=heads, kv_heads=kv_heads,
-                                   **extra))
+def _attention_case(case: RingCase, **extra):
+    return ("case_attention", dict(case=case, **extra))
 
 
 def _assemble(per_rank, layout):
     """Full-sequence arrays from each rank's local results (lse has the sequence on axis 2)."""
-    return {key: gather_sequence([r[key] for r in per_rank], layout, axis=2 if key == "lse" else 1)
-            for key in ("out", "lse", "dq", "dk", "dv")}
+    return {key: gather_sequence([r[key] for r in per_rank], layout, axis=2 if key == "lse" else 1) for key in NAMES}
 
 
-def _single_device_fp32(kwargs):
-    q, k, v, dout = _inputs(kwargs.get("seed", 0), kwargs.get("batch", 2), kwargs.get("seq", 32), kwargs["heads"],
-                            kwargs["kv_heads"], kwargs.get("dim", 32), "float32")
+def _single_device_fp32(case: RingCase):
+    q, k, v, dout = _inputs(case, dtype="float32")
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = reference_attention_forward(q, k, v, causal=kwargs["causal"], softmax_scale=scale)
-    dq, dk, dv = reference_attention_backward(dout, q, k, v, out, lse, causal=kwargs["causal"], softmax_scale=scale)
-    return {name: _numpy(t) for name, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv))}
+    out, lse = reference_attention_forward(q, k, v, causal=case.causal, softmax_scale=scale)
+    dq, dk, dv = reference_attention_backward(dout, q, k, v, out, lse, causal=case.causal, softmax_scale=scale)
+    return {name: _numpy(t) for name, t in zip(NAMES, (out, lse, dq, dk, dv))}
 
 
-def _naive(kwargs, compute_dtype, device="cpu"):
-    """(out, lse, dq, dk, dv) of the naive `reference_attention` through autograd, on the case's inputs (rounded to
-    the case's dtype) computed in `compute_dtype`."""
-    q, k, v, dout = _inputs(kwargs.get("seed", 0), kwargs.get("batch", 2), kwargs.get("seq", 32), kwargs["heads"],
-                            kwargs["kv_heads"], kwargs.get("dim", 32), kwargs["dtype"], device)
-    q, k, v, dout = (x.to(DTYPES[compute_dtype]) for x in (q, k, v, dout))
+def _naive(case: RingCase, device="cpu"):
+    """(out, lse, dq, dk, dv) of the naive `reference_attention` through autograd in the case's dtype."""
+    q, k, v, dout = _inputs(case, device)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    out, lse = reference_attention(q, k, v, causal=kwargs["causal"], return_lse=True)
+    out, lse = reference_attention(q, k, v, causal=case.causal, return_lse=True)
     out.backward(dout)
-    return {name: _numpy(t) for name, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, q.grad, k.grad, v.grad))}
+    return {name: _numpy(t) for name, t in zip(NAMES, (out, lse, q.grad, k.grad, v.grad))}
 
 
-def assert_matches_single_device(per_rank, kwargs):
-    got = _assemble(per_rank, kwargs["layout"])
-    if kwargs.get("dtype", "float32") == "float32":
-        expected = _single_device_fp32(kwargs)
-        for name in expected:
-            np.testing.assert_allclose(got[name], expected[name], **FP32_TOL, err_msg=name)
-        return
-    device = "cuda" if kwargs.get("device") == "cuda" else "cpu"
-    exact, naive = _naive(kwargs, "float64", device), _naive(kwargs, kwargs["dtype"], device)
-    for name in exact:
-        ring_err = np.abs(got[name] - exact[name]).max()
-        naive_err = np.abs(naive[name] - exact[name]).max()
-        assert ring_err <= 2 * naive_err + BF16_ATOL, f"{name}: ring {ring_err:.3g} vs naive {naive_err:.3g}"
+def assert_matches_single_device(per_rank, case: RingCase, device="cpu"):
+    assert_matches(case, _assemble(per_rank, case.layout), lambda: _single_device_fp32(case),
+                   lambda: _naive(case, device))
 
 
 def _check_no_errors(per_rank, name):
@@ -201,11 +178,8 @@ def _check_no_errors(per_rank, name):
 # P = 4, gloo, reference pair backend, float32
 # ---------------------------------------------------------------------------------------------------------------
 
-HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA and two GQA ratios
-ATTENTION_P4 = {f"{'causal' if causal else 'full'}-{layout}-{variant}-h{h}kv{hkv}":
-                _attention_case(causal, layout, variant, h, hkv)
-                for causal in (True, False) for layout in ("zigzag", "contiguous") for variant in ("ring", "allgather")
-                for h, hkv in HEADS}
+ATTENTION_P4 = {case.id: _attention_case(case) for case in FOUR_DEVICES}
+SUBGROUP_RING = {variant: RingCase(2, True, "zigzag", variant) for variant in ("ring", "allgather")}
 ERRORS_P4 = {
     "odd-local-length": ("case_expect_error", dict(change={"seq_local": 3})),
     "length-differs-on-rank-2": ("case_expect_error", dict(odd_rank=2, change={"seq_local": 6})),
@@ -218,8 +192,8 @@ OTHER_P4 = {
     "volume-allgather-h4kv2": ("case_comm_volume", dict(variant="allgather", heads=4, kv_heads=2)),
     "layer-zigzag-ring": ("case_end_to_end", dict(layout="zigzag", variant="ring")),
     "layer-contiguous-allgather": ("case_end_to_end", dict(layout="contiguous", variant="allgather")),
-    "subgroups-ring": _attention_case(True, "zigzag", "ring", 4, 2, subgroups=True),
-    "subgroups-allgather": _attention_case(True, "zigzag", "allgather", 4, 2, subgroups=True),
+    "subgroups-ring": _attention_case(SUBGROUP_RING["ring"], subgroups=True),
+    "subgroups-allgather": _attention_case(SUBGROUP_RING["allgather"], subgroups=True),
 }
 
 
@@ -229,10 +203,10 @@ def p4():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ATTENTION_P4))
-def test_p4_matches_single_device(p4, name):
-    _check_no_errors(p4, name)
-    assert_matches_single_device([r[name] for r in p4], ATTENTION_P4[name][1])
+@pytest.mark.parametrize("case", FOUR_DEVICES, ids=ids(FOUR_DEVICES))
+def test_p4_matches_single_device(p4, case):
+    _check_no_errors(p4, case.id)
+    assert_matches_single_device([r[case.id] for r in p4], case)
 
 
 @pytest.mark.slow
@@ -241,16 +215,16 @@ def test_two_rings_in_one_world(p4, name):
     """Ranks {0, 2} and {1, 3} form two independent rings of 2: peers are global ranks, not group ranks."""
     for ranks in ((0, 2), (1, 3)):
         _check_no_errors([p4[r] for r in ranks], name)
-        assert_matches_single_device([p4[r][name] for r in ranks], OTHER_P4[name][1])
+        assert_matches_single_device([p4[r][name] for r in ranks], OTHER_P4[name][1]["case"])
 
 
 @pytest.mark.slow
 def test_negative_control_wrong_layout_fails(p4):
     """Zigzag results assembled as if contiguous must not match: the comparison can tell layouts apart."""
-    name = "causal-zigzag-ring-h4kv2"
-    per_rank = [r[name] for r in p4]
+    case = RingCase(4, True, "zigzag", "ring")
+    per_rank = [r[case.id] for r in p4]
     wrong = gather_sequence([r["out"] for r in per_rank], "contiguous", axis=1)
-    assert np.abs(wrong - _single_device_fp32(ATTENTION_P4[name][1])["out"]).max() > 1e-2
+    assert np.abs(wrong - _single_device_fp32(case)["out"]).max() > 1e-2
 
 
 @pytest.mark.slow
@@ -310,58 +284,39 @@ def test_gradients_end_to_end_through_shard_and_gather(p4, name):
 # P = 2 (gloo) and P = 1 (no process group)
 # ---------------------------------------------------------------------------------------------------------------
 
-ATTENTION_P2 = {
-    "causal-zigzag-ring-h4kv2": _attention_case(True, "zigzag", "ring", 4, 2),
-    "causal-contiguous-ring-h4kv1": _attention_case(True, "contiguous", "ring", 4, 1),
-    "causal-contiguous-allgather-h4kv4": _attention_case(True, "contiguous", "allgather", 4, 4),
-    "full-zigzag-allgather-h4kv1": _attention_case(False, "zigzag", "allgather", 4, 1),
-}
-
-
 @pytest.fixture(scope="module")
 def p2():
-    return run_on_ranks(2, ATTENTION_P2, module=__name__)
+    return run_on_ranks(2, {case.id: _attention_case(case) for case in TWO_DEVICES}, module=__name__)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ATTENTION_P2))
-def test_p2_matches_single_device(p2, name):
-    _check_no_errors(p2, name)
-    assert_matches_single_device([r[name] for r in p2], ATTENTION_P2[name][1])
+@pytest.mark.parametrize("case", TWO_DEVICES, ids=ids(TWO_DEVICES))
+def test_p2_matches_single_device(p2, case):
+    _check_no_errors(p2, case.id)
+    assert_matches_single_device([r[case.id] for r in p2], case)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # P = 4, gloo, the triton pair backend (interpreted on CPU: slow, hence tiny shapes), bfloat16
 # ---------------------------------------------------------------------------------------------------------------
 
-TRITON = dict(dtype="bfloat16", backend="triton", batch=1, seq=32)
-ATTENTION_P4_TRITON = {
-    "causal-zigzag-ring-h4kv2": _attention_case(True, "zigzag", "ring", 4, 2, **TRITON),
-    "causal-zigzag-allgather-h4kv4": _attention_case(True, "zigzag", "allgather", 4, 4, **TRITON),
-    "causal-contiguous-ring-h4kv1": _attention_case(True, "contiguous", "ring", 4, 1, **TRITON),
-    "full-zigzag-ring-h4kv2": _attention_case(False, "zigzag", "ring", 4, 2, **TRITON),
-}
-
-
 @pytest.fixture(scope="module")
 def p4_triton():
-    return run_on_ranks(4, ATTENTION_P4_TRITON, module=__name__)
+    return run_on_ranks(4, {case.id: _attention_case(case, backend="triton") for case in OUR_KERNELS_BF16},
+                        module=__name__)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ATTENTION_P4_TRITON))
-def test_p4_triton_bf16_flash_rule(p4_triton, name):
-    _check_no_errors(p4_triton, name)
-    assert_matches_single_device([r[name] for r in p4_triton], ATTENTION_P4_TRITON[name][1])
+@pytest.mark.parametrize("case", OUR_KERNELS_BF16, ids=ids(OUR_KERNELS_BF16))
+def test_p4_triton_bf16_flash_rule(p4_triton, case):
+    _check_no_errors(p4_triton, case.id)
+    assert_matches_single_device([r[case.id] for r in p4_triton], case)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("variant", ["ring", "allgather"])
-def test_p1_is_single_device_attention(causal, layout, variant):
+@pytest.mark.parametrize("case", ONE_DEVICE, ids=ids(ONE_DEVICE))
+def test_p1_is_single_device_attention(case):
     assert not dist.is_initialized()
-    kwargs = dict(causal=causal, layout=layout, variant=variant, heads=4, kv_heads=2, seq=10)
-    assert_matches_single_device([case_attention(0, 1, **kwargs)], kwargs)
+    assert_matches_single_device([case_attention(0, 1, case=case)], case)
 
 
 def test_p1_odd_length_refused_for_zigzag():
@@ -399,7 +354,9 @@ def case_ring_vs_one_gpu(rank, world, *, seq, heads, kv_heads, dim, layout, vari
     from torch_impl.flash_attention import flash_attention_backward, flash_attention_forward
 
     device = torch.device(device, rank) if device == "cuda" else torch.device(device)
-    q, k, v, dout = _inputs(0, 1, seq, heads, kv_heads, dim, "bfloat16", device)
+    case = RingCase(world, True, layout, variant, heads=heads, kv_heads=kv_heads, batch=1, seq=seq, dim=dim,
+                    dtype="bfloat16")
+    q, k, v, dout = _inputs(case, device)
     scale = dim ** -0.5
     out, lse = flash_attention_forward(q, k, v, causal=True, softmax_scale=scale)
     grads = flash_attention_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=scale)
@@ -415,13 +372,12 @@ def case_ring_vs_one_gpu(rank, world, *, seq, heads, kv_heads, dim, layout, vari
             for name in ring}
 
 
-GPU = dict(dtype="bfloat16", backend="triton", batch=1, device="cuda", seq=4096, dim=128)
-ATTENTION_GPU = {
-    "causal-zigzag-ring-h16kv4": _attention_case(True, "zigzag", "ring", 16, 4, **GPU),
-    "causal-zigzag-allgather-h16kv4": _attention_case(True, "zigzag", "allgather", 16, 4, **GPU),
-    "causal-contiguous-ring-h16kv16": _attention_case(True, "contiguous", "ring", 16, 16, **GPU),
-    "full-zigzag-ring-h16kv2": _attention_case(False, "zigzag", "ring", 16, 2, **GPU),
-}
+GPU = dict(heads=16, batch=1, seq=4096, dim=128, dtype="bfloat16")
+GPU_CASES = [RingCase(4, True, "zigzag", "ring", kv_heads=4, **GPU),
+             RingCase(4, True, "zigzag", "allgather", kv_heads=4, **GPU),
+             RingCase(4, True, "contiguous", "ring", kv_heads=16, **GPU),
+             RingCase(4, False, "zigzag", "ring", kv_heads=2, **GPU)]
+ATTENTION_GPU = {case.id: _attention_case(case, backend="triton", device="cuda") for case in GPU_CASES}
 REAL_SIZE_GPU = {
     f"S{seq // 1024}k-{variant}": ("case_ring_vs_one_gpu", dict(seq=seq, heads=32, kv_heads=8, dim=128,
                                                                  layout="zigzag", variant=variant))
@@ -438,10 +394,10 @@ def p4_gpu():
 
 @pytest.mark.slow
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(ATTENTION_GPU))
-def test_gpu_nccl_flash_rule(p4_gpu, name):
-    _check_no_errors(p4_gpu, name)
-    assert_matches_single_device([r[name] for r in p4_gpu], ATTENTION_GPU[name][1])
+@pytest.mark.parametrize("case", GPU_CASES, ids=ids(GPU_CASES))
+def test_gpu_nccl_flash_rule(p4_gpu, case):
+    _check_no_errors(p4_gpu, case.id)
+    assert_matches_single_device([r[case.id] for r in p4_gpu], case, device="cuda")
 
 
 @pytest.mark.slow
