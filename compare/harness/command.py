@@ -1,9 +1,7 @@
 """`twinflash compare`: both backends on the same devices, weights and inputs, one after the other; an
-equivalence section and a benchmark section in one report (`compare/report/` writes report.json/.md/.html and
-the plots). Owns the plan (which jobs run where), the launches of the backend workers (`compare/harness/worker_torch.py`
-under torchrun, one process per device; `compare/harness/worker_jax.py`, one process per job over all local devices, on
-CPU with that many emulated host devices), the handling of a failed launch (the job that was running is recorded
-as OOM, error or timeout and the rest runs in a new launch), and the arithmetic of the benchmark numbers.
+equivalence section and a benchmark section in one report. This module owns the arguments and the command: the plan
+is `plan.py`'s (which jobs run where), the launches of the backend workers and the relaunch after a failed launch
+`launches.py`'s, the verdicts `equivalence.py`'s, the benchmark arithmetic and the report `compare/report/`'s.
 
 Without GPUs and with no arguments it runs the embedded default: the tiny preset, 4 emulated CPU devices (gloo
 processes; XLA host devices; interpreted Triton and Pallas kernels), in a few minutes.

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from weights import open_weights
+from weights.atomic import write_text_atomically
 from weights.data import random_batches, text_batches
 from weights.parallel import MeshShape
 from weights.schedule import OptimizerConfig
@@ -96,9 +97,7 @@ def mark_started(work_dir: Path, job: Job) -> None:
 
 def write_result(work_dir: Path, job: Job, result: dict) -> None:
     """`<id>.json`, written under a temporary name and renamed: the harness never reads half a result."""
-    tmp = work_dir / f".{job.id}.json.tmp"
-    tmp.write_text(json.dumps({"id": job.id, **result}))
-    tmp.replace(work_dir / f"{job.id}.json")
+    write_text_atomically(work_dir / f"{job.id}.json", json.dumps({"id": job.id, **result}))
 
 
 def read_result(work_dir: Path, job_id: str) -> dict | None:
