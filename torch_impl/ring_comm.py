@@ -6,7 +6,7 @@ torch.distributed process group, issued on side CUDA streams so that it overlaps
 Every operation is split into issue (`Ring.exchange`, `Ring.all_gather`, `Ring.reduce_scatter`) and `Pending.wait()`,
 so a caller can issue the next step's transfer, compute the current step, and only then wait.
 
-Stream discipline on CUDA (NCCL): each operation gets a side (comm) stream (two per device, taken in turn, as
+Stream discipline on CUDA (NCCL): each operation gets a side (comm) stream (two per `Ring`, taken in turn, as
 the ring backward has two transfers in flight), which first waits for everything already queued on the issuing
 (compute) stream, because the tensors to send were written there and the fresh receive buffers were allocated there
 (the caching allocator may hand out memory that earlier compute-stream work still reads). The ops are launched with
