@@ -34,8 +34,9 @@ torch twin's FSDP2) a decoder layer's weights are gathered inside the checkpoint
 gathers each layer's again: one layer's gathered weights and their gradient are live at a time. Gathering the
 whole model before the first layer (every run before issue 19) kept it, and the gradients of all of it in one
 stacked array, on every device for the whole step: 28 GiB per device more temporaries for the Llama-3.1-8B step
-at 32k tokens on 2 devices (bf16, save-attention; CPU plan 64.4 GiB before, 36.2 GiB after). Without checkpointing the whole model is gathered once, before the layers.
-The embedding, the final norm and the LM head are always gathered once per step.
+at 32k tokens on 2 devices (bf16, save-attention; CPU plan 64.4 GiB before, 36.2 GiB after). Without
+checkpointing the whole model is gathered once, before the layers; the embedding, the final norm and the LM head
+always are.
 
 The step is one `jax.jit` over the global (sharded) arrays, compiled once per `StepSpec`; the training state it
 donates and returns is {"model": {name: param}, "optimizer": {"exp_avg": {...}, "exp_avg_sq": {...}}}, each leaf
