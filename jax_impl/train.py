@@ -268,9 +268,9 @@ def memory_plan(spec: StepSpec, batch: int, seq_len: int) -> dict[str, int]:
     sharded training state and batch), "outputs", "aliased" (outputs reusing donated arguments) and "temporaries"
     (everything the step allocates while it runs). The step is compiled for abstract inputs (shapes and
     shardings): nothing is made or run, so a configuration can be checked before a GPU is spent on it. A plan
-    compiled for CPU devices is larger than the GPU's (CPU fuses less and keeps bf16 work in fp32: the 8B step at
-    32k tokens planned 127 GiB of temporaries plus 22 GiB of state on CPU and peaked at 82 GiB on an H200), so
-    compare CPU plans with each other."""
+    compiled for CPU devices is larger than the GPU's (CPU fuses less and keeps bf16 work in fp32: before issue 19
+    the 8B step at 32k tokens on 4 devices planned 127 GiB of temporaries plus 22 GiB of state on CPU and peaked
+    at 82 GiB on an H200), so compare CPU plans with each other."""
     shapes = parameter_shapes(spec.config)
     shardings = parameter_shardings(spec.mesh, shapes)
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[name])
