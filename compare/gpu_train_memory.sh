@@ -2,8 +2,8 @@
 # Issue 19's GPU acceptance on a 2x H200 host (the device tool's nvidia-h200-x2), run from the repository root with
 # the image's python3 (the checkout on PYTHONPATH). Llama-3.1-8B shape, random weights, bf16, fsdp=1,sp=2, batch 1,
 # save-attention checkpointing; every run under RUN_TIMEOUT_S (default 300), each stage fits one 10-minute call.
-#   bash compare/gpu_train_memory.sh parity [SEQ_LEN]          both backends, 3 steps at SEQ_LEN (default 32768):
-#                                                              peak memory per GPU and tokens/s, torch beside JAX
+#   bash compare/gpu_train_memory.sh parity [SEQ_LEN] [BACKENDS]   3 steps at SEQ_LEN (default 32768) per backend
+#                                                              (default torch,jax): peak memory per GPU, tokens/s
 #   bash compare/gpu_train_memory.sh longest BACKEND LENS      one step at each of LENS (ascending, comma-separated)
 #                                                              until the first that fails: the longest that trains
 #   bash compare/gpu_train_memory.sh plan LENS                 JAX only: XLA's GPU memory plan of the step at each
@@ -30,8 +30,8 @@ train() {  # train BACKEND SEQ_LEN STEPS: one run; exit status of the command
 
 case "$stage" in
 parity)
-    len=${2:-32768}
-    for backend in torch jax; do train "$backend" "$len" 3; done
+    len=${2:-32768}; backends=${3:-torch,jax}
+    for backend in ${backends//,/ }; do train "$backend" "$len" 3; done
     ;;
 longest)
     backend=${2:?backend: torch | jax}; lens=${3:?seq lens, e.g. 32768,49152,65536}
