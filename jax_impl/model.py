@@ -11,7 +11,8 @@ causal); the default is plain math; the flash kernel and the ring (inside `jax.s
 `positions` gives the global position of each local token, for sequence-parallel shards. `remat` checkpoints
 each decoder layer (a scan of `jax.checkpoint`-ed layers; "full": only layer inputs are kept for the backward, which
 recomputes the rest; "save-attention": the attention's output and log-sum-exp are kept too, so the backward does
-not rerun the attention; see `jax_impl/remat.py`).
+not rerun the attention; see `jax_impl/remat.py`). With `gather_layer_weight`, the layers may be given sharded
+weights: each checkpointed layer gathers its own (jax_impl/train.py says why).
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
@@ -19,6 +20,7 @@ RoPE angles in float32 cast to the compute dtype, logits returned as float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -120,10 +122,13 @@ class Llama(nnx.Module):
     """Built from a dict of canonical name -> array (see weights/checkpoint.py); nothing is initialised randomly."""
 
     def __init__(self, config: LlamaConfig, params: dict[str, jax.Array], attention_fn: AttentionFn | None = None,
-                 remat: str = "off"):
+                 remat: str = "off", gather_layer_weight: Callable[[jax.Array], jax.Array] | None = None):
         self.config = config
         self.attention_fn = attention_fn or reference_attention
         self.remat = remat  # a `weights.parallel.REMAT_MODES` key: which activations the backward recomputes
+        # applied to each decoder-layer weight inside the checkpointed layer (remat only): where the weights come
+        # sharded, the layer gathers its own, in the forward and again in the backward's recomputation
+        self.gather_layer_weight = gather_layer_weight
         self.tok_embeddings = Embedding(params["tok_embeddings.weight"])
         self.layers = nnx.List([TransformerBlock(config, params, f"layers.{i}.") for i in range(config.num_layers)])
         self.norm = RMSNorm(params["norm.weight"], config.rms_norm_eps)
@@ -154,6 +159,8 @@ class Llama(nnx.Module):
         stacked = jax.tree.map(lambda *weights: jnp.stack(weights), *(nnx.state(layer) for layer in self.layers))
 
         def run_layer(x: jax.Array, weights) -> tuple[jax.Array, None]:
+            if self.gather_layer_weight is not None:
+                weights = jax.tree.map(self.gather_layer_weight, weights)
             return nnx.merge(graph, weights)(x, cos, sin, self.attention_fn), None
 
         return jax.lax.scan(checkpointed_layer(run_layer, mode=self.remat), x, stacked)[0]

@@ -24,13 +24,19 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
              matmuls' output dtype, bf16: XLA reduces a gradient where its matmul contracts over the sharded
              batch/sequence dims. fp32 runs are unaffected.
 
-Weights for the compute: each (compute-dtype) parameter is constrained to be replicated at the start of the loss,
-so XLA all-gathers it over the mesh once per step and reduce-scatters its gradient back into the fp32 shard.
-Leaving the weights sharded inside the layers instead lets XLA's sharding propagation pick the weights' row
-sharding for activations in the backward, which it then undoes by replicating whole activations ("involuntary
-full rematerialization"). The cost: the whole model in the compute dtype is resident on every device during the
-step (2 bytes per parameter in bf16). Gathering layer by layer inside the checkpointed layer would need a hook in
-the model's layer loop.
+Weights for the compute: each parameter is cast to the compute dtype in its fp32 shard and constrained to be
+replicated where it is used, so XLA all-gathers it over the mesh and reduce-scatters its gradient back into the
+fp32 shard. (Leaving the weights sharded inside the layers instead lets XLA's sharding propagation pick the
+weights' row sharding for activations in the backward, which it then undoes by replicating whole activations:
+"involuntary full rematerialization".) With activation checkpointing (`weights_regathered_for_backward`, as the
+torch twin's FSDP2) a decoder layer's weights are gathered inside the checkpointed layer (`Llama`'s
+`gather_layer_weight`), so the scan over the layers carries only their compute-dtype shards and the backward
+gathers each layer's again: one layer's gathered weights and their gradient are live at a time. Gathering the
+whole model before the first layer (every run before issue 19) kept it, and the gradients of all of it in one
+stacked array, on every device for the whole step: 28 GiB per device more temporaries for the Llama-3.1-8B step
+at 32k tokens on 2 devices (bf16, save-attention; CPU plan 64.4 GiB before, 36.2 GiB after). Without
+checkpointing the whole model is gathered once, before the layers; the embedding, the final norm and the LM head
+always are.
 
 The step is one `jax.jit` over the global (sharded) arrays, compiled once per `StepSpec`; the training state it
 donates and returns is {"model": {name: param}, "optimizer": {"exp_avg": {...}, "exp_avg_sq": {...}}}, each leaf
@@ -54,7 +60,7 @@ from jax_impl.model import DTYPES, Llama
 from jax_impl.parallel import (activation_sharding, make_mesh, parameter_shardings, put_sharded, ring_attention_fn,
                                sharded_batch)
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
-from weights.parallel import ACTIVATION_SHARDING, MESH_AXES
+from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_for_backward
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
@@ -117,6 +123,9 @@ class StepSpec:
     ring_variant: str
     loss_chunk_tokens: int
     optimizer: OptimizerConfig
+    # False: the whole compute-dtype model is gathered before the first layer even with checkpointing, the
+    # structure before issue 19 (tests/test_train_memory.py's negative control); see `next_token_loss`
+    gather_per_layer: bool = True
 
 
 def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: jax.Array, positions: jax.Array,
@@ -125,10 +134,15 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
     `with_logits`, (loss, float32 logits [B, S, vocab] in the batch's layout order, outside autodiff) for checks on
     short sequences."""
     replicated = NamedSharding(spec.mesh, PartitionSpec())
-    compute = {name: jax.lax.with_sharding_constraint(p.astype(DTYPES[spec.dtype]), replicated)
-               for name, p in params.items()}
+
+    def gather(weight: jax.Array) -> jax.Array:
+        return jax.lax.with_sharding_constraint(weight, replicated)
+
+    per_layer = spec.gather_per_layer and weights_regathered_for_backward(spec.remat)
+    compute = {name: p.astype(DTYPES[spec.dtype]) for name, p in params.items()}
+    compute = {name: p if per_layer and name.startswith("layers.") else gather(p) for name, p in compute.items()}
     attention = ring_attention_fn(spec.mesh, backend=spec.attention_backend, variant=spec.ring_variant)
-    llama = Llama(spec.config, compute, attention, remat=spec.remat)
+    llama = Llama(spec.config, compute, attention, remat=spec.remat, gather_layer_weight=gather if per_layer else None)
     hidden = llama.hidden_states(tokens, positions)
     head = compute["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
     valid_count = valid_target_count(*tokens.shape)
@@ -243,29 +257,44 @@ def _step_spec(settings, config: LlamaConfig, mesh: Mesh) -> StepSpec:
 
 
 def step_memory_plan(settings: TrainSettings, devices: Sequence[jax.Device] | None = None) -> dict[str, int]:
-    """XLA's plan of the train step of `settings` per device, in bytes: "arguments" (the sharded training state and
-    batch), "outputs", "aliased" (outputs reusing donated arguments) and "temporaries" (everything the step
-    allocates while it runs). The step is compiled for abstract inputs (shapes and shardings): no weights are read
-    or made and nothing runs, so a configuration can be checked before a GPU is spent on it. A plan compiled for
-    CPU devices is larger than the GPU's (CPU fuses less and keeps bf16 work in fp32: the 8B step at 32k tokens
-    planned 127 GiB of temporaries plus 22 GiB of state on CPU and peaked at 82 GiB on an H200), so compare CPU
-    plans with each other."""
+    """XLA's plan of the train step of `settings` per device (`memory_plan`); no weights are read or made."""
     check_attention_backend(settings)
     mesh = make_mesh(settings.mesh, devices)
     config = open_weights(settings.model, settings.seed).config
-    shapes = parameter_shapes(config)
-    shardings = parameter_shardings(mesh, shapes)
+    return memory_plan(_step_spec(settings, config, mesh), settings.batch, settings.seq_len)
+
+
+def memory_plan(spec: StepSpec, batch: int, seq_len: int) -> dict[str, int]:
+    """XLA's plan of the train step of `spec` on a [batch, seq_len] batch per device, in bytes: "arguments" (the
+    sharded training state and batch), "outputs", "aliased" (outputs reusing donated arguments) and "temporaries"
+    (everything the step allocates while it runs). The step is compiled for abstract inputs (shapes and
+    shardings): nothing is made or run, so a configuration can be checked before a GPU is spent on it. A plan
+    compiled for CPU devices is larger than the GPU's (CPU fuses less and keeps bf16 work in fp32: before issue 19
+    the 8B step at 32k tokens on 4 devices planned 127 GiB of temporaries plus 22 GiB of state on CPU and peaked
+    at 82 GiB on an H200), so compare CPU plans with each other."""
+    shapes = parameter_shapes(spec.config)
+    shardings = parameter_shardings(spec.mesh, shapes)
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[name])
               for name, shape in shapes.items()}
     state = {"model": params, "optimizer": {"exp_avg": params, "exp_avg_sq": params}}
-    tokens = jax.ShapeDtypeStruct((settings.batch, settings.seq_len), jnp.int32,
-                                  sharding=activation_sharding(mesh, "tokens"))
-    positions = jax.ShapeDtypeStruct((settings.seq_len,), jnp.int32, sharding=activation_sharding(mesh, "positions"))
-    spec = _step_spec(settings, config, mesh)
-    scalars = step_scalars(adamw_coefficients(settings.optimizer, 0))
-    plan = train_step.lower(state, tokens, tokens, positions, scalars, spec=spec).compile().memory_analysis()
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=activation_sharding(spec.mesh, "tokens"))
+    positions = jax.ShapeDtypeStruct((seq_len,), jnp.int32, sharding=activation_sharding(spec.mesh, "positions"))
+    scalars = step_scalars(adamw_coefficients(spec.optimizer, 0))
+    lowered = train_step.lower(state, tokens, tokens, positions, scalars, spec=spec)
+    plan = lowered.compile(_plan_compiler_options(spec.mesh)).memory_analysis()
     return {"arguments": plan.argument_size_in_bytes, "outputs": plan.output_size_in_bytes,
             "aliased": plan.alias_size_in_bytes, "temporaries": plan.temp_size_in_bytes}
+
+
+def _plan_compiler_options(mesh: Mesh) -> dict[str, str]:
+    """XLA options of a planning compile. On CPU, XLA emulates each bf16 dynamic slice of the activations that the
+    checkpointed layers saved (a slice per layer in the backward loop) on a float32 copy of the whole stack, and
+    loop-invariant code motion then hoists that conversion out of the loop: two float32 copies of every layer's
+    saved activations (16 GiB per device for the 8B step at 32k tokens on 2 devices) that a GPU, which slices
+    bf16 natively, never makes. The plan leaves that pass out on CPU."""
+    if mesh.devices.flat[0].platform != "cpu":
+        return {}
+    return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,

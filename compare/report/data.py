@@ -32,8 +32,8 @@ def _flops_per_token(config: LlamaConfig, seq_len: int, mode: str) -> float:
 
 
 def _parameter_gathers(job: J.Job, train: bool) -> int:
-    """All-gathers of the weights per step: torch's FSDP2 gathers again for the backward only when checkpointing."""
-    return 2 if (job.backend == "torch" and train and weights_regathered_for_backward(job.remat)) else 1
+    """All-gathers of the weights per step: both backends regather each layer's only when checkpointing."""
+    return 2 if (train and weights_regathered_for_backward(job.remat)) else 1
 
 
 def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: dict) -> dict:
