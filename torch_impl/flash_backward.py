@@ -25,7 +25,7 @@ from torch_impl.flash_forward import (_SUM, INTERPRETED, LOG2E, autotune_configs
 
 
 @triton.jit
-def _load_row_stats(lse_ptrs, delta_ptrs, rows, n_rows, CHECK_ROWS: tl.constexpr):
+def load_row_stats(lse_ptrs, delta_ptrs, rows, n_rows, CHECK_ROWS: tl.constexpr):
     """(lse in log2 units with -inf and padding rows mapped to +inf, delta) for a block of query rows."""
     if CHECK_ROWS:
         lse = tl.load(lse_ptrs, mask=rows < n_rows, other=float("inf"))
@@ -69,7 +69,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
         q_ptrs = q_base + head_in_group * stride_qh + rows.to(tl.int64)[:, None] * stride_qs + offs_d[None, :]
         do_ptrs = do_base + head_in_group * stride_doh + rows.to(tl.int64)[:, None] * stride_dos + offs_d[None, :]
         q = load_tile(q_ptrs, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
-        lse2, delta = _load_row_stats(lse_base + head_in_group * seq_q + rows,
+        lse2, delta = load_row_stats(lse_base + head_in_group * seq_q + rows,
                                       delta_base + head_in_group * seq_q + rows, rows, seq_q, MASKED)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
         if MASKED and CAUSAL:
@@ -221,7 +221,7 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
     do = load_tile(DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
                    + offs_m.to(tl.int64)[:, None] * stride_dos + offs_d[None, :],
                    offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
-    lse2, delta = _load_row_stats(Lse + pid_bh.to(tl.int64) * seq_q + offs_m,
+    lse2, delta = load_row_stats(Lse + pid_bh.to(tl.int64) * seq_q + offs_m,
                                   Delta + pid_bh.to(tl.int64) * seq_q + offs_m, offs_m, seq_q, True)
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
@@ -247,6 +247,18 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
     store_tile(dq_ptrs, dq * softmax_scale, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, EMULATE)
 
 
+def row_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dout * out), float32 [B, H, Sq], for inputs [B, Sq, H, D] with a contiguous last dim."""
+    batch, seq_q, n_heads, head_dim = out.shape
+    delta = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=out.device)
+    delta_block = 32 if INTERPRETED else 64
+    _delta_kernel[(triton.cdiv(seq_q, delta_block), batch * n_heads)](
+        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+        dout.stride(2), n_heads, seq_q, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=delta_block)
+    return delta
+
+
 def triton_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -255,11 +267,7 @@ def triton_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     seq_k, n_kv_heads = k.shape[1], k.shape[2]
     block_d = triton.next_power_of_2(head_dim)
     lse = lse.contiguous()
-    delta = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=q.device)
-    delta_block = 32 if INTERPRETED else 64
-    _delta_kernel[(triton.cdiv(seq_q, delta_block), batch * n_heads)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-        dout.stride(2), n_heads, seq_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=delta_block)
+    delta = row_delta(out, dout)
 
     dq = torch.empty(q.shape, dtype=grad_dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)

@@ -94,6 +94,29 @@ def store_tile(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D
 
 
 @triton.jit
+def online_softmax_step(qk, l_i, m_i, cols, offs_m, seq_k, diagonal, qk_scale,
+                        MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """One key block's online-softmax update from raw scores `qk` [rows, cols]: (p, alpha, l_i, m_i) with p the
+    unnormalised probabilities, alpha the factor rescaling what was accumulated before, m_i in log2 units."""
+    if MASKED:
+        visible = cols[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
+        # A row with nothing visible yet keeps m = -inf; subtracting 0 keeps its p at 0 instead of NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_shift[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX) * qk_scale)
+        m_shift = m_new
+        p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
 def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
                    start, end, seq_k, diagonal, qk_scale,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -105,25 +128,11 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_
         cols = start_n + offs_n
         k = load_tile(k_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED:
-            visible = cols[None, :] < seq_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
-            # A row with nothing visible yet keeps m = -inf; subtracting 0 keeps its p at 0 instead of NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_shift[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX) * qk_scale)
-            m_shift = m_new
-            p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        p, alpha, l_i, m_i = online_softmax_step(qk, l_i, m_i, cols, offs_m, seq_k, diagonal, qk_scale,
+                                                 MASKED, CAUSAL)
         v = load_tile(v_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
         acc = acc * alpha[:, None]
         acc = tl.dot(round_to(p, v_base.dtype.element_ty, EMULATE), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_vs
     return acc, l_i, m_i
