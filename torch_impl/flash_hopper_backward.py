@@ -29,8 +29,9 @@ from torch_impl.flash_hopper_forward import Config, row_descriptor, load_block, 
 def backward_configs(head_dim: int) -> list[Config]:
     """The backward's autotune space; `backward_config` picks from it."""
     del head_dim
-    shapes = ((128, 128, 8), (64, 128, 8), (64, 128, 4), (64, 64, 4), (32, 128, 8))
-    return [Config(m, n, w, s, tma_reduce=r) for n, m, w in shapes for s in (1, 2) for r in (False, True)]
+    return ([Config(64, 128, 8, s, tma_reduce=r) for s in (1, 2) for r in (False, True)]
+            + [Config(m, n, w, s, tma_reduce=r) for m, n, w, s in ((128, 128, 8, 1), (64, 64, 4, 2))
+               for r in (False, True)] + [Config(32, 128, 8, 2)])
 
 
 def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> Config:

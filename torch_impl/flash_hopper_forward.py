@@ -39,10 +39,11 @@ class Config:
 
 
 def forward_configs(head_dim: int) -> list[Config]:
-    """The forward's autotune space (`tune` in `flash_attention` benchmarks it); the heuristic picks from it."""
-    del head_dim  # one space serves D = 64 and 128: 128 x 128 fp32 scores fit 8 warps' registers at both
-    return [Config(m, n, w, s, ws) for m, n, w in ((128, 128, 8), (128, 64, 8), (128, 64, 4))
-            for s in (2, 3) for ws in (False, True)]
+    """The forward's autotune space; `forward_config` picks from it. One space serves D = 64 and 128 (a
+    128 x 128 float32 score tile fits 8 warps' registers at both)."""
+    del head_dim
+    return [Config(128, 128, 8, s, ws) for s in (2, 3) for ws in (False, True)] + [
+        Config(128, 64, 8, 3, ws) for ws in (False, True)] + [Config(128, 64, 4, 3)]
 
 
 @functools.lru_cache(maxsize=None)
