@@ -27,27 +27,24 @@ from torch_impl.flash_hopper_forward import Config, row_descriptor, load_block, 
 
 
 def backward_configs(head_dim: int) -> list[Config]:
-    """The backward's autotune space; `backward_config` picks from it."""
+    """The backward's autotune space; `backward_config` picks from it. (128-row steps do not fit shared memory.)"""
     del head_dim
-    return ([Config(64, 128, w, s, tma_reduce=True, query_major=True) for w in (8, 4) for s in (2, 3)]
-            + [Config(m, n, w, 2, tma_reduce=True, query_major=True)
-               for m, n, w in ((128, 128, 8), (64, 64, 4), (32, 128, 8), (128, 64, 8))]
-            + [Config(64, 128, 8, s, tma_reduce=True) for s in (2, 3)])
+    return [Config(m, n, w, s, tma_reduce=r) for m, n, w in ((64, 128, 8), (32, 128, 8), (64, 64, 4))
+            for s in (2, 3) for r in (True, False)]
 
 
 def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> Config:
-    """The configuration measured fastest on H200 for this shape class (see compare/results/)."""
+    """The configuration measured fastest on H200 (16k, causal, D=128: 343 TF/s; see compare/results/i13-*)."""
     del head_dim, causal, seq_bucket
     if INTERPRETED:
-        return Config(32, 64, 4, 1, query_major=True)
-    return Config(64, 128, 8, 2, tma_reduce=True, query_major=True)
+        return Config(32, 64, 4, 1)
+    return Config(64, 128, 8, 3, tma_reduce=True)
 
 
 @triton.jit
 def _backward_steps(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, lse_base, delta_base, stride_dqs, head_col,
                     cols, offs_m, start, end, seq_q, diagonal, qk_scale, softmax_scale,
-                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, TMA_REDUCE: tl.constexpr,
-                    QUERY_MAJOR: tl.constexpr):
+                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, TMA_REDUCE: tl.constexpr):
     """The five-matmul step over the query blocks [start, end) of one query head; MASKED applies the causal
     diagonal."""
     for row0 in tl.range(start, end, BLOCK_M):
@@ -55,24 +52,16 @@ def _backward_steps(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, lse_base, d
         q = load_block(q_desc, row0, head_col, EMULATE)
         do = load_block(do_desc, row0, head_col, EMULATE)
         lse2, delta = load_row_stats(lse_base + rows, delta_base + rows, rows, seq_q, True)
-        if QUERY_MAJOR:  # S = Q K^T: K and V are only ever B operands, so they can stay in shared memory
-            p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
-            if MASKED:
-                p = tl.where(cols[None, :] <= rows[:, None] + diagonal, p, 0.0)
-            dv = tl.dot(tl.trans(round_to(p, do_desc.dtype, EMULATE)), do, dv)
-            dp = tl.dot(do, tl.trans(v))
-            ds = round_to(p * (dp - delta[:, None]), q_desc.dtype, EMULATE)
-            dk = tl.dot(tl.trans(ds), q, dk)
-            dq = tl.dot(ds, k) * softmax_scale
-        else:  # S^T = K Q^T: keys on the rows, as the resident accumulators dk and dv
-            p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
-            if MASKED:
-                p_t = tl.where(cols[:, None] <= rows[None, :] + diagonal, p_t, 0.0)
-            dv = tl.dot(round_to(p_t, do_desc.dtype, EMULATE), do, dv)
-            dp_t = tl.dot(v, tl.trans(do))
-            ds_t = round_to(p_t * (dp_t - delta[None, :]), q_desc.dtype, EMULATE)
-            dk = tl.dot(ds_t, q, dk)
-            dq = tl.dot(tl.trans(ds_t), k) * softmax_scale
+        # S^T = K Q^T (keys on the rows, as the resident dk and dv). The query-major form S = Q K^T, which keeps K
+        # and V as B operands only, measured half as fast on H200 (compare/results/i13-hopper-check-2-h200.json).
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        if MASKED:
+            p_t = tl.where(cols[:, None] <= rows[None, :] + diagonal, p_t, 0.0)
+        dv = tl.dot(round_to(p_t, do_desc.dtype, EMULATE), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = round_to(p_t * (dp_t - delta[None, :]), q_desc.dtype, EMULATE)
+        dk = tl.dot(ds_t, q, dk)
+        dq = tl.dot(tl.trans(ds_t), k) * softmax_scale
         if TMA_REDUCE:
             dq_desc.atomic_add([row0, head_col], dq)
         else:
@@ -89,7 +78,7 @@ def _hopper_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
                             n_kv_heads, seq_q, seq_k, softmax_scale,
                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                             EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            TMA_REDUCE: tl.constexpr, QUERY_MAJOR: tl.constexpr):
+                            TMA_REDUCE: tl.constexpr):
     # Causal key blocks near the start are seen by the most queries: the natural order launches them first.
     pid_bh = tl.program_id(1)
     batch = pid_bh // n_kv_heads
@@ -133,10 +122,10 @@ def _hopper_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
         dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head_col + offs_d[None, :]
         dk, dv = _backward_steps(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, lse_base, delta_base, stride_dqs,
                                  head_col, cols, offs_m, first, full_start, seq_q, diagonal, qk_scale,
-                                 softmax_scale, True, BLOCK_M, EMULATE, TMA_REDUCE, QUERY_MAJOR)
+                                 softmax_scale, True, BLOCK_M, EMULATE, TMA_REDUCE)
         dk, dv = _backward_steps(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, lse_base, delta_base, stride_dqs,
                                  head_col, cols, offs_m, full_start, padded_end, seq_q, diagonal, qk_scale,
-                                 softmax_scale, False, BLOCK_M, EMULATE, TMA_REDUCE, QUERY_MAJOR)
+                                 softmax_scale, False, BLOCK_M, EMULATE, TMA_REDUCE)
 
     dk_ptrs = (DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
                + cols.to(tl.int64)[:, None] * stride_dks + offs_d[None, :])
@@ -174,6 +163,5 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         n_kv_heads, seq_q, seq_k, softmax_scale,
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, CAUSAL=causal, EMULATE=INTERPRETED,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_REDUCE=config.tma_reduce and not INTERPRETED,
-        QUERY_MAJOR=config.query_major,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return dq.to(grad_dtype), dk, dv
