@@ -29,22 +29,23 @@ from torch_impl.flash_hopper_forward import Config, row_descriptor, load_block, 
 def backward_configs(head_dim: int) -> list[Config]:
     """The backward's autotune space; `backward_config` picks from it. (128-row steps do not fit shared memory.)"""
     del head_dim
-    return [Config(m, n, w, s, tma_reduce=r) for m, n, w in ((64, 128, 8), (32, 128, 8), (64, 64, 4))
-            for s in (2, 3) for r in (True, False)]
+    return [Config(m, 128, 8, s, tma_reduce=True, dq_transposed=t) for m in (64, 32) for s in (2, 3)
+            for t in (True, False)] + [Config(64, 64, 4, 3, tma_reduce=True, dq_transposed=True)]
 
 
 def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> Config:
-    """The configuration measured fastest on H200 (16k, causal, D=128: 343 TF/s; see compare/results/i13-*)."""
+    """The configuration measured fastest on H200 (see compare/results/i13-*)."""
     del head_dim, causal, seq_bucket
     if INTERPRETED:
-        return Config(32, 64, 4, 1)
-    return Config(64, 128, 8, 3, tma_reduce=True)
+        return Config(32, 64, 4, 1, dq_transposed=True)
+    return Config(64, 128, 8, 3, tma_reduce=True, dq_transposed=True)
 
 
 @triton.jit
 def _backward_steps(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, lse_base, delta_base, stride_dqs, head_col,
                     cols, offs_m, start, end, seq_q, diagonal, qk_scale, softmax_scale,
-                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, TMA_REDUCE: tl.constexpr):
+                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, TMA_REDUCE: tl.constexpr,
+                    DQ_TRANSPOSED: tl.constexpr):
     """The five-matmul step over the query blocks [start, end) of one query head; MASKED applies the causal
     diagonal."""
     for row0 in tl.range(start, end, BLOCK_M):
@@ -61,12 +62,19 @@ def _backward_steps(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, lse_base, d
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = round_to(p_t * (dp_t - delta[None, :]), q_desc.dtype, EMULATE)
         dk = tl.dot(ds_t, q, dk)
-        dq = tl.dot(tl.trans(ds_t), k) * softmax_scale
-        if TMA_REDUCE:
-            dq_desc.atomic_add([row0, head_col], dq)
+        if DQ_TRANSPOSED:  # dQ^T = K^T dS^T: both operands already in wgmma-ready form (K in shared memory)
+            dq_t = tl.dot(tl.trans(k), ds_t) * softmax_scale
+            if TMA_REDUCE:
+                dq_desc.atomic_add([head_col, row0], dq_t)
+            else:
+                tl.atomic_add(dq_ptrs + rows[None, :], dq_t, mask=rows[None, :] < seq_q, sem="relaxed")
         else:
-            tl.atomic_add(dq_ptrs + rows.to(tl.int64)[:, None] * stride_dqs, dq, mask=rows[:, None] < seq_q,
-                          sem="relaxed")
+            dq = tl.dot(tl.trans(ds_t), k) * softmax_scale
+            if TMA_REDUCE:
+                dq_desc.atomic_add([row0, head_col], dq)
+            else:
+                tl.atomic_add(dq_ptrs + rows.to(tl.int64)[:, None] * stride_dqs, dq, mask=rows[:, None] < seq_q,
+                              sem="relaxed")
     return dk, dv
 
 
@@ -78,7 +86,7 @@ def _hopper_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
                             n_kv_heads, seq_q, seq_k, softmax_scale,
                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                             EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            TMA_REDUCE: tl.constexpr):
+                            TMA_REDUCE: tl.constexpr, DQ_TRANSPOSED: tl.constexpr):
     # Causal key blocks near the start are seen by the most queries: the natural order launches them first.
     pid_bh = tl.program_id(1)
     batch = pid_bh // n_kv_heads
@@ -97,8 +105,12 @@ def _hopper_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
                             HEAD_DIM)
     do_desc = row_descriptor(DOut + batch.to(tl.int64) * stride_dob, seq_q, stride_dos, n_heads * HEAD_DIM,
                              BLOCK_M, HEAD_DIM)
-    dq_desc = row_descriptor(DQ + batch.to(tl.int64) * stride_dqb, seq_q, stride_dqs, n_heads * HEAD_DIM,
-                             BLOCK_M, HEAD_DIM)
+    if DQ_TRANSPOSED:  # dq accumulator [B, H * D, Sq] (row stride stride_dqs)
+        dq_desc = row_descriptor(DQ + batch.to(tl.int64) * stride_dqb, n_heads * HEAD_DIM, stride_dqs, seq_q,
+                                 HEAD_DIM, BLOCK_M)
+    else:  # dq accumulator [B, Sq, H * D]
+        dq_desc = row_descriptor(DQ + batch.to(tl.int64) * stride_dqb, seq_q, stride_dqs, n_heads * HEAD_DIM,
+                                 BLOCK_M, HEAD_DIM)
 
     diagonal = seq_k - seq_q
     padded_end = (seq_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -119,13 +131,16 @@ def _hopper_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
         head_col = head * HEAD_DIM
         lse_base = Lse + (batch * n_heads + head).to(tl.int64) * seq_q
         delta_base = Delta + (batch * n_heads + head).to(tl.int64) * seq_q
-        dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head_col + offs_d[None, :]
+        if DQ_TRANSPOSED:
+            dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + (head_col + offs_d).to(tl.int64)[:, None] * stride_dqs
+        else:
+            dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head_col + offs_d[None, :]
         dk, dv = _backward_steps(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, lse_base, delta_base, stride_dqs,
                                  head_col, cols, offs_m, first, full_start, seq_q, diagonal, qk_scale,
-                                 softmax_scale, True, BLOCK_M, EMULATE, TMA_REDUCE)
+                                 softmax_scale, True, BLOCK_M, EMULATE, TMA_REDUCE, DQ_TRANSPOSED)
         dk, dv = _backward_steps(dk, dv, k, v, q_desc, do_desc, dq_desc, dq_ptrs, lse_base, delta_base, stride_dqs,
                                  head_col, cols, offs_m, full_start, padded_end, seq_q, diagonal, qk_scale,
-                                 softmax_scale, False, BLOCK_M, EMULATE, TMA_REDUCE)
+                                 softmax_scale, False, BLOCK_M, EMULATE, TMA_REDUCE, DQ_TRANSPOSED)
 
     dk_ptrs = (DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
                + cols.to(tl.int64)[:, None] * stride_dks + offs_d[None, :])
@@ -151,17 +166,25 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     config = config or backward_config(head_dim, causal, seq_bucket(seq_q, seq_k))
     q, dout = _heads_packed(q), _heads_packed(dout)
     delta = row_delta(out, dout)
-    dq = torch.zeros((batch, seq_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
+    if config.dq_transposed:  # [B, H, D, Sq rounded up to 16 bytes], the row stride a descriptor needs
+        dq = torch.zeros((batch, n_heads, head_dim, triton.cdiv(seq_q, 4) * 4), dtype=torch.float32, device=q.device)
+        dq_strides = (dq.stride(0), dq.stride(2))
+    else:
+        dq = torch.zeros((batch, seq_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
+        dq_strides = (dq.stride(0), dq.stride(1))
     dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=grad_dtype, device=q.device)
     set_descriptor_allocator(q.device)
     _hopper_backward_kernel[(triton.cdiv(seq_k, config.block_n), batch * n_kv_heads)](
         q, k, v, dout, lse.contiguous(), delta, dq, dk, dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+        dout.stride(0), dout.stride(1), *dq_strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         n_kv_heads, seq_q, seq_k, softmax_scale,
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, CAUSAL=causal, EMULATE=INTERPRETED,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_REDUCE=config.tma_reduce and not INTERPRETED,
+        DQ_TRANSPOSED=config.dq_transposed,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    return dq.to(grad_dtype), dk, dv
+    if config.dq_transposed:
+        dq = dq[..., :seq_q].permute(0, 3, 1, 2)
+    return dq.to(grad_dtype).contiguous(), dk, dv

@@ -32,13 +32,15 @@ HOPPER_DTYPES = (torch.bfloat16, torch.float16)
 class Config:
     """Launch shape of a Hopper kernel. Forward: `block_m` query rows per program, `block_n` keys per step.
     Backward: `block_n` resident keys per program, `block_m` query rows per step, and `tma_reduce` picks how dq is
-    accumulated (a descriptor reduce-add, else `tl.atomic_add`)."""
+    accumulated (a descriptor reduce-add, else `tl.atomic_add`), `dq_transposed` whether as dQ^T = K^T dS^T into a
+    [B, H, D, Sq] accumulator (else dQ = dS K into [B, Sq, H, D])."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     warp_specialize: bool = False
     tma_reduce: bool = False
+    dq_transposed: bool = False
 
 
 def forward_configs(head_dim: int) -> list[Config]:

@@ -187,6 +187,37 @@ def stage_sweep(s=16384, h=32, hkv=32, d=128, causal=True):
         save()
 
 
+def stage_bwd_sweep(s=16384, h=32, hkv=32, d=128, causal=True):
+    """The backward configs against the portable backward, same inputs, same timing."""
+    from torch_impl.flash_backward import triton_backward
+
+    q, k, v, dout = inputs(1, s, s, h, hkv, d, torch.bfloat16)
+    scale = 1 / math.sqrt(d)
+    out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend="triton_portable")
+    ref = triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=torch.float32)
+    ms = do_bench(lambda: triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                          grad_dtype=q.dtype), warmup=10, rep=40, return_mode="median")
+    RESULTS["sweep"].append(dict(kind="bwd", S=s, hkv=hkv, d=d, causal=causal, config="portable", ms=ms,
+                                 tflops=tflops(ms, s, causal, h, d, backward_only=True)))
+    print("sweep", RESULTS["sweep"][-1], flush=True)
+    for cfg in backward_configs(d):
+        row = dict(kind="bwd", S=s, hkv=hkv, d=d, causal=causal, config=str(cfg))
+        try:
+            grads = hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                    grad_dtype=torch.float32, config=cfg)
+            row["max_rel_diff_vs_portable"] = [float((a - b).abs().max() / b.abs().max())
+                                               for a, b in zip(grads, ref)]
+            ms = do_bench(lambda: hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                                  grad_dtype=q.dtype, config=cfg),
+                          warmup=10, rep=40, return_mode="median")
+            row.update(ms=ms, tflops=tflops(ms, s, causal, h, d, backward_only=True))
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+        RESULTS["sweep"].append(row)
+        print("sweep", row, flush=True)
+        save()
+
+
 def stage_compare(points=((65536, True, 32), (65536, False, 32), (65536, True, 8)), h=32, d=128,
                   impls=("triton_hopper", "sdpa_cudnn")):
     for s, causal, hkv in points:
@@ -225,7 +256,8 @@ def main():
     stages = sys.argv[1:] or ["sweep", "correct", "compare"]
     for stage in stages:
         try:
-            {"correct": stage_correct, "sweep": stage_sweep, "compare": stage_compare}[stage]()
+            {"correct": stage_correct, "sweep": stage_sweep, "bwd_sweep": stage_bwd_sweep,
+             "compare": stage_compare}[stage]()
         except Exception:
             traceback.print_exc()
     print("\n== correctness (ok = within 2x naive error + 1e-4)")
