@@ -9,19 +9,20 @@ same-dtype implementation + 1e-4. The `gpu` tests add real sizes, the descriptor
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
 from test_flash_attention_torch import NAMES, _exact, _inputs, _naive, _ours, _rule_violations
 
-from torch_impl import flash_attention as fa
-from torch_impl.flash_attention import flash_attention_backward, flash_attention_forward
+from torch_impl.flash_attention import flash_attention, flash_attention_backward, flash_attention_forward
 from torch_impl.flash_backward import triton_backward
 from torch_impl.flash_forward import INTERPRETED, triton_forward
 from torch_impl.flash_hopper_backward import backward_config, backward_configs, hopper_backward
 from torch_impl.flash_hopper_forward import Config, forward_config, forward_configs, hopper_forward
 
+fa = importlib.import_module("torch_impl.flash_attention")  # the module (the package exports the function)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not (INTERPRETED or ON_HOPPER), reason="needs an sm_90 GPU or the interpreter")
@@ -89,7 +90,8 @@ def test_hopper_ring_backward_from_global_out_and_lse(causal):
 @pytest.mark.parametrize("config", [Config(32, 64, 4, 1, dq_transposed=True), Config(32, 64, 4, 1),
                                     Config(64, 32, 4, 2, dq_transposed=True)], ids=str)
 def test_hopper_configs_compute_the_portable_result(config):
-    """Every dq layout and block shape gives the portable kernels' result up to float32 summation order."""
+    """Every dq layout and block shape gives the portable kernels' backward up to float32 summation order (P comes
+    from the given lse, so the blocking does not change the products)."""
     q, k, v, dout = _inputs(1, 100, 130, 4, 2, 64, torch.bfloat16)
     out, lse = triton_forward(q, k, v, causal=True, softmax_scale=0.125, out_dtype=torch.float32)
     want = triton_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=0.125, grad_dtype=torch.float32)
@@ -97,9 +99,10 @@ def test_hopper_configs_compute_the_portable_result(config):
                           config=config)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)  # same products, other sum order
-    forward = Config(config.block_m, config.block_n, config.num_warps, config.num_stages)
+    # The forward rounds P to bf16 against the running row max, which depends on the key blocking: compare it at
+    # the portable kernel's interpreter blocks (64 x 32), where the products are the same.
     got_out, got_lse = hopper_forward(q, k, v, causal=True, softmax_scale=0.125, out_dtype=torch.float32,
-                                      config=forward)
+                                      config=Config(64, 32, 4, 1))
     torch.testing.assert_close(got_out, out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_lse, lse, rtol=1e-5, atol=1e-5)
 
@@ -115,21 +118,18 @@ def test_configs_are_spaces_of_distinct_entries():
 def test_forced_hopper_refuses_what_it_cannot_run():
     q, k, v = (torch.randn(1, 16, 2, 32, device=DEVICE) for _ in range(3))
     with pytest.raises(ValueError, match="triton_hopper"):
-        fa.flash_attention(q, k, v, backend="triton_hopper")  # float32
+        flash_attention(q, k, v, backend="triton_hopper")  # float32
     q, k, v = (x.bfloat16() for x in (q, k, v))
     with pytest.raises(ValueError, match="head dims"):
-        fa.flash_attention(q, k, v, backend="triton_hopper")  # D = 32
-    fa.flash_attention(q, k, v, backend="triton")  # "triton" takes the portable kernels instead
+        flash_attention(q, k, v, backend="triton_hopper")  # D = 32
+    flash_attention(q, k, v, backend="triton")  # "triton" takes the portable kernels instead
 
 
-def test_triton_backend_picks_a_path_per_direction():
-    q, k, v = (torch.randn(1, 16, 2, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
-    assert fa._triton_path("triton_hopper", q, k, v, backward=True) == "triton_hopper"
-    assert fa._triton_path("triton_portable", q, k, v, backward=False) == "triton_portable"
-    assert fa._triton_path("triton", q, k, v, backward=True) == "triton_portable"
-    forward = "triton_hopper" if ON_HOPPER else "triton_portable"  # the interpreter runs the portable kernels
-    assert fa._triton_path("triton", q, k, v, backward=False) == forward
-    assert fa._triton_path("triton", q.float(), k.float(), v.float(), backward=False) == "triton_portable"
+def test_triton_backend_takes_the_measured_faster_path():
+    assert fa._triton_path("triton_hopper") == "triton_hopper"
+    assert fa._triton_path("triton_portable") == "triton_portable"
+    # On H200 the portable kernels measured as fast (forward, D=128) or faster (backward; forward at D=64).
+    assert fa._triton_path("triton") == "triton_portable"
 
 
 # ------------------------------------------------------------------------------------------------------ GPU

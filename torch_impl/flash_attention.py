@@ -3,9 +3,9 @@ ring attention calls, and the dispatch to the interchangeable kernel backends. T
 `jax_impl/flash_attention.py` (same names, same contract).
 
 Backends (`backend=`):
-  "triton"      ours, the default: per direction the faster of our two Triton paths measured on this GPU (on
-                sm_90 the Hopper forward and the portable backward, see `_triton_path`); GQA native, any
-                lengths, head dims 32/64/96/128/256, bf16/fp16/fp32.
+  "triton"      ours, the default: per direction the faster of our two Triton paths as measured on H200 (today
+                the portable one both ways, see `_triton_path`); GQA native, any lengths, head dims
+                32/64/96/128/256, bf16/fp16/fp32.
   "triton_hopper"    forces the sm_90 path both ways (`flash_hopper_forward.py`, `flash_hopper_backward.py`: TMA
                 descriptors, one FA3-style backward kernel); head dims 64/128, bf16/fp16.
   "triton_portable"  forces the portable `tl` kernels (`flash_forward.py`, `flash_backward.py`), which the CPU
@@ -207,21 +207,18 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _triton_path(backend, q, k, v, backward: bool) -> str:
-    """'triton_hopper' or 'triton_portable': the forced one, or for "triton" the faster one measured on H200
-    (compare/results/i13-*): the Hopper forward (~1% ahead at 16k-64k) where it runs, and always the portable
-    two-kernel backward (~400 TF/s at 16k causal against 343 for the one-kernel Hopper backward)."""
-    if backend != "triton":
-        return backend
-    if backward or INTERPRETED or hopper_unsupported(q, k, v):
-        return "triton_portable"
-    return "triton_hopper"
+def _triton_path(backend) -> str:
+    """'triton_hopper' or 'triton_portable': the forced one, or for "triton" the faster one as measured on H200
+    (compare/results/kernels-2026-11-22-h200-i13-hopper-*.json and i13-hopper-check-*): the portable kernels both
+    ways. The Hopper forward ties them at D=128 (499-520 TF/s against 498-518) and trails at D=64 (363-367 against
+    411-433); the one-kernel Hopper backward trails the two-kernel one (~310-345 TF/s against ~400)."""
+    return "triton_portable" if backend == "triton" else backend
 
 
 def _forward(q, k, v, causal, scale, out_dtype, backend):
     if backend in _TRITON_BACKENDS:
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        if _triton_path(backend, q, k, v, backward=False) == "triton_hopper":
+        if _triton_path(backend) == "triton_hopper":
             return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
         return triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
     if backend == "reference":
@@ -235,7 +232,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, grad_dtype):
     if backend in _TRITON_BACKENDS:
         # dout joins q, k, v as a tensor-core operand, so it takes their dtype.
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout.to(q.dtype), q, k, v, out))
-        if _triton_path(backend, q, k, v, backward=True) == "triton_hopper":
+        if _triton_path(backend) == "triton_hopper":
             return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
         return triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
     if backend == "reference":
