@@ -20,7 +20,7 @@ from torch_impl.flash_attention import flash_attention, flash_attention_backward
 from torch_impl.flash_backward import triton_backward
 from torch_impl.flash_forward import INTERPRETED, triton_forward
 from torch_impl.flash_hopper_backward import backward_config, backward_configs, hopper_backward
-from torch_impl.flash_hopper_forward import Config, forward_config, forward_configs, hopper_forward
+from torch_impl.flash_hopper_forward import Config, autotune, forward_config, forward_configs, hopper_forward
 
 fa = importlib.import_module("torch_impl.flash_attention")  # the module (the package exports the function)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -173,3 +173,13 @@ def test_gpu_hopper_against_cudnn(causal):
         violations = _rule_violations(_ours(q, k, v, dout, causal, scale, backend=backend), naive, exact)
         assert not violations, f"({backend}, naive) errors beyond the rule: {violations}"
     assert set(NAMES) == {"out", "lse", "dq", "dk", "dv"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+def test_gpu_autotune_returns_a_config_of_the_space():
+    q, k, v, _ = _inputs(1, 4096, 4096, 8, 8, 128, torch.bfloat16, device="cuda")
+    space = forward_configs(128)
+    best = autotune(lambda c: hopper_forward(q, k, v, causal=True, softmax_scale=0.1, out_dtype=q.dtype, config=c),
+                    space)
+    assert best in space

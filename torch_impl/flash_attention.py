@@ -37,7 +37,7 @@ from torch_impl.remat import keep_for_backward
 
 aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
 
-BACKENDS = ("triton", "triton_hopper", "triton_portable", "reference", "sdpa_cudnn", "sdpa_flash", "flash_attn")
+BACKENDS = ("triton", "reference", "sdpa_cudnn", "sdpa_flash", "flash_attn", "triton_hopper", "triton_portable")
 _TRITON_BACKENDS = ("triton", "triton_hopper", "triton_portable")
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -3,11 +3,13 @@
 
 One program owns a block of BLOCK_N keys of one (batch, KV head) and keeps K, V and their float32 dk, dv on chip
 while it walks the query blocks of every query head of the group (GQA reads K/V once per KV head). Each step does
-the five matmuls of the backward: S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q and dQ_part = dS K, and
-adds dQ_part into a float32 dq accumulator shared by all programs (a tensor-descriptor reduce-add, or
-`tl.atomic_add` where that is unavailable, e.g. under the interpreter). Against the portable two-kernel backward
-(`flash_backward.py`: 4 + 3 matmuls) this saves the recomputation of S and dP for dq, at the cost of atomics and a
-non-deterministic summation order of dq.
+the five matmuls of the backward: S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q and this block's share
+of dQ, as dQ^T = K^T dS^T into a [B, H, D, Sq] accumulator (`Config.dq_transposed`; both operands then come from
+shared memory) or as dQ = dS K into [B, Sq, H, D], added into the float32 accumulator all programs share by a
+tensor-descriptor reduce-add (`Config.tma_reduce`) or `tl.atomic_add` (always under the interpreter). Against the
+portable two-kernel backward (`flash_backward.py`: 4 + 3 matmuls) this saves the recomputation of S and dP for dq,
+at the cost of atomics and a non-deterministic summation order of dq; on H200 it still runs slower (~340 against
+~400 TF/s, compare/results/kernels-2026-11-22-h200-i13-hopper.md), so backend "triton" does not take it.
 
 Contract as the portable backward: delta = rowsum(dout * out) from the `out` it is given (so a ring passing the
 global out/lse gets its exact share), P recomputed from the given lse (rows with lse -inf and padding rows get
