@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_impl.flash_forward import (_SUM, INTERPRETED, LOG2E, autotune_configs, dot_precision, fitting,
-                                      load_tile, round_to, seq_bucket, store_tile)
+from torch_impl.flash_forward import (_SUM, INTERPRETED, LOG2E, autotune_configs, dot_precision, fitting, key_range,
+                                      load_tile, query_block_program, round_to, seq_bucket, store_tile)
 
 
 @triton.jit
@@ -202,16 +202,7 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // n_heads
-    head = pid_bh % n_heads
-    kv_head = head // GROUP
-    if CAUSAL:  # heaviest (last) query blocks first, as in the forward
-        block_m = tl.num_programs(0) - 1 - pid_m
-    else:
-        block_m = pid_m
-    row0 = block_m * BLOCK_M
+    batch, head, kv_head, row0 = query_block_program(n_heads, GROUP, BLOCK_M, CAUSAL)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -221,18 +212,13 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
     do = load_tile(DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
                    + offs_m.to(tl.int64)[:, None] * stride_dos + offs_d[None, :],
                    offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
-    lse2, delta = load_row_stats(Lse + pid_bh.to(tl.int64) * seq_q + offs_m,
-                                  Delta + pid_bh.to(tl.int64) * seq_q + offs_m, offs_m, seq_q, True)
+    row_stats = (batch * n_heads + head).to(tl.int64) * seq_q + offs_m
+    lse2, delta = load_row_stats(Lse + row_stats, Delta + row_stats, offs_m, seq_q, True)
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
 
     diagonal = seq_k - seq_q
-    if CAUSAL:
-        full_end = tl.maximum(tl.minimum(row0 + diagonal + 1, seq_k), 0) // BLOCK_N * BLOCK_N
-        end = tl.minimum(row0 + BLOCK_M + diagonal, seq_k)
-    else:
-        full_end = seq_k // BLOCK_N * BLOCK_N
-        end = seq_k
+    full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     qk_scale = softmax_scale * LOG2E
 
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)

@@ -22,7 +22,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from torch_impl.flash_forward import INTERPRETED, LN2, LOG2E, online_softmax_step, round_to, seq_bucket
+from torch_impl.flash_forward import (INTERPRETED, LN2, LOG2E, key_range, online_softmax_step, query_block_program,
+                                      round_to, seq_bucket)
 
 HOPPER_HEAD_DIMS = (64, 128)
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
@@ -137,15 +138,7 @@ def _hopper_forward_kernel(Q, K, V, Out, Lse,
                            n_heads, seq_q, seq_k, softmax_scale,
                            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, EMULATE: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // n_heads
-    head = pid_bh % n_heads
-    kv_head = head // GROUP
-    if CAUSAL:  # the heaviest (last) query blocks first, so the grid's tail is short
-        block_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        block_m = tl.program_id(0)
-    row0 = block_m * BLOCK_M
+    batch, head, kv_head, row0 = query_block_program(n_heads, GROUP, BLOCK_M, CAUSAL)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -158,12 +151,7 @@ def _hopper_forward_kernel(Q, K, V, Out, Lse,
     q = load_block(q_desc, row0, 0, EMULATE)
 
     diagonal = seq_k - seq_q
-    if CAUSAL:
-        full_end = tl.maximum(tl.minimum(row0 + diagonal + 1, seq_k), 0) // BLOCK_N * BLOCK_N
-        end = tl.minimum(row0 + BLOCK_M + diagonal, seq_k)
-    else:
-        full_end = seq_k // BLOCK_N * BLOCK_N
-        end = seq_k
+    full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     qk_scale = softmax_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -181,7 +169,7 @@ def _hopper_forward_kernel(Q, K, V, Out, Lse,
               + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :])
     out = round_to(acc / l_safe[:, None], Out.dtype.element_ty, EMULATE).to(Out.dtype.element_ty)
     tl.store(o_ptrs, out, mask=offs_m[:, None] < seq_q)
-    tl.store(Lse + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+    tl.store(Lse + (batch * n_heads + head).to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
 
 def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
