@@ -69,7 +69,7 @@ def test_hopper_ring_backward_from_global_out_and_lse(causal):
     scale = 0.125
     out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32,
                                        backend="triton_hopper")
-    grads = [torch.zeros(x.shape, dtype=torch.float32) for x in (q, k, v)]
+    grads = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v)]
     first, second = slice(0, 48), slice(48, None)
     pairs = ([(first, first, True), (second, first, False), (second, second, True)] if causal
              else [(slice(None), first, False), (slice(None), second, False)])
@@ -99,6 +99,8 @@ def test_hopper_configs_compute_the_portable_result(config):
                           config=config)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)  # same products, other sum order
+    if not INTERPRETED:
+        return  # the GPU's portable forward picks its own blocks; the rule tests cover the Hopper forward there
     # The forward rounds P to bf16 against the running row max, which depends on the key blocking: compare it at
     # the portable kernel's interpreter blocks (64 x 32), where the products are the same.
     got_out, got_lse = hopper_forward(q, k, v, causal=True, softmax_scale=0.125, out_dtype=torch.float32,
@@ -120,7 +122,7 @@ def test_forced_hopper_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="triton_hopper"):
         flash_attention(q, k, v, backend="triton_hopper")  # float32
     q, k, v = (x.bfloat16() for x in (q, k, v))
-    with pytest.raises(ValueError, match="head dims"):
+    with pytest.raises(ValueError, match="head dims" if INTERPRETED or ON_HOPPER else "sm_90"):
         flash_attention(q, k, v, backend="triton_hopper")  # D = 32
     flash_attention(q, k, v, backend="triton")  # "triton" takes the portable kernels instead
 
