@@ -93,3 +93,14 @@ def test_a_part_that_crashes_is_one_error_row():
     kernel_bench._check_args(args)
     meta, rows = kernel_bench.run_part("torch", args)
     assert rows == [dict(part="torch", impl="torch part", error="exited with code 1")]
+
+
+def test_forced_triton_paths_get_their_own_column(capsys):
+    rows = ROWS + [_row("triton_hopper", 450.0)]
+    table = kernel_bench.merge_rows(rows)
+    assert table[0]["triton_hopper"] == 450.0 and "triton_hopper" not in kernel_bench.merge_rows(ROWS)[0]
+    console = Console(record=True, width=250)
+    console.print(kernel_bench.render_table(table))
+    assert "triton_hopper" in console.export_text()
+    assert kernel_bench.main(["--triton-paths", "triton_fast"]) == 2
+    assert "unknown Triton path(s) triton_fast" in capsys.readouterr().err

@@ -3,8 +3,13 @@ ring attention calls, and the dispatch to the interchangeable kernel backends. T
 `jax_impl/flash_attention.py` (same names, same contract).
 
 Backends (`backend=`):
-  "triton"      ours (`flash_forward.py`, `flash_backward.py`), the default; GQA native, any lengths, head dims
+  "triton"      ours, the default: per direction the faster of our two Triton paths as measured on H200 (today
+                the portable one both ways, see `_triton_path`); GQA native, any lengths, head dims
                 32/64/96/128/256, bf16/fp16/fp32.
+  "triton_hopper"    forces the sm_90 path both ways (`flash_hopper_forward.py`, `flash_hopper_backward.py`: TMA
+                descriptors, one FA3-style backward kernel); head dims 64/128, bf16/fp16.
+  "triton_portable"  forces the portable `tl` kernels (`flash_forward.py`, `flash_backward.py`), which the CPU
+                interpreter and non-Hopper GPUs run.
   "reference"   the plain-math functions of `torch_impl.attention` (float32 math).
   "sdpa_cudnn"  torch's cuDNN attention ops, "sdpa_flash" torch's FlashAttention-2 ops (CUDA only, bf16/fp16;
                 K/V repeated for GQA and dk/dv summed back; causal only with Sq == Sk, since those ops align
@@ -26,12 +31,15 @@ import torch
 from torch_impl.attention import reference_attention_backward, reference_attention_forward
 from torch_impl.flash_backward import triton_backward
 from torch_impl.flash_forward import INTERPRETED, triton_forward
+from torch_impl.flash_hopper_backward import hopper_backward
+from torch_impl.flash_hopper_forward import hopper_forward, hopper_unsupported
 from torch_impl.remat import keep_for_backward
 from weights.attention import check_attention_shapes
 
 aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
 
-BACKENDS = ("triton", "reference", "sdpa_cudnn", "sdpa_flash", "flash_attn")
+BACKENDS = ("triton", "reference", "sdpa_cudnn", "sdpa_flash", "flash_attn", "triton_hopper", "triton_portable")
+_TRITON_BACKENDS = ("triton", "triton_hopper", "triton_portable")
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -60,15 +68,18 @@ def _validate(q, k, v, *, causal, softmax_scale, backend) -> float:
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    _check_backend_limits(backend, q, seq_k, causal)
+    _check_backend_limits(backend, q, (k, v), causal)
     return scale
 
 
-def _check_backend_limits(backend, q, seq_k, causal) -> None:
+def _check_backend_limits(backend, q, k_v, causal) -> None:
+    seq_k = k_v[0].shape[1]
     on_cuda = q.device.type == "cuda"
-    if backend == "triton" and not on_cuda and not (INTERPRETED and q.device.type == "cpu"):
-        raise ValueError(f"backend 'triton' got {q.device.type} tensors but Triton is compiling for CUDA; move them "
+    if backend in _TRITON_BACKENDS and not on_cuda and not (INTERPRETED and q.device.type == "cpu"):
+        raise ValueError(f"backend {backend!r} got {q.device.type} tensors but Triton is compiling for CUDA; move them "
                          "to CUDA (or set TRITON_INTERPRET=1 before importing torch_impl to interpret on CPU)")
+    if backend == "triton_hopper" and (reason := hopper_unsupported(q, *k_v)):
+        raise ValueError(f"backend 'triton_hopper' {reason}; backend 'triton' falls back to the portable kernels")
     if backend in ("sdpa_cudnn", "sdpa_flash", "flash_attn"):
         if backend == "flash_attn":
             _flash_attn_interface()
@@ -185,9 +196,19 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _triton_path(backend) -> str:
+    """'triton_hopper' or 'triton_portable': the forced one, or for "triton" the faster one as measured on H200
+    (compare/results/kernels-2026-11-22-h200-i13-hopper-*.json and i13-hopper-check-*): the portable kernels both
+    ways. The Hopper forward ties them at D=128 (499-520 TF/s against 498-518) and trails at D=64 (363-367 against
+    411-433); the one-kernel Hopper backward trails the two-kernel one (~310-345 TF/s against ~400)."""
+    return "triton_portable" if backend == "triton" else backend
+
+
 def _forward(q, k, v, causal, scale, out_dtype, backend):
-    if backend == "triton":
+    if backend in _TRITON_BACKENDS:
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        if _triton_path(backend) == "triton_hopper":
+            return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
         return triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
     if backend == "reference":
         return reference_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
@@ -197,9 +218,11 @@ def _forward(q, k, v, causal, scale, out_dtype, backend):
 
 
 def _backward(dout, q, k, v, out, lse, causal, scale, backend, grad_dtype):
-    if backend == "triton":
+    if backend in _TRITON_BACKENDS:
         # dout joins q, k, v as a tensor-core operand, so it takes their dtype.
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout.to(q.dtype), q, k, v, out))
+        if _triton_path(backend) == "triton_hopper":
+            return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
         return triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
     if backend == "reference":
         grads = reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)

@@ -20,12 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_impl.flash_forward import (_SUM, INTERPRETED, LOG2E, autotune_configs, dot_precision, fitting,
-                                      load_tile, round_to, seq_bucket, store_tile)
+from torch_impl.flash_forward import (_SUM, INTERPRETED, LOG2E, autotune_configs, dot_precision, fitting, key_range,
+                                      load_tile, query_block_program, round_to, seq_bucket, store_tile)
 
 
 @triton.jit
-def _load_row_stats(lse_ptrs, delta_ptrs, rows, n_rows, CHECK_ROWS: tl.constexpr):
+def load_row_stats(lse_ptrs, delta_ptrs, rows, n_rows, CHECK_ROWS: tl.constexpr):
     """(lse in log2 units with -inf and padding rows mapped to +inf, delta) for a block of query rows."""
     if CHECK_ROWS:
         lse = tl.load(lse_ptrs, mask=rows < n_rows, other=float("inf"))
@@ -69,7 +69,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
         q_ptrs = q_base + head_in_group * stride_qh + rows.to(tl.int64)[:, None] * stride_qs + offs_d[None, :]
         do_ptrs = do_base + head_in_group * stride_doh + rows.to(tl.int64)[:, None] * stride_dos + offs_d[None, :]
         q = load_tile(q_ptrs, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
-        lse2, delta = _load_row_stats(lse_base + head_in_group * seq_q + rows,
+        lse2, delta = load_row_stats(lse_base + head_in_group * seq_q + rows,
                                       delta_base + head_in_group * seq_q + rows, rows, seq_q, MASKED)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
         if MASKED and CAUSAL:
@@ -202,16 +202,7 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // n_heads
-    head = pid_bh % n_heads
-    kv_head = head // GROUP
-    if CAUSAL:  # heaviest (last) query blocks first, as in the forward
-        block_m = tl.num_programs(0) - 1 - pid_m
-    else:
-        block_m = pid_m
-    row0 = block_m * BLOCK_M
+    batch, head, kv_head, row0 = query_block_program(n_heads, GROUP, BLOCK_M, CAUSAL)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -221,18 +212,13 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
     do = load_tile(DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
                    + offs_m.to(tl.int64)[:, None] * stride_dos + offs_d[None, :],
                    offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
-    lse2, delta = _load_row_stats(Lse + pid_bh.to(tl.int64) * seq_q + offs_m,
-                                  Delta + pid_bh.to(tl.int64) * seq_q + offs_m, offs_m, seq_q, True)
+    row_stats = (batch * n_heads + head).to(tl.int64) * seq_q + offs_m
+    lse2, delta = load_row_stats(Lse + row_stats, Delta + row_stats, offs_m, seq_q, True)
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
 
     diagonal = seq_k - seq_q
-    if CAUSAL:
-        full_end = tl.maximum(tl.minimum(row0 + diagonal + 1, seq_k), 0) // BLOCK_N * BLOCK_N
-        end = tl.minimum(row0 + BLOCK_M + diagonal, seq_k)
-    else:
-        full_end = seq_k // BLOCK_N * BLOCK_N
-        end = seq_k
+    full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     qk_scale = softmax_scale * LOG2E
 
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
@@ -247,6 +233,18 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
     store_tile(dq_ptrs, dq * softmax_scale, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, EMULATE)
 
 
+def row_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dout * out), float32 [B, H, Sq], for inputs [B, Sq, H, D] with a contiguous last dim."""
+    batch, seq_q, n_heads, head_dim = out.shape
+    delta = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=out.device)
+    delta_block = 32 if INTERPRETED else 64
+    _delta_kernel[(triton.cdiv(seq_q, delta_block), batch * n_heads)](
+        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+        dout.stride(2), n_heads, seq_q, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=delta_block)
+    return delta
+
+
 def triton_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -255,11 +253,7 @@ def triton_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     seq_k, n_kv_heads = k.shape[1], k.shape[2]
     block_d = triton.next_power_of_2(head_dim)
     lse = lse.contiguous()
-    delta = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=q.device)
-    delta_block = 32 if INTERPRETED else 64
-    _delta_kernel[(triton.cdiv(seq_q, delta_block), batch * n_heads)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-        dout.stride(2), n_heads, seq_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=delta_block)
+    delta = row_delta(out, dout)
 
     dq = torch.empty(q.shape, dtype=grad_dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)

@@ -94,6 +94,29 @@ def store_tile(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D
 
 
 @triton.jit
+def online_softmax_step(qk, l_i, m_i, cols, offs_m, seq_k, diagonal, qk_scale,
+                        MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """One key block's online-softmax update from raw scores `qk` [rows, cols]: (p, alpha, l_i, m_i) with p the
+    unnormalised probabilities, alpha the factor rescaling what was accumulated before, m_i in log2 units."""
+    if MASKED:
+        visible = cols[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
+        # A row with nothing visible yet keeps m = -inf; subtracting 0 keeps its p at 0 instead of NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_shift[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX) * qk_scale)
+        m_shift = m_new
+        p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
 def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
                    start, end, seq_k, diagonal, qk_scale,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -105,28 +128,41 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_
         cols = start_n + offs_n
         k = load_tile(k_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED:
-            visible = cols[None, :] < seq_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
-            # A row with nothing visible yet keeps m = -inf; subtracting 0 keeps its p at 0 instead of NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_shift[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX) * qk_scale)
-            m_shift = m_new
-            p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        p, alpha, l_i, m_i = online_softmax_step(qk, l_i, m_i, cols, offs_m, seq_k, diagonal, qk_scale,
+                                                 MASKED, CAUSAL)
         v = load_tile(v_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
         acc = acc * alpha[:, None]
         acc = tl.dot(round_to(p, v_base.dtype.element_ty, EMULATE), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_vs
     return acc, l_i, m_i
+
+
+@triton.jit
+def query_block_program(n_heads, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """(batch, head, kv head, first row) of a program of the grid (query blocks, batch * heads). Causal query
+    blocks near the end do the most work: they are launched first so the tail of the grid is short."""
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // n_heads
+    head = pid_bh % n_heads
+    if CAUSAL:
+        block_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        block_m = tl.program_id(0)
+    return batch, head, head // GROUP, block_m * BLOCK_M
+
+
+@triton.jit
+def key_range(row0, seq_k, diagonal, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(full_end, end) for the query block at row0: keys [0, full_end) are whole BLOCK_N blocks that every row
+    sees (no mask needed), keys [full_end, end) the rest that any row sees (masked)."""
+    if CAUSAL:  # query i sees key j iff j <= i + diagonal
+        full_end = tl.maximum(tl.minimum(row0 + diagonal + 1, seq_k), 0) // BLOCK_N * BLOCK_N
+        end = tl.minimum(row0 + BLOCK_M + diagonal, seq_k)
+    else:
+        full_end = seq_k // BLOCK_N * BLOCK_N
+        end = seq_k
+    return full_end, end
 
 
 def autotune_configs(gpu_shapes, interpreter_blocks):
@@ -188,17 +224,7 @@ def _forward_kernel(Q, K, V, Out, Lse,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                     EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // n_heads
-    head = pid_bh % n_heads
-    kv_head = head // GROUP
-    # Causal query blocks near the end do the most work: launch them first so the tail of the grid is short.
-    if CAUSAL:
-        block_m = tl.num_programs(0) - 1 - pid_m
-    else:
-        block_m = pid_m
-    row0 = block_m * BLOCK_M
+    batch, head, kv_head, row0 = query_block_program(n_heads, GROUP, BLOCK_M, CAUSAL)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -209,13 +235,7 @@ def _forward_kernel(Q, K, V, Out, Lse,
                   HEAD_DIM, BLOCK_D, True, EMULATE)
 
     diagonal = seq_k - seq_q
-    if CAUSAL:
-        # Keys every row of the block sees: j <= row0 + diagonal. Keys any row sees: j < row0 + BLOCK_M + diagonal.
-        full_end = tl.maximum(tl.minimum(row0 + diagonal + 1, seq_k), 0) // BLOCK_N * BLOCK_N
-        end = tl.minimum(row0 + BLOCK_M + diagonal, seq_k)
-    else:
-        full_end = seq_k // BLOCK_N * BLOCK_N
-        end = seq_k
+    full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
 
     qk_scale = softmax_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -235,7 +255,7 @@ def _forward_kernel(Q, K, V, Out, Lse,
     o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
     store_tile(o_base + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :], out, offs_m, seq_q, offs_d,
                HEAD_DIM, BLOCK_D, EMULATE)
-    tl.store(Lse + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+    tl.store(Lse + (batch * n_heads + head).to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
 
 def seq_bucket(seq_q: int, seq_k: int) -> int:

@@ -5,6 +5,8 @@ Measured, bf16, batch 1, H=32, D=128 (defaults), for each S (--seq-lens), causal
               sdpa_flash  torch SDPA, FlashAttention-2 backend   } F.scaled_dot_product_attention on [B, H, S, D]
               sdpa_cudnn  torch SDPA, cuDNN backend              } under sdpa_kernel(...), enable_gqa for GQA
                           (a backend that refuses GQA is timed on K/V repeated beforehand, with a note)
+              triton_hopper, triton_portable  with --triton-paths: each of our Triton paths forced (the
+                          backends of those names), beside "triton", which picks among them
   jax part    pallas      ours, `jax_impl.flash_attention.flash_attention` on [B, S, H, D]
               jax_cudnn   jax.nn.dot_product_attention(implementation="cudnn") (GQA native)
               pallas_mha  JAX's shipped Pallas kernel, jax.experimental.pallas.ops.gpu.attention.mha
@@ -44,6 +46,7 @@ from weights import BadInputError
 from weights.flops import attention_flops
 
 IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"), "jax": ("pallas", "jax_cudnn", "pallas_mha")}
+TRITON_PATHS = ("triton_hopper", "triton_portable")  # measured only when --triton-paths names them
 RATIOS = (("ours/FA2", "triton", "sdpa_flash"), ("ours/cuDNN", "triton", "sdpa_cudnn"),
           ("pallas/mha", "pallas", "pallas_mha"), ("pallas/jax-cuDNN", "pallas", "jax_cudnn"))
 PASSES = (("fwd", "fwd_tflops"), ("fwd+bwd", "fwdbwd_tflops"))
@@ -74,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
     parser.add_argument("--parts", default="torch,jax",
                         help="subset of torch,jax; empty (--parts=) only merges the --rows-from files into one table")
+    parser.add_argument("--triton-paths", type=_triton_paths, default=(),
+                        help=f"also time our forced Triton paths, a subset of {','.join(TRITON_PATHS)}")
     parser.add_argument("--quick", action="store_true", help="smoke run: S=4k only, fewer repetitions")
     parser.add_argument("--part-timeout-s", type=float, default=1800.0, help="kill a part that runs longer")
     parser.add_argument("--rows-from", type=Path, action="append", default=[],
@@ -81,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="JSON path (default compare/results/kernels-<date>-<gpu>.json)")
     parser.add_argument("--part", choices=tuple(IMPLS), help=argparse.SUPPRESS)
     return parser
+
+
+def _triton_paths(text: str) -> tuple[str, ...]:
+    paths = tuple(p for p in text.split(",") if p)
+    unknown = [p for p in paths if p not in TRITON_PATHS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown Triton path(s) {', '.join(unknown)}; choose from "
+                                         f"{', '.join(TRITON_PATHS)}")
+    return paths
 
 
 def _check_args(args) -> None:
@@ -137,9 +151,9 @@ def _torch_part(args) -> None:
             return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
         point = (args, impl, seq_len, causal, kv_heads)
-        if impl == "triton":
+        if impl == "triton" or impl in TRITON_PATHS:
             def ours(q, k, v):
-                return flash_attention(q, k, v, causal=causal)
+                return flash_attention(q, k, v, causal=causal, backend=impl)
 
             inputs = tuple(leaf(args.batch, seq_len, h, args.head_dim) for h in (args.heads, kv_heads, kv_heads))
             return _result(*point, *timings(ours, inputs, torch.randn_like(inputs[0])))
@@ -163,7 +177,7 @@ def _torch_part(args) -> None:
                        note="no GQA in this backend: K/V repeated to H heads before the timed call")
 
     for seq_len, causal, kv_heads in _points(args):
-        for impl in IMPLS["torch"]:
+        for impl in (*IMPLS["torch"], *args.triton_paths):
             try:
                 row = measure(impl, seq_len, causal, kv_heads)
             except Exception as err:  # a peer's failure (OOM, unsupported shape) is a result, not a crash
@@ -233,7 +247,8 @@ def _jax_part(args) -> None:
 def _child_args(args) -> list[str]:
     return ["--seq-lens", ",".join(map(str, args.seq_lens)), "--kv-heads", ",".join(map(str, args.kv_heads)),
             "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--batch", str(args.batch),
-            "--causal", args.causal] + (["--quick"] if args.quick else [])
+            "--causal", args.causal] + (["--quick"] if args.quick else []) + (
+                ["--triton-paths", ",".join(args.triton_paths)] if args.triton_paths else [])
 
 
 def run_part(part: str, args) -> tuple[dict, list[dict]]:
@@ -272,6 +287,12 @@ def _progress(row: dict) -> str:
     return f"{where}: fwd {row['fwd_tflops']:.0f} TF/s, fwd+bwd {row['fwdbwd_tflops']:.0f} TF/s"
 
 
+def _table_impls(rows: list[dict]) -> list[str]:
+    """IMPLS, then the forced Triton paths that some row measured."""
+    measured = {r.get("impl") for r in rows}
+    return [i for part in IMPLS.values() for i in part] + [p for p in TRITON_PATHS if p in measured]
+
+
 def merge_rows(rows: list[dict]) -> list[dict]:
     """One table row per (S, causal, Hkv, pass): TFLOP/s of every implementation ("error: ..." where it
     failed) and the ratios of RATIOS where both sides were measured."""
@@ -283,7 +304,7 @@ def merge_rows(rows: list[dict]) -> list[dict]:
                     == (seq_len, causal, kv_heads)}
         for pass_name, key in PASSES:
             entry = {"S": seq_len, "causal": causal, "kv_heads": kv_heads, "pass": pass_name}
-            for impl in (i for part in IMPLS.values() for i in part):
+            for impl in _table_impls(rows):
                 row = at_point.get(impl)
                 if row is not None:
                     entry[impl] = f"error: {row['error']}" if row.get("error") else row.get(key)
@@ -300,7 +321,7 @@ def render_table(table: list[dict]):
 
     title = "Attention kernels, bf16, one GPU: TFLOP/s (weights.flops.attention_flops) and ratios"
     rich_table = Table(title=title)
-    impls = [i for part in IMPLS.values() for i in part]
+    impls = _table_impls([{"impl": impl} for entry in table for impl in entry])
     for name in ("S", "causal", "Hkv", "pass", *impls, *(r[0] for r in RATIOS)):
         rich_table.add_column(name, justify="right")
     for entry in table:
