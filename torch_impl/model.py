@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_impl.attention import AttentionFn, reference_attention
+from torch_impl.profiling import region
 from torch_impl.remat import checkpointed_layer
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
 
@@ -71,7 +72,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, c.num_heads, c.head_dim)
         k = self.wk(x).view(b, s, c.num_kv_heads, c.head_dim)
         v = self.wv(x).view(b, s, c.num_kv_heads, c.head_dim)
-        out = attention_fn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        with region("attention"):
+            out = attention_fn(q, k, v)
         return self.wo(out.reshape(b, s, c.num_heads * c.head_dim))
 
 
@@ -100,6 +103,17 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def _marked_recompute(layer: nn.Module):
+    """`layer`, whose reruns by the backward (checkpointing's recomputation) are marked for the profile."""
+    def run(*args):
+        if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward
+            return layer(*args)
+        with region("recompute"):
+            return layer(*args)
+
+    return run
+
+
 class Llama(nn.Module):
     def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None, remat: str = "off"):
         super().__init__()
@@ -121,7 +135,7 @@ class Llama(nn.Module):
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
         for layer in self.layers:
             if self.remat != "off":
-                x = checkpointed_layer(layer, x, cos, sin, self.attention_fn, mode=self.remat)
+                x = checkpointed_layer(_marked_recompute(layer), x, cos, sin, self.attention_fn, mode=self.remat)
             else:
                 x = layer(x, cos, sin, self.attention_fn)
         return self.norm(x)

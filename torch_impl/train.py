@@ -37,7 +37,9 @@ from torch.utils.checkpoint import checkpoint
 from torch_impl import checkpointing
 from torch_impl.model import DTYPES, Llama
 from torch_impl.parallel import load_local_shards, local_batch, make_mesh, ring_attention_fn, shard_model
+from torch_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, RandomWeights, open_weights
+from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
                               checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens, host_peak_rss_bytes,
@@ -75,7 +77,8 @@ class ShardedNextTokenLoss(nn.Module):
         """The loss share; with `with_logits`, (loss share, this rank's float32 logits [B, S_local, vocab], made
         without autograd) for checks on short sequences."""
         hidden = self.llama.hidden_states(tokens, positions)
-        loss = cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens) / global_valid_count
+        with region("loss"):
+            loss = cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens) / global_valid_count
         if not with_logits:
             return loss
         with torch.no_grad():
@@ -170,9 +173,10 @@ def train_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tens
     config = optimizer.config
     loss = model(tokens, positions, targets, global_valid_count)
     loss.backward()
-    grad_norm = clip_grad_norm_(list(optimizer.parameters.values()), config.grad_clip_norm)
-    coefficients = adamw_coefficients(config, step)
-    optimizer.step(coefficients)
+    with region("optimizer"):
+        grad_norm = clip_grad_norm_(list(optimizer.parameters.values()), config.grad_clip_norm)
+        coefficients = adamw_coefficients(config, step)
+        optimizer.step(coefficients)
     for p in optimizer.parameters.values():
         p.grad = None
     global_loss = loss.detach()
@@ -183,17 +187,21 @@ def train_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tens
 
 
 StepCallback = Callable[..., None]
+ProfileCallback = Callable[[dict], None]
 
 
-def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = None) -> None:
+def run_training(settings, batches: np.ndarray, on_step: StepCallback | None = None,
+                 on_profile: ProfileCallback | None = None) -> None:
     """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches, the same on every
     rank) under torchrun; see compare/train.py's `TrainSettings` for the fields read here. On rank 0,
     `on_step(step=, loss=, lr=, grad_norm=, seconds=, peak_memory_bytes=[per rank])` after every step. Resumes
     from the latest checkpoint with `settings.resume`, saves every `settings.ckpt_every` steps and at the end of
-    the run, exports the final weights to `settings.export_paths` when set."""
+    the run, exports the final weights to `settings.export_paths` when set. With `settings.profile`, rank 0
+    traces the last steps (`weights.profiling.profiled_steps`) and calls `on_profile(breakdown)` at the end
+    (`weights.profiling.breakdown`, plus "device")."""
     device = init_distributed()
     try:
-        _train(settings, batches, on_step, device)
+        _train(settings, batches, on_step, on_profile, device)
     finally:
         dist.destroy_process_group()
 
@@ -231,7 +239,8 @@ def build_training(settings, device: torch.device) -> Training:
     return Training(mesh, llama, model, optimizer, source, run_metadata(settings, config), device)
 
 
-def _train(settings, batches: np.ndarray, on_step: StepCallback | None, device: torch.device) -> None:
+def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profile: ProfileCallback | None,
+           device: torch.device) -> None:
     check_batches(settings, batches)
     run = build_training(settings, device)
     mesh, llama, model, optimizer, meta = run.mesh, run.llama, run.model, run.optimizer, run.meta
@@ -244,10 +253,14 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, device: 
 
     stop = settings.stop_at or batches.shape[0]
     valid_count = valid_target_count(settings.batch, settings.seq_len)
+    traced = settings.profile and dist.get_rank() == 0
+    profiler = StepProfiler(device, profiled_steps(start, stop) if traced else range(0))
     for step in range(start, stop):
         began = time.perf_counter()
+        profiler.begin(step)
         loss, grad_norm, lr = train_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
                                          valid_count)
+        profiler.end(step)
         seconds = time.perf_counter() - began
         peaks = all_ranks(peak_memory_bytes(device), device)
         if on_step is not None and dist.get_rank() == 0:
@@ -255,5 +268,7 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, device: 
         if checkpoint_due(settings, step + 1, stop):
             checkpointing.save_checkpoint(settings.ckpt_dir, step + 1, llama, optimizer.state_dict(), meta,
                                           keep=settings.keep)
+    if traced and on_profile is not None:
+        on_profile(profiler.breakdown())
     if settings.export_paths is not None:
         checkpointing.export_trained_weights(llama, *settings.export_paths, run.source)
