@@ -81,6 +81,8 @@ class TrainSettings:
     out            directory of train.jsonl
     export_dir     the final weights go to `export_paths`: EXPORT/converted (twinflash format) and EXPORT/hf
     plan_memory    (JAX) print XLA's per-device memory plan of the step instead of training
+    eager          torch on GPUs: no torch.compile and no fused AdamW kernel (the step as the equivalence tests
+                   run it on CPU)
     profile        trace the last steps and write their time breakdown to OUT/profile.json (weights/profiling.py)
     """
 
@@ -106,6 +108,7 @@ class TrainSettings:
     out: Path | None = None
     export_dir: Path | None = None
     plan_memory: bool = False
+    eager: bool = False
     profile: bool = False
 
     @property
@@ -162,6 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="directory for train.jsonl")
     parser.add_argument("--plan-memory", action="store_true", help="JAX: compile the step for abstract inputs and "
                         "print XLA's per-device memory plan; nothing is loaded or trained")
+    parser.add_argument("--eager", action="store_true", help="torch on GPUs: run the step without torch.compile "
+                        "and the fused AdamW kernel")
     parser.add_argument("--profile", action="store_true", help="trace the last steps and write their time "
                         "breakdown by category to OUT/profile.json (and print it)")
     parser.add_argument("--export", type=Path, dest="export_dir",
@@ -194,7 +199,8 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
         ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
         ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume, stop_at=args.stop_at, out=args.out,
-        export_dir=args.export_dir, plan_memory=args.plan_memory, profile=args.profile)
+        export_dir=args.export_dir, plan_memory=args.plan_memory, eager=args.eager,
+        profile=args.profile)
     check_attention_backend(settings)
     return settings
 

@@ -72,10 +72,16 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, c.num_heads, c.head_dim)
         k = self.wk(x).view(b, s, c.num_kv_heads, c.head_dim)
         v = self.wv(x).view(b, s, c.num_kv_heads, c.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        with region("attention"):
-            out = attention_fn(q, k, v)
+        out = _attend(attention_fn, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
         return self.wo(out.reshape(b, s, c.num_heads * c.head_dim))
+
+
+@torch.compiler.disable
+def _attend(attention_fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention function, run eagerly even inside a compiled `Attention` (our kernels and the ring's
+    communication are their own autograd Functions): torch.compile splits the layer around it."""
+    with region("attention"):
+        return attention_fn(q, k, v)
 
 
 class FeedForward(nn.Module):
@@ -139,6 +145,15 @@ class Llama(nn.Module):
             else:
                 x = layer(x, cos, sin, self.attention_fn)
         return self.norm(x)
+
+    def compile_elementwise(self) -> None:
+        """torch.compile (in place) the modules around the attention: the norms, the attention's projections and
+        RoPE (split around the attention function, `_attend`) and the SwiGLU MLP, so that their elementwise work
+        runs as a few fused kernels instead of one kernel per op. The matmuls stay cuBLAS's."""
+        for layer in self.layers:
+            for module in (layer.attention_norm, layer.attention, layer.ffn_norm, layer.feed_forward):
+                module.compile()
+        self.norm.compile()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.tok_embeddings.weight if self.output is None else self.output.weight

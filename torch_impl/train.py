@@ -50,15 +50,17 @@ def _chunk_cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.
     return F.cross_entropy(llama.logits(hidden), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+def cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                      chunk_loss: Callable = _chunk_cross_entropy_sum) -> torch.Tensor:
     """float32 sum of next-token cross-entropy over the positions of `hidden` [B, S, hidden] whose target is not
-    IGNORE_INDEX, `chunk_tokens` positions at a time, each chunk's logits recomputed in the backward."""
+    IGNORE_INDEX, `chunk_tokens` positions at a time, each chunk's logits recomputed in the backward;
+    `chunk_loss` is `_chunk_cross_entropy_sum` or a compiled copy of it."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        total = total + checkpoint(_chunk_cross_entropy_sum, llama, hidden[rows], targets[rows], use_reentrant=False)
+        total = total + checkpoint(chunk_loss, llama, hidden[rows], targets[rows], use_reentrant=False)
     return total
 
 
@@ -71,6 +73,12 @@ class ShardedNextTokenLoss(nn.Module):
         super().__init__()
         self.llama = llama
         self.chunk_tokens = chunk_tokens
+        self.chunk_loss = _chunk_cross_entropy_sum
+
+    def compile_loss(self) -> None:
+        """torch.compile each chunk's logits and cross-entropy: the float32 cast, log-softmax and pick fuse into
+        reductions over the logits instead of several passes over a float32 [chunk, vocab] copy."""
+        self.chunk_loss = torch.compile(_chunk_cross_entropy_sum)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                 global_valid_count: int, with_logits: bool = False):
@@ -78,7 +86,8 @@ class ShardedNextTokenLoss(nn.Module):
         without autograd) for checks on short sequences."""
         hidden = self.llama.hidden_states(tokens, positions)
         with region("loss"):
-            loss = cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens) / global_valid_count
+            total = cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens, self.chunk_loss)
+            loss = total / global_valid_count
         if not with_logits:
             return loss
         with torch.no_grad():
@@ -257,7 +266,11 @@ def build_training(settings, device: torch.device) -> Training:
     shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype],
                 remat=settings.activation_checkpointing)
     load_local_shards(llama, source, device)
-    optimizer = AdamW(dict(llama.named_parameters()), settings.optimizer, fused=device.type == "cuda")
+    fast = device.type == "cuda" and not settings.eager  # inductor and the fused AdamW kernel: GPUs only
+    if fast:
+        llama.compile_elementwise()
+        model.compile_loss()
+    optimizer = AdamW(dict(llama.named_parameters()), settings.optimizer, fused=fast)
     return Training(mesh, llama, model, optimizer, source, run_metadata(settings, config), device)
 
 
