@@ -29,6 +29,10 @@ _REGION_FUNCTIONS = {  # the functions (of jax_impl/train.py) whose ops belong t
     "optimizer": {"clip_gradients", "adamw_update"},
 }
 _ATTENTION_FUNCTION = re.compile(r"^[a-z_]*attention[a-z_]*$")  # ring_attention, flash_attention, reference_...
+_HLO_OP = re.compile(r"hlo_op=([^,#\s]+)")  # inside a GPU kernel's XLA annotation: "name:#hlo_op=fusion.3,...#"
+# The kinds by kernel name, for kernels whose HLO instruction is not found (cuBLAS, cuDNN, NCCL kernels' names)
+_KERNEL_KINDS = (("communication", re.compile(r"nccl", re.I)), ("attention", re.compile(r"fmha|flash|sdpa", re.I)),
+                 ("gemm", re.compile(r"gemm|nvjet|cutlass|cublas|xmma", re.I)))
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+) = (.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+) \(.*\{\s*$")
 
@@ -115,8 +119,9 @@ class _Hlo:
     def classify(self, name: str, event_name: str) -> tuple[str, frozenset]:
         """(kind, regions) of the instruction `name` (the event's own name when the HLO lacks it)."""
         instruction = self.instructions.get(name)
+        by_name = next((kind for kind, pattern in _KERNEL_KINDS if pattern.search(event_name)), None)
         if instruction is None:
-            return ("communication" if "nccl" in event_name.lower() else "elementwise"), frozenset()
+            return by_name or "elementwise", frozenset()
         own = {instruction.opcode.removesuffix("-start").removesuffix("-done"), instruction.target}
         if own & set(_COLLECTIVES) or "nccl" in event_name.lower():
             kind = "communication"
@@ -125,7 +130,7 @@ class _Hlo:
         else:
             ops = self._opcodes(name, set())
             gemm = ops & set(_GEMM_OPS) or any("gemm" in op or "cublas" in op for op in ops)
-            kind = "gemm" if gemm else "elementwise"
+            kind = "gemm" if gemm else by_name or "elementwise"
         stack = self._stack(instruction.stack_frame)
         regions = {region for region, functions in _REGION_FUNCTIONS.items() if stack & functions}
         if any(_ATTENTION_FUNCTION.match(function) for function in stack):
@@ -135,8 +140,17 @@ class _Hlo:
         return kind, frozenset(regions)
 
 
-def _stats(event) -> dict:
-    return {key: value for key, value in event.stats}
+def _hlo_op(event) -> str:
+    """The HLO instruction an event executes: its `hlo_op` stat (CPU thunks), or the one named in its XLA
+    annotation (GPU kernels); "" when none."""
+    stats = {key: value for key, value in event.stats}
+    if "hlo_op" in stats:
+        return str(stats["hlo_op"])
+    for value in stats.values():
+        match = _HLO_OP.search(value) if isinstance(value, str) else None
+        if match:
+            return match.group(1)
+    return ""
 
 
 def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], list[tuple[float, float]]]:
@@ -155,10 +169,10 @@ def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], li
                 device_line = line.name.startswith("Stream") if plane in gpu else (on_host and not gpu)
                 if not device_line:
                     continue
-                stats = _stats(event)
-                if "hlo_op" not in stats and plane not in gpu:
+                op = _hlo_op(event)
+                if not op and plane not in gpu:
                     continue  # a CPU thread's own bookkeeping (thunk executor, thread pool), not an op
-                kind, regions = hlo.classify(str(stats.get("hlo_op", "")), event.name)
+                kind, regions = hlo.classify(op, event.name)
                 events.append(DeviceEvent(event.name, event.start_ns / 1e9, event.end_ns / 1e9, kind, regions))
     if gpu and not events:
         raise ValueError(f"no kernels on the streams of {gpu[0].name}; its lines: {[l.name for l in gpu[0].lines]}")

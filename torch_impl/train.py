@@ -197,10 +197,11 @@ def init_distributed() -> torch.device:
     return device
 
 
-def train_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tensor, targets: torch.Tensor,
-               positions: torch.Tensor, step: int, global_valid_count: int) -> tuple[float, float, float]:
-    """One optimizer step on this rank's part of a global batch: (global mean loss, grad norm before clipping,
-    learning rate)."""
+def launch_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor, step: int, global_valid_count: int
+                ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Queues one optimizer step on this rank's part of a global batch without waiting for it: (global mean loss,
+    grad norm before clipping: 0-d float32 device tensors, learning rate)."""
     config = optimizer.config
     loss = model(tokens, positions, targets, global_valid_count)
     loss.backward()
@@ -212,9 +213,43 @@ def train_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tens
         p.grad = None
     global_loss = loss.detach()
     dist.all_reduce(global_loss)  # each rank's share of the global mean
-    # The step's one host sync, for the logged numbers; it also completes the step for its wall time.
-    loss_value, grad_norm_value = torch.stack([global_loss, grad_norm]).tolist()
-    return loss_value, grad_norm_value, coefficients["lr"]
+    return global_loss, grad_norm, coefficients["lr"]
+
+
+def train_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tensor, targets: torch.Tensor,
+               positions: torch.Tensor, step: int, global_valid_count: int) -> tuple[float, float, float]:
+    """One optimizer step on this rank's part of a global batch, waited for: (global mean loss, grad norm before
+    clipping, learning rate)."""
+    loss, grad_norm, lr = launch_step(model, optimizer, tokens, targets, positions, step, global_valid_count)
+    loss_value, grad_norm_value = torch.stack([loss, grad_norm]).tolist()
+    return loss_value, grad_norm_value, lr
+
+
+class StepNumbers:
+    """What the loop reports of a launched step, on its way to the host without stalling the device: the loss, the
+    grad norm and every rank's peak memory, gathered into one device tensor whose copy to (pinned) host memory is
+    queued behind the step. `read()` waits for that copy only."""
+
+    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, device: torch.device):
+        # the allocator's peak is known on the host once the step is queued (allocation happens at launch)
+        peak = torch.tensor([float(peak_memory_bytes(device))], dtype=torch.float64)
+        if device.type == "cuda":
+            peak = peak.pin_memory().to(device, non_blocking=True)
+        local = torch.cat([torch.stack([loss, grad_norm]).double(), peak])
+        everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, local)
+        self.host = torch.stack(everyone).to("cpu", non_blocking=device.type == "cuda")
+        self.done = None
+        if device.type == "cuda":
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def read(self) -> tuple[float, float, list[int]]:
+        """(loss, grad norm, peak memory bytes per rank), once the step is done."""
+        if self.done is not None:
+            self.done.synchronize()
+        rows = self.host.tolist()
+        return rows[0][0], rows[0][1], [int(row[2]) for row in rows]
 
 
 StepCallback = Callable[..., None]
@@ -290,19 +325,35 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
     valid_count = valid_target_count(settings.batch, settings.seq_len)
     traced = settings.profile and dist.get_rank() == 0
     profiler = StepProfiler(device, profiled_steps(start, stop) if traced else range(0))
-    for step in range(start, stop):
-        began = time.perf_counter()
-        profiler.begin(step)
-        loss, grad_norm, lr = train_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
-                                         valid_count)
-        profiler.end(step)
-        seconds = time.perf_counter() - began
-        peaks = all_ranks(peak_memory_bytes(device), device)
+    # No host synchronisation inside the loop: step N's numbers are read once step N + 1 is queued, so the host
+    # prepares and launches the next step while the device runs this one. A step's time is the wall time between
+    # the completions of its predecessor and itself.
+    pending: tuple[int, StepNumbers, float] | None = None
+    last_done = time.perf_counter()
+
+    def report(step: int, numbers: StepNumbers, lr: float) -> None:
+        nonlocal last_done
+        loss, grad_norm, peaks = numbers.read()
+        done = time.perf_counter()
         if on_step is not None and dist.get_rank() == 0:
-            on_step(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds, peak_memory_bytes=peaks)
-        if checkpoint_due(settings, step + 1, stop):
+            on_step(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=done - last_done,
+                    peak_memory_bytes=peaks)
+        last_done = done
+
+    for step in range(start, stop):
+        profiler.begin(step)
+        loss, grad_norm, lr = launch_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
+                                          valid_count)
+        numbers = StepNumbers(loss, grad_norm, device)
+        profiler.end(step)
+        if pending is not None:
+            report(*pending)
+        pending = (step, numbers, lr)
+        if checkpoint_due(settings, step + 1, stop):  # queued behind this step, before the next one changes it
             checkpointing.save_checkpoint(settings.ckpt_dir, step + 1, llama, optimizer.state_dict(), meta,
                                           keep=settings.keep)
+    if pending is not None:
+        report(*pending)
     if traced and on_profile is not None:
         on_profile(profiler.breakdown())
     if settings.export_paths is not None:
