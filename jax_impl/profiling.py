@@ -116,12 +116,16 @@ class _Hlo:
                     found |= self._opcodes(inner, seen)
         return found
 
-    def classify(self, name: str, event_name: str) -> tuple[str, frozenset]:
-        """(kind, regions) of the instruction `name` (the event's own name when the HLO lacks it)."""
-        instruction = self.instructions.get(name)
+    def classify(self, name: str, event_name: str, name_stack: str) -> tuple[str, frozenset]:
+        """(kind, regions) of the instruction `name`, else of the one the kernel `event_name` was generated for
+        (XLA names a fusion's kernel after it, "." made "_"); with neither in the HLO, the kind from the kernel's
+        name and the regions from the event's JAX `name_stack` alone."""
+        candidates = (name, event_name, re.sub(r"_(\d+)$", r".\1", event_name))
+        instruction = next((self.instructions[c] for c in candidates if c in self.instructions), None)
         by_name = next((kind for kind, pattern in _KERNEL_KINDS if pattern.search(event_name)), None)
         if instruction is None:
-            return by_name or "elementwise", frozenset()
+            regions = {"recompute"} if "rematted_computation" in name_stack else set()
+            return by_name or "elementwise", frozenset(regions)
         own = {instruction.opcode.removesuffix("-start").removesuffix("-done"), instruction.target}
         if own & set(_COLLECTIVES) or "nccl" in event_name.lower():
             kind = "communication"
@@ -140,17 +144,18 @@ class _Hlo:
         return kind, frozenset(regions)
 
 
-def _hlo_op(event) -> str:
-    """The HLO instruction an event executes: its `hlo_op` stat (CPU thunks), or the one named in its XLA
-    annotation (GPU kernels); "" when none."""
+def _hlo_op(event) -> tuple[str, str]:
+    """(the HLO instruction an event executes, its JAX name stack): the `hlo_op` stat, or the instruction named
+    in the event's XLA annotation; the `tf_op` stat; "" for what the event lacks."""
     stats = {key: value for key, value in event.stats}
+    name_stack = str(stats.get("tf_op", ""))
     if "hlo_op" in stats:
-        return str(stats["hlo_op"])
+        return str(stats["hlo_op"]), name_stack
     for value in stats.values():
         match = _HLO_OP.search(value) if isinstance(value, str) else None
         if match:
-            return match.group(1)
-    return ""
+            return match.group(1), name_stack
+    return "", name_stack
 
 
 def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], list[tuple[float, float]]]:
@@ -169,10 +174,10 @@ def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], li
                 device_line = line.name.startswith("Stream") if plane in gpu else (on_host and not gpu)
                 if not device_line:
                     continue
-                op = _hlo_op(event)
+                op, name_stack = _hlo_op(event)
                 if not op and plane not in gpu:
                     continue  # a CPU thread's own bookkeeping (thunk executor, thread pool), not an op
-                kind, regions = hlo.classify(op, event.name)
+                kind, regions = hlo.classify(op, event.name, name_stack)
                 events.append(DeviceEvent(event.name, event.start_ns / 1e9, event.end_ns / 1e9, kind, regions))
     if gpu and not events:
         raise ValueError(f"no kernels on the streams of {gpu[0].name}; its lines: {[l.name for l in gpu[0].lines]}")

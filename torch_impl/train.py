@@ -345,9 +345,9 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
         loss, grad_norm, lr = launch_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
                                           valid_count)
         numbers = StepNumbers(loss, grad_norm, device)
-        profiler.end(step)
         if pending is not None:
             report(*pending)
+        profiler.end(step)  # a traced step is waited for here
         pending = (step, numbers, lr)
         if checkpoint_due(settings, step + 1, stop):  # queued behind this step, before the next one changes it
             checkpointing.save_checkpoint(settings.ckpt_dir, step + 1, llama, optimizer.state_dict(), meta,
