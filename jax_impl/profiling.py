@@ -121,7 +121,8 @@ class _Hlo:
         (XLA names a fusion's kernel after it, "." made "_"); with neither in the HLO, the kind from the kernel's
         name and the regions from the event's JAX `name_stack` alone."""
         candidates = (name, event_name, re.sub(r"_(\d+)$", r".\1", event_name))
-        instruction = next((self.instructions[c] for c in candidates if c in self.instructions), None)
+        name = next((c for c in candidates if c in self.instructions), "")
+        instruction = self.instructions.get(name)
         by_name = next((kind for kind, pattern in _KERNEL_KINDS if pattern.search(event_name)), None)
         if instruction is None:
             regions = {"recompute"} if "rematted_computation" in name_stack else set()

@@ -1,5 +1,6 @@
 """`twinflash train --profile` on CPU (the CPU is the device: its ops are classified like kernels) in both
-backends, the breakdown rule of `weights/profiling.py` on made-up timelines, its sanity check (with negative
+backends, the breakdown rule of `weights/profiling.py` on made-up timelines, the JAX classification of HLO
+instructions and GPU kernels on a made-up HLO module, the sanity check (with negative
 controls), and the fused AdamW of the torch step against the written-out one.
 
 Tolerances:
@@ -127,3 +128,62 @@ def test_profile_needs_an_output_directory(capsys):
 
     assert main(["--model", "tiny", "--seq-len", "64", "--steps", "3", "--profile"]) == 2
     assert "--profile needs --out" in capsys.readouterr().err
+
+
+_HLO_TEXT = """HloModule jit_train_step, is_scheduled=true
+
+FileNames
+1 "jax_impl/train.py"
+
+FunctionNames
+1 "train_step"
+2 "adamw_update"
+3 "ring_attention"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=1 end_line=1 column=1 end_column=2}
+2 {file_name_id=1 function_name_id=2 line=2 end_line=2 column=1 end_column=2}
+3 {file_name_id=1 function_name_id=3 line=3 end_line=3 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=1}
+
+%fused_computation.1 (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %multiply.1 = f32[4]{0} multiply(%param_0, %param_0)
+}
+
+%fused_computation.2 (param_0.1: bf16[4,4], param_1.1: bf16[4,4]) -> bf16[4,4] {
+  %param_0.1 = bf16[4,4]{1,0} parameter(0)
+  %param_1.1 = bf16[4,4]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[4,4]{1,0} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.9 (a: f32[4], b: bf16[4,4]) -> (f32[4], bf16[4,4]) {
+  %a = f32[4]{0} parameter(0)
+  %b = bf16[4,4]{1,0} parameter(1)
+  %loop_multiply_fusion.32 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1, \
+metadata={op_name="jit(train_step)/mul" stack_frame_id=2}
+  %gemm_fusion.3 = bf16[4,4]{1,0} fusion(%b, %b), kind=kCustom, calls=%fused_computation.2, \
+metadata={op_name="jit(train_step)/transpose(jvp())/checkpoint/rematted_computation/dot_general" stack_frame_id=3}
+  %all-gather-start = (bf16[4,4]{1,0}, bf16[8,4]{1,0}) all-gather-start(%gemm_fusion.3), dimensions={0}
+  ROOT %tuple.1 = (f32[4]{0}, bf16[4,4]{1,0}) tuple(%loop_multiply_fusion.32, %gemm_fusion.3)
+}
+"""
+
+
+def test_jax_hlo_classification_of_instructions_and_kernels():
+    from jax_impl.profiling import _Hlo
+
+    hlo = _Hlo(_HLO_TEXT)
+    optimizer = ("elementwise", frozenset({"optimizer"}))
+    assert hlo.classify("loop_multiply_fusion.32", "loop_multiply_fusion_32", "") == optimizer
+    assert hlo.classify("", "loop_multiply_fusion_32", "") == optimizer  # found by the kernel's own name
+    assert hlo.classify("gemm_fusion.3", "gemm_fusion_3", "") == ("gemm", frozenset({"attention", "recompute"}))
+    assert hlo.classify("all-gather-start", "ncclDevKernel_AllGather", "")[0] == "communication"
+    # not in the HLO: the kind from the kernel's name, recomputation from the name stack
+    assert hlo.classify("fusion.404", "nvjet_sm90_tst_128x256", "") == ("gemm", frozenset())
+    assert hlo.classify("", "loop_add_fusion_7", "jvp()/rematted_computation/add") == (
+        "elementwise", frozenset({"recompute"}))
