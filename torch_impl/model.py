@@ -8,6 +8,10 @@ holding a zigzag shard rotates its tokens by their true positions. `remat` check
 ("full": only layer inputs are kept for the backward, which recomputes the rest; "save-attention": the attention's
 output and log-sum-exp are kept too, so the backward does not rerun the attention; see `torch_impl/remat.py`).
 
+For `twinflash train --profile` the attention function's work and a checkpointed layer's rerun in the backward
+are marked as regions (`torch_impl/profiling.py`); `compile_elementwise` compiles the modules around the attention
+(the training step does on GPUs).
+
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
 """

@@ -17,6 +17,10 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
              + eps) with t = step + 1; lr = OptimizerConfig.learning_rate(step), set every step; fp32 state.
   precision  fp32 master weights and optimizer state; with bf16, FSDP gathers bf16 weights for the compute and
              reduces fp32 gradients (MixedPrecisionPolicy).
+
+Speed on GPUs (`--eager` turns the first two off): the modules around the attention and the loss chunks run
+under torch.compile, AdamW runs as torch's fused kernel (same formula, `AdamW`), and the loop never waits for a
+step inside it (`StepNumbers`). `twinflash train --profile` traces the last steps (`torch_impl/profiling.py`).
 """
 
 from __future__ import annotations
