@@ -59,8 +59,10 @@ from jax_impl import checkpointing
 from jax_impl.model import DTYPES, Llama
 from jax_impl.parallel import (activation_sharding, make_mesh, parameter_shardings, put_sharded, ring_attention_fn,
                                sharded_batch)
+from jax_impl.profiling import StepProfiler
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_for_backward
+from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
@@ -298,14 +300,16 @@ def _plan_compiler_options(mesh: Mesh) -> dict[str, str]:
 
 
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
-                 devices: Sequence[jax.Device] | None = None) -> State:
+                 devices: Sequence[jax.Device] | None = None, on_profile: Callable[[dict], None] | None = None
+                 ) -> State:
     """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches) in this process over
     `devices` (default: all of JAX's, whose count must match `settings.mesh`); see `weights.settings.TrainSettings`
     for the fields read here. Calls `on_step(step=, loss=, lr=, grad_norm=, seconds=,
     peak_memory_bytes=[per device])` after every step. Resumes from the latest checkpoint with `settings.resume`,
     saves every `settings.ckpt_every` steps and at the end of the run, exports the final weights to
     `settings.export_paths` when set. Returns the final training state. Bad input (mesh, batch shape, checkpoint)
-    raises BadInputError before anything is computed or written."""
+    raises BadInputError before anything is computed or written. With `settings.profile`, traces the last steps
+    (`weights.profiling.profiled_steps`) and calls `on_profile(breakdown)` at the end (`jax_impl/profiling.py`)."""
     check_batches(settings, batches)
     run = build_training(settings, devices)
     mesh, spec, state, meta = run.mesh, run.spec, run.state, run.meta
@@ -316,19 +320,25 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
             state = checkpointing.load_checkpoint(manager, latest, state)
             print(f"resumed from {latest} (step {start})", flush=True)
         stop = settings.stop_at or batches.shape[0]
+        profiler = StepProfiler(profiled_steps(start, stop) if settings.profile else range(0))
         for step in range(start, stop):
             began = time.perf_counter()
+            profiler.begin(step)
             tokens, targets, positions = sharded_batch(batches[step], mesh)
             coefficients = adamw_coefficients(settings.optimizer, step)
             state, loss, grad_norm = train_step(state, tokens, targets, positions, step_scalars(coefficients),
                                                 spec=spec)
             loss = float(loss)  # synchronises the devices: the step's time is complete
+            profiler.end(step)
             seconds = time.perf_counter() - began
             if on_step is not None:
                 on_step(step=step, loss=loss, lr=coefficients["lr"], grad_norm=float(grad_norm), seconds=seconds,
                         peak_memory_bytes=peak_memory_bytes(mesh))
             if checkpoint_due(settings, step + 1, stop):
                 checkpointing.save_checkpoint(manager, step + 1, state, meta)
+        if settings.profile and on_profile is not None:  # the step compiled before: its HLO comes from the cache
+            on_profile(profiler.breakdown(train_step.lower(state, tokens, targets, positions, step_scalars(
+                coefficients), spec=spec).compile().as_text()))
     finally:
         if manager is not None:
             manager.close()  # waits for a save in flight; raises if it failed

@@ -218,7 +218,7 @@ def test_adamw_matches_torch_adamw_and_clipping_matches_torch():
         assert norm == pytest.approx(float(torch_norm), rel=1e-6)
         for group in reference.param_groups:
             group["lr"] = config.learning_rate(step)
-        optimizer.step(adamw_coefficients(config, step))
+        optimizer.step(adamw_coefficients(config, step), step)
         reference.step()
         for n in shapes:
             torch.testing.assert_close(ours[n].data, theirs[n].data, rtol=1e-6, atol=1e-7)

@@ -8,6 +8,10 @@ holding a zigzag shard rotates its tokens by their true positions. `remat` check
 ("full": only layer inputs are kept for the backward, which recomputes the rest; "save-attention": the attention's
 output and log-sum-exp are kept too, so the backward does not rerun the attention; see `torch_impl/remat.py`).
 
+For `twinflash train --profile` the attention function's work and a checkpointed layer's rerun in the backward
+are marked as regions (`torch_impl/profiling.py`); `compile_elementwise` compiles the modules around the attention
+(the training step does on GPUs).
+
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
 """
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_impl.attention import AttentionFn, reference_attention
+from torch_impl.profiling import region
 from torch_impl.remat import checkpointed_layer
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
 
@@ -71,8 +76,16 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, c.num_heads, c.head_dim)
         k = self.wk(x).view(b, s, c.num_kv_heads, c.head_dim)
         v = self.wv(x).view(b, s, c.num_kv_heads, c.head_dim)
-        out = attention_fn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        out = _attend(attention_fn, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
         return self.wo(out.reshape(b, s, c.num_heads * c.head_dim))
+
+
+@torch.compiler.disable
+def _attend(attention_fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention function, run eagerly even inside a compiled `Attention` (our kernels and the ring's
+    communication are their own autograd Functions): torch.compile splits the layer around it."""
+    with region("attention"):
+        return attention_fn(q, k, v)
 
 
 class FeedForward(nn.Module):
@@ -100,6 +113,17 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def _marked_recompute(layer: nn.Module):
+    """`layer`, whose reruns by the backward (checkpointing's recomputation) are marked for the profile."""
+    def run(*args):
+        if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward
+            return layer(*args)
+        with region("recompute"):
+            return layer(*args)
+
+    return run
+
+
 class Llama(nn.Module):
     def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None, remat: str = "off"):
         super().__init__()
@@ -121,10 +145,19 @@ class Llama(nn.Module):
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
         for layer in self.layers:
             if self.remat != "off":
-                x = checkpointed_layer(layer, x, cos, sin, self.attention_fn, mode=self.remat)
+                x = checkpointed_layer(_marked_recompute(layer), x, cos, sin, self.attention_fn, mode=self.remat)
             else:
                 x = layer(x, cos, sin, self.attention_fn)
         return self.norm(x)
+
+    def compile_elementwise(self) -> None:
+        """torch.compile (in place) the modules around the attention: the norms, the attention's projections and
+        RoPE (split around the attention function, `_attend`) and the SwiGLU MLP, so that their elementwise work
+        runs as a few fused kernels instead of one kernel per op. The matmuls stay cuBLAS's."""
+        for layer in self.layers:
+            for module in (layer.attention_norm, layer.attention, layer.ffn_norm, layer.feed_forward):
+                module.compile()
+        self.norm.compile()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.tok_embeddings.weight if self.output is None else self.output.weight

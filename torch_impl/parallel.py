@@ -134,6 +134,10 @@ def local_batch(tokens: np.ndarray, mesh: DeviceMesh, device: torch.device
     positions = rank_positions(tokens.shape[1], shape.sp, mesh.get_local_rank("sp"), RING_LAYOUT)
 
     def local(x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x[rows][:, positions])).to(device)
+        host = torch.from_numpy(np.ascontiguousarray(x))
+        if device.type != "cuda":
+            return host
+        # from pinned memory the copy is queued like a kernel; from pageable memory it would wait for the device
+        return host.pin_memory().to(device, non_blocking=True)
 
-    return local(tokens), local(next_token_targets(tokens)), torch.from_numpy(positions).to(device)
+    return local(tokens[rows][:, positions]), local(next_token_targets(tokens)[rows][:, positions]), local(positions)

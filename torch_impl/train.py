@@ -17,6 +17,10 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
              + eps) with t = step + 1; lr = OptimizerConfig.learning_rate(step), set every step; fp32 state.
   precision  fp32 master weights and optimizer state; with bf16, FSDP gathers bf16 weights for the compute and
              reduces fp32 gradients (MixedPrecisionPolicy).
+
+Speed on GPUs (`--eager` turns the first two off): the modules around the attention and the loss chunks run
+under torch.compile, AdamW runs as torch's fused kernel (same formula, `AdamW`), and the loop never waits for a
+step inside it (`StepNumbers`). `twinflash train --profile` traces the last steps (`torch_impl/profiling.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from torch.utils.checkpoint import checkpoint
 from torch_impl import checkpointing
 from torch_impl.model import DTYPES, Llama
 from torch_impl.parallel import load_local_shards, local_batch, make_mesh, ring_attention_fn, shard_model
+from torch_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, RandomWeights, open_weights
+from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
@@ -49,15 +55,17 @@ def _chunk_cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.
     return F.cross_entropy(llama.logits(hidden), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+def cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                      chunk_loss: Callable = _chunk_cross_entropy_sum) -> torch.Tensor:
     """float32 sum of next-token cross-entropy over the positions of `hidden` [B, S, hidden] whose target is not
-    IGNORE_INDEX, `chunk_tokens` positions at a time, each chunk's logits recomputed in the backward."""
+    IGNORE_INDEX, `chunk_tokens` positions at a time, each chunk's logits recomputed in the backward;
+    `chunk_loss` is `_chunk_cross_entropy_sum` or a compiled copy of it."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        total = total + checkpoint(_chunk_cross_entropy_sum, llama, hidden[rows], targets[rows], use_reentrant=False)
+        total = total + checkpoint(chunk_loss, llama, hidden[rows], targets[rows], use_reentrant=False)
     return total
 
 
@@ -70,13 +78,21 @@ class ShardedNextTokenLoss(nn.Module):
         super().__init__()
         self.llama = llama
         self.chunk_tokens = chunk_tokens
+        self.chunk_loss = _chunk_cross_entropy_sum
+
+    def compile_loss(self) -> None:
+        """torch.compile each chunk's logits and cross-entropy: the float32 cast, log-softmax and pick fuse into
+        reductions over the logits instead of several passes over a float32 [chunk, vocab] copy."""
+        self.chunk_loss = torch.compile(_chunk_cross_entropy_sum)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                 global_valid_count: int, with_logits: bool = False):
         """The loss share; with `with_logits`, (loss share, this rank's float32 logits [B, S_local, vocab], made
         without autograd) for checks on short sequences."""
         hidden = self.llama.hidden_states(tokens, positions)
-        loss = cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens) / global_valid_count
+        with region("loss"):
+            total = cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens, self.chunk_loss)
+            loss = total / global_valid_count
         if not with_logits:
             return loss
         with torch.no_grad():
@@ -104,24 +120,34 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Te
 
 class AdamW:
     """AdamW over (possibly sharded) parameters, torch.optim.AdamW's arithmetic (module docstring), weight decay
-    on 2-D parameters only. State: float32 `exp_avg` and `exp_avg_sq` per parameter, sharded like it."""
+    on 2-D parameters only. State: float32 `exp_avg` and `exp_avg_sq` per parameter, sharded like it.
 
-    def __init__(self, named_parameters: dict[str, nn.Parameter], config: OptimizerConfig):
+    Two implementations of that arithmetic: `fused=False` writes it out op by op with foreach kernels (about ten
+    passes over the state; the reference the equivalence tests hold the JAX twin to); `fused=True` runs torch's
+    fused AdamW kernel (`torch._fused_adamw_`, what `torch.optim.AdamW(fused=True)` calls: the same formula in one
+    pass per parameter group), which agrees with the written-out one to float32 rounding
+    (tests/test_profile.py)."""
+
+    def __init__(self, named_parameters: dict[str, nn.Parameter], config: OptimizerConfig, fused: bool = False):
         self.parameters = named_parameters
         self.config = config
+        self.fused = fused
         self.exp_avg = {name: torch.zeros_like(p) for name, p in named_parameters.items()}
         self.exp_avg_sq = {name: torch.zeros_like(p) for name, p in named_parameters.items()}
 
     @torch.no_grad()
-    def step(self, coefficients: dict[str, float]) -> None:
-        """Applies one optimizer step to the parameters' gradients; `coefficients` are the step's host scalars
-        (`weights.training.adamw_coefficients`)."""
+    def step(self, coefficients: dict[str, float], step: int) -> None:
+        """Applies optimizer step `step` (0-based) to the parameters' gradients; `coefficients` are its host
+        scalars (`weights.training.adamw_coefficients`)."""
         c = self.config
         names = list(self.parameters)
         params = [_local(self.parameters[n]) for n in names]
         grads = [_local(self.parameters[n].grad) for n in names]
         exp_avg = [_local(self.exp_avg[n]) for n in names]
         exp_avg_sq = [_local(self.exp_avg_sq[n]) for n in names]
+        if self.fused:
+            self._fused_step(names, params, grads, exp_avg, exp_avg_sq, coefficients["lr"], step)
+            return
         decayed = [p for n, p in zip(names, params) if self.parameters[n].ndim == 2]
         torch._foreach_mul_(decayed, coefficients["decay"])
         torch._foreach_lerp_(exp_avg, grads, 1 - c.beta1)
@@ -131,6 +157,18 @@ class AdamW:
         torch._foreach_div_(denom, coefficients["bias_correction2_sqrt"])
         torch._foreach_add_(denom, c.eps)
         torch._foreach_addcdiv_(params, exp_avg, denom, value=-coefficients["step_size"])
+
+    def _fused_step(self, names, params, grads, exp_avg, exp_avg_sq, lr: float, step: int) -> None:
+        c = self.config
+        # The kernel reads t from a tensor per parameter; one shared tensor, filled without a host sync.
+        t = torch.full((), float(step + 1), dtype=torch.float32, device=params[0].device)
+        for decay, wanted in ((c.weight_decay, True), (0.0, False)):  # weight decay on 2-D parameters only
+            group = [i for i, n in enumerate(names) if (self.parameters[n].ndim == 2) == wanted]
+            if group:
+                torch._fused_adamw_([params[i] for i in group], [grads[i] for i in group],
+                                    [exp_avg[i] for i in group], [exp_avg_sq[i] for i in group], [],
+                                    [t] * len(group), lr=lr, beta1=c.beta1, beta2=c.beta2, weight_decay=decay,
+                                    eps=c.eps, amsgrad=False, maximize=False)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """The state tensors themselves (loading into them with DCP restores the optimizer in place)."""
@@ -164,37 +202,77 @@ def init_distributed() -> torch.device:
     return device
 
 
-def train_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tensor, targets: torch.Tensor,
-               positions: torch.Tensor, step: int, global_valid_count: int) -> tuple[float, float, float]:
-    """One optimizer step on this rank's part of a global batch: (global mean loss, grad norm before clipping,
-    learning rate)."""
+def launch_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor, step: int, global_valid_count: int
+                ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Queues one optimizer step on this rank's part of a global batch without waiting for it: (global mean loss,
+    grad norm before clipping: 0-d float32 device tensors, learning rate)."""
     config = optimizer.config
     loss = model(tokens, positions, targets, global_valid_count)
     loss.backward()
-    grad_norm = clip_grad_norm_(list(optimizer.parameters.values()), config.grad_clip_norm)
-    coefficients = adamw_coefficients(config, step)
-    optimizer.step(coefficients)
+    with region("optimizer"):
+        grad_norm = clip_grad_norm_(list(optimizer.parameters.values()), config.grad_clip_norm)
+        coefficients = adamw_coefficients(config, step)
+        optimizer.step(coefficients, step)
     for p in optimizer.parameters.values():
         p.grad = None
     global_loss = loss.detach()
     dist.all_reduce(global_loss)  # each rank's share of the global mean
-    # The step's one host sync, for the logged numbers; it also completes the step for its wall time.
-    loss_value, grad_norm_value = torch.stack([global_loss, grad_norm]).tolist()
-    return loss_value, grad_norm_value, coefficients["lr"]
+    return global_loss, grad_norm, coefficients["lr"]
+
+
+def train_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tensor, targets: torch.Tensor,
+               positions: torch.Tensor, step: int, global_valid_count: int) -> tuple[float, float, float]:
+    """One optimizer step on this rank's part of a global batch, waited for: (global mean loss, grad norm before
+    clipping, learning rate)."""
+    loss, grad_norm, lr = launch_step(model, optimizer, tokens, targets, positions, step, global_valid_count)
+    loss_value, grad_norm_value = torch.stack([loss, grad_norm]).tolist()
+    return loss_value, grad_norm_value, lr
+
+
+class StepNumbers:
+    """What the loop reports of a launched step, on its way to the host without stalling the device: the loss, the
+    grad norm and every rank's peak memory, gathered into one device tensor whose copy to (pinned) host memory is
+    queued behind the step. `read()` waits for that copy only."""
+
+    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, device: torch.device):
+        # the allocator's peak is known on the host once the step is queued (allocation happens at launch)
+        peak = torch.tensor([float(peak_memory_bytes(device))], dtype=torch.float64)
+        if device.type == "cuda":
+            peak = peak.pin_memory().to(device, non_blocking=True)
+        local = torch.cat([torch.stack([loss, grad_norm]).double(), peak])
+        everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, local)
+        self.host = torch.stack(everyone).to("cpu", non_blocking=device.type == "cuda")
+        self.done = None
+        if device.type == "cuda":
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def read(self) -> tuple[float, float, list[int]]:
+        """(loss, grad norm, peak memory bytes per rank), once the step is done."""
+        if self.done is not None:
+            self.done.synchronize()
+        rows = self.host.tolist()
+        return rows[0][0], rows[0][1], [int(row[2]) for row in rows]
 
 
 StepCallback = Callable[..., None]
+ProfileCallback = Callable[[dict], None]
 
 
-def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None) -> None:
+def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
+                 on_profile: ProfileCallback | None = None) -> None:
     """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches, the same on every
     rank) under torchrun; see `weights.settings.TrainSettings` for the fields read here. On rank 0,
     `on_step(step=, loss=, lr=, grad_norm=, seconds=, peak_memory_bytes=[per rank])` after every step. Resumes
     from the latest checkpoint with `settings.resume`, saves every `settings.ckpt_every` steps and at the end of
-    the run, exports the final weights to `settings.export_paths` when set."""
+    the run, exports the final weights to `settings.export_paths` when set. With `settings.profile`, rank 0
+    traces the last steps (`weights.profiling.profiled_steps`) and calls `on_profile(breakdown)` at the end
+    (`weights.profiling.breakdown`, plus "device")."""
     device = init_distributed()
     try:
-        _train(settings, batches, on_step, device)
+        _train(settings, batches, on_step, on_profile, device)
     finally:
         dist.destroy_process_group()
 
@@ -228,11 +306,16 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
     shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype],
                 remat=settings.activation_checkpointing)
     load_local_shards(llama, source, device)
-    optimizer = AdamW(dict(llama.named_parameters()), settings.optimizer)
+    fast = device.type == "cuda" and not settings.eager  # inductor and the fused AdamW kernel: GPUs only
+    if fast:
+        llama.compile_elementwise()
+        model.compile_loss()
+    optimizer = AdamW(dict(llama.named_parameters()), settings.optimizer, fused=fast)
     return Training(mesh, llama, model, optimizer, source, run_metadata(settings, config), device)
 
 
-def _train(settings, batches: np.ndarray, on_step: StepCallback | None, device: torch.device) -> None:
+def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profile: ProfileCallback | None,
+           device: torch.device) -> None:
     check_batches(settings, batches)
     run = build_training(settings, device)
     mesh, llama, model, optimizer, meta = run.mesh, run.llama, run.model, run.optimizer, run.meta
@@ -245,16 +328,38 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, device: 
 
     stop = settings.stop_at or batches.shape[0]
     valid_count = valid_target_count(settings.batch, settings.seq_len)
-    for step in range(start, stop):
-        began = time.perf_counter()
-        loss, grad_norm, lr = train_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
-                                         valid_count)
-        seconds = time.perf_counter() - began
-        peaks = all_ranks(peak_memory_bytes(device), device)
+    traced = settings.profile and dist.get_rank() == 0
+    profiler = StepProfiler(device, profiled_steps(start, stop) if traced else range(0))
+    # No host synchronisation inside the loop: step N's numbers are read once step N + 1 is queued, so the host
+    # prepares and launches the next step while the device runs this one. A step's time is the wall time between
+    # the completions of its predecessor and itself.
+    pending: tuple[int, StepNumbers, float] | None = None
+    last_done = time.perf_counter()
+
+    def report(step: int, numbers: StepNumbers, lr: float) -> None:
+        nonlocal last_done
+        loss, grad_norm, peaks = numbers.read()
+        done = time.perf_counter()
         if on_step is not None and dist.get_rank() == 0:
-            on_step(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds, peak_memory_bytes=peaks)
-        if checkpoint_due(settings, step + 1, stop):
+            on_step(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=done - last_done,
+                    peak_memory_bytes=peaks)
+        last_done = done
+
+    for step in range(start, stop):
+        profiler.begin(step)
+        loss, grad_norm, lr = launch_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
+                                          valid_count)
+        numbers = StepNumbers(loss, grad_norm, device)
+        if pending is not None:
+            report(*pending)
+        profiler.end(step)  # a traced step is waited for here
+        pending = (step, numbers, lr)
+        if checkpoint_due(settings, step + 1, stop):  # queued behind this step, before the next one changes it
             checkpointing.save_checkpoint(settings.ckpt_dir, step + 1, llama, optimizer.state_dict(), meta,
                                           keep=settings.keep)
+    if pending is not None:
+        report(*pending)
+    if traced and on_profile is not None:
+        on_profile(profiler.breakdown())
     if settings.export_paths is not None:
         checkpointing.export_trained_weights(llama, *settings.export_paths, run.source)

@@ -34,6 +34,9 @@ class TrainSettings:
     out            directory of train.jsonl
     export_dir     the final weights go to `export_paths`: EXPORT/converted (twinflash format) and EXPORT/hf
     plan_memory    (JAX) print XLA's per-device memory plan of the step instead of training
+    eager          torch on GPUs: no torch.compile and no fused AdamW kernel (the step as the equivalence tests
+                   run it on CPU)
+    profile        trace the last steps and write their time breakdown to OUT/profile.json (weights/profiling.py)
     """
 
     backend: str
@@ -58,6 +61,8 @@ class TrainSettings:
     out: Path | None = None
     export_dir: Path | None = None
     plan_memory: bool = False
+    eager: bool = False
+    profile: bool = False
 
     @property
     def export_paths(self) -> tuple[Path, Path] | None:

@@ -91,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="directory for train.jsonl")
     parser.add_argument("--plan-memory", action="store_true", help="JAX: compile the step for abstract inputs and "
                         "print XLA's per-device memory plan; nothing is loaded or trained")
+    parser.add_argument("--eager", action="store_true", help="torch on GPUs: run the step without torch.compile "
+                        "and the fused AdamW kernel")
+    parser.add_argument("--profile", action="store_true", help="trace the last steps and write their time "
+                        "breakdown by category to OUT/profile.json (and print it)")
     parser.add_argument("--export", type=Path, dest="export_dir",
                         help="write the final weights to DIR/converted (twinflash format) and DIR/hf")
 
@@ -108,6 +112,8 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
         raise BadInputError(f"--stop-at {args.stop_at} is beyond --steps {args.steps}")
     if args.resume and args.ckpt_dir is None:
         raise BadInputError("--resume needs --ckpt-dir")
+    if args.profile and (args.out is None or (args.stop_at or args.steps) < 2):
+        raise BadInputError("--profile needs --out and at least 2 steps (the first one is not profiled)")
     if args.plan_memory and args.backend != "jax":
         raise BadInputError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
     optimizer = OptimizerConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps,
@@ -119,7 +125,8 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
         ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
         ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume, stop_at=args.stop_at, out=args.out,
-        export_dir=args.export_dir, plan_memory=args.plan_memory)
+        export_dir=args.export_dir, plan_memory=args.plan_memory, eager=args.eager,
+        profile=args.profile)
     check_attention_backend(settings)
     return settings
 
@@ -214,6 +221,15 @@ class StepReport:
                 f"median {median('tokens_per_s'):,.0f} tokens/s, {median('tflops_per_device'):.1f} TFLOP/s per "
                 f"device{mfu}, peak memory {peak / 2**30:.2f} GiB per device")
 
+    def profile(self, breakdown: dict) -> None:
+        """`on_profile` of the run: OUT/profile.json (the breakdown and the run's settings) and the table."""
+        from weights.profiling import PROFILE_JSON, format_table, write_profile
+
+        profile = {**breakdown, "backend": self.settings.backend, "settings": json.loads(self.settings.to_json())}
+        write_profile(self.settings.out / PROFILE_JSON, profile)
+        self.progress.console.print(format_table(profile), markup=False, highlight=False,
+                                    soft_wrap=True)
+
     def __call__(self, *, step: int, loss: float, lr: float, grad_norm: float, seconds: float,
                  peak_memory_bytes: list[int]) -> None:
         tflops = self.step_flops / seconds / self.devices / 1e12
@@ -256,7 +272,7 @@ def _run_torch_worker(settings: TrainSettings) -> int:
         run_training(settings, batches)
         return 0
     with StepReport(settings, config, start, on_gpu=torch.cuda.is_available()) as report:
-        run_training(settings, batches, report)
+        run_training(settings, batches, report, report.profile)
     return 0
 
 
@@ -282,7 +298,7 @@ def _run_jax_here(settings: TrainSettings) -> int:
         return 0
     config, batches, start = check_run(settings, jax.device_count())
     with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu") as report:
-        run_training(settings, batches, report)
+        run_training(settings, batches, report, on_profile=report.profile)
     return 0
 
 

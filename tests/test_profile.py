@@ -1,0 +1,189 @@
+"""`twinflash train --profile` on CPU (the CPU is the device: its ops are classified like kernels) in both
+backends, the breakdown rule of `weights/profiling.py` on made-up timelines, the JAX classification of HLO
+instructions and GPU kernels on a made-up HLO module, the sanity check (with negative
+controls), and the fused AdamW of the torch step against the written-out one.
+
+Tolerances:
+  categories vs step: `weights.profiling.SUM_TOLERANCE` (15 %, the task's bound); the breakdown is built to sum
+  exactly, so the real runs are also held to 1e-9 relative (float rounding of a few thousand additions).
+  fused vs written-out AdamW: 1e-6 relative to the parameters' size after 5 steps: the same float32 formula in
+  another order of operations differs by a few ulps (~1e-7 relative) per step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from torch_impl.train import AdamW
+from weights.profiling import (CATEGORIES, PROFILE_JSON, DeviceEvent, breakdown, check_breakdown, format_table,
+                               profiled_steps)
+from weights.schedule import OptimizerConfig
+from weights.training import adamw_coefficients
+
+LAUNCH_TIMEOUT_S = 600
+EXACT_RTOL = 1e-9  # module docstring
+FUSED_RTOL = 1e-6  # module docstring
+
+
+def _profile(tmp_path_factory, backend: str, attention: str) -> dict:
+    out = tmp_path_factory.mktemp(f"profile-{backend}")
+    command = [sys.executable, "-m", "compare.train", "--backend", backend, "--model", "tiny", "--seq-len", "64",
+               "--steps", "3", "--mesh", "fsdp=1,sp=2", "--attention-backend", attention,
+               "--activation-checkpointing", "full", "--out", str(out), "--profile"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "costliest device events" in done.stdout  # the table is printed
+    return json.loads((out / PROFILE_JSON).read_text())
+
+
+@pytest.fixture(scope="module", params=[("torch", "reference"), ("jax", "reference")], ids=["torch", "jax"])
+def cpu_profile(request, tmp_path_factory) -> dict:
+    return _profile(tmp_path_factory, *request.param)
+
+
+def test_profile_breaks_the_step_into_every_category(cpu_profile):
+    check_breakdown(cpu_profile)
+    categories = cpu_profile["categories"]
+    assert set(categories) == set(CATEGORIES)
+    assert sum(categories.values()) == pytest.approx(cpu_profile["step_s"], rel=EXACT_RTOL)
+    assert cpu_profile["steps"] == len(profiled_steps(0, 3)) == 2
+    # every region of this run is found: attention (plain math here, marked as the attention function), the
+    # layers' matmuls, the loss, the optimizer, the recomputation of "full" checkpointing, the ring's transfers
+    for name in ("attention", "gemm", "elementwise", "loss", "optimizer", "recompute"):
+        assert categories[name] > 0, name
+    assert cpu_profile["communication_total_s"] > 0
+    assert cpu_profile["backend"] in ("torch", "jax") and cpu_profile["device"]
+
+
+def _profile_of(categories: dict[str, float], step: float) -> dict:
+    return {"step_s": step, "categories": categories, "communication_total_s": 0.0, "steps": 1, "top": []}
+
+
+def test_check_breakdown_fails_without_a_category_or_beyond_the_tolerance():
+    whole = dict.fromkeys(CATEGORIES, 0.1)
+    check_breakdown(_profile_of(whole, 0.8))
+    missing = {name: seconds for name, seconds in whole.items() if name != "optimizer"}
+    with pytest.raises(ValueError, match="lacks"):
+        check_breakdown(_profile_of(missing, 0.8))
+    with pytest.raises(ValueError, match="sum"):  # 0.8 s of categories in a 1 s step: 20 % apart
+        check_breakdown(_profile_of(whole, 1.0))
+
+
+def test_breakdown_gives_every_instant_to_one_category():
+    events = [
+        DeviceEvent("gemm", 0.0, 4.0, "gemm"),
+        DeviceEvent("inner", 1.0, 2.0, "elementwise", frozenset({"loss"})),  # nested: the innermost wins
+        DeviceEvent("nccl", 3.0, 6.0, "communication"),  # hidden 3..4, exposed 4..6
+        DeviceEvent("attn", 7.0, 8.0, "elementwise", frozenset({"attention", "recompute"})),
+        DeviceEvent("outside", 20.0, 21.0, "gemm"),  # outside every window
+    ]
+    profile = breakdown(events, [(0.0, 5.0), (5.0, 10.0)])
+    per_step = {name: seconds * 2 for name, seconds in profile["categories"].items()}
+    assert per_step == pytest.approx({**dict.fromkeys(CATEGORIES, 0.0), "gemm": 3.0, "loss": 1.0,
+                                      "communication_exposed": 2.0, "recompute": 1.0, "idle": 3.0})
+    assert profile["step_s"] == 5.0 and profile["communication_total_s"] == 1.5
+    assert "communication_exposed" in format_table(profile)
+
+
+def test_fused_adamw_agrees_with_the_written_out_one():
+    config = OptimizerConfig(lr=1e-2, warmup_steps=1, total_steps=10, weight_decay=0.1)
+
+    def parameters() -> dict[str, nn.Parameter]:
+        generator = torch.Generator().manual_seed(0)
+        return {"matrix": nn.Parameter(torch.randn(64, 32, generator=generator)),
+                "norm": nn.Parameter(torch.randn(32, generator=generator))}
+
+    written, fused = parameters(), parameters()
+    optimizers = AdamW(written, config), AdamW(fused, config, fused=True)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(5):
+        for name, p in written.items():
+            p.grad = torch.randn(p.shape, generator=generator)
+            fused[name].grad = p.grad.clone()
+        for optimizer in optimizers:
+            optimizer.step(adamw_coefficients(config, step), step)
+    for name, p in written.items():
+        assert not torch.equal(p, parameters()[name])  # it trained
+        torch.testing.assert_close(fused[name], p, rtol=0, atol=FUSED_RTOL * p.abs().max().item())
+    # negative control: without weight decay on the matrix the fused step is off by far more than the tolerance
+    undecayed = parameters()
+    optimizer = AdamW(undecayed, OptimizerConfig(lr=1e-2, warmup_steps=1, total_steps=10, weight_decay=0.0),
+                      fused=True)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(5):
+        for p in undecayed.values():
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step(adamw_coefficients(config, step), step)
+    assert (undecayed["matrix"] - written["matrix"]).abs().max() > 10 * FUSED_RTOL * written["matrix"].abs().max()
+
+
+def test_profile_needs_an_output_directory(capsys):
+    from compare.train import main
+
+    assert main(["--model", "tiny", "--seq-len", "64", "--steps", "3", "--profile"]) == 2
+    assert "--profile needs --out" in capsys.readouterr().err
+
+
+_HLO_TEXT = """HloModule jit_train_step, is_scheduled=true
+
+FileNames
+1 "jax_impl/train.py"
+
+FunctionNames
+1 "train_step"
+2 "adamw_update"
+3 "ring_attention"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=1 end_line=1 column=1 end_column=2}
+2 {file_name_id=1 function_name_id=2 line=2 end_line=2 column=1 end_column=2}
+3 {file_name_id=1 function_name_id=3 line=3 end_line=3 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=1}
+
+%fused_computation.1 (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %multiply.1 = f32[4]{0} multiply(%param_0, %param_0)
+}
+
+%fused_computation.2 (param_0.1: bf16[4,4], param_1.1: bf16[4,4]) -> bf16[4,4] {
+  %param_0.1 = bf16[4,4]{1,0} parameter(0)
+  %param_1.1 = bf16[4,4]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[4,4]{1,0} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.9 (a: f32[4], b: bf16[4,4]) -> (f32[4], bf16[4,4]) {
+  %a = f32[4]{0} parameter(0)
+  %b = bf16[4,4]{1,0} parameter(1)
+  %loop_multiply_fusion.32 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1, \
+metadata={op_name="jit(train_step)/mul" stack_frame_id=2}
+  %gemm_fusion.3 = bf16[4,4]{1,0} fusion(%b, %b), kind=kCustom, calls=%fused_computation.2, \
+metadata={op_name="jit(train_step)/transpose(jvp())/checkpoint/rematted_computation/dot_general" stack_frame_id=3}
+  %all-gather-start = (bf16[4,4]{1,0}, bf16[8,4]{1,0}) all-gather-start(%gemm_fusion.3), dimensions={0}
+  ROOT %tuple.1 = (f32[4]{0}, bf16[4,4]{1,0}) tuple(%loop_multiply_fusion.32, %gemm_fusion.3)
+}
+"""
+
+
+def test_jax_hlo_classification_of_instructions_and_kernels():
+    from jax_impl.profiling import _Hlo
+
+    hlo = _Hlo(_HLO_TEXT)
+    optimizer = ("elementwise", frozenset({"optimizer"}))
+    assert hlo.classify("loop_multiply_fusion.32", "loop_multiply_fusion_32", "") == optimizer
+    assert hlo.classify("", "loop_multiply_fusion_32", "") == optimizer  # found by the kernel's own name
+    assert hlo.classify("gemm_fusion.3", "gemm_fusion_3", "") == ("gemm", frozenset({"attention", "recompute"}))
+    assert hlo.classify("all-gather-start", "ncclDevKernel_AllGather", "")[0] == "communication"
+    # not in the HLO: the kind from the kernel's name, recomputation from the name stack
+    assert hlo.classify("fusion.404", "nvjet_sm90_tst_128x256", "") == ("gemm", frozenset())
+    assert hlo.classify("", "loop_add_fusion_7", "jvp()/rematted_computation/add") == (
+        "elementwise", frozenset({"recompute"}))
