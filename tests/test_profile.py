@@ -33,7 +33,7 @@ FUSED_RTOL = 1e-6  # module docstring
 
 def _profile(tmp_path_factory, backend: str, attention: str) -> dict:
     out = tmp_path_factory.mktemp(f"profile-{backend}")
-    command = [sys.executable, "-m", "compare.train", "--backend", backend, "--model", "tiny", "--seq-len", "64",
+    command = [sys.executable, "-m", "compare.commands.train", "--backend", backend, "--model", "tiny", "--seq-len", "64",
                "--steps", "3", "--mesh", "fsdp=1,sp=2", "--attention-backend", attention,
                "--activation-checkpointing", "full", "--out", str(out), "--profile"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
@@ -124,7 +124,7 @@ def test_fused_adamw_agrees_with_the_written_out_one():
 
 
 def test_profile_needs_an_output_directory(capsys):
-    from compare.train import main
+    from compare.commands.train import main
 
     assert main(["--model", "tiny", "--seq-len", "64", "--steps", "3", "--profile"]) == 2
     assert "--profile needs --out" in capsys.readouterr().err
