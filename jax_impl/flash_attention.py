@@ -10,10 +10,10 @@ Two levels:
     gradients that sum over pairs to the full ones.
 
 Backends (`backend=`):
-  - "pallas" (default): our Pallas kernels. On a Hopper GPU (sm90) with bf16/fp16 and head dim 64 or 128 the
-    Mosaic GPU kernels (`flash_hopper_forward.py` / `flash_hopper_backward.py`); elsewhere the Triton-lowering
-    kernels (`flash_forward.py` / `flash_backward.py`), which on CPU run in Pallas interpret mode (a Hopper
-    call the Mosaic kernels cannot serve warns once and falls back).
+  - "pallas" (default): our Pallas kernels: the Triton-lowering kernels (`flash_forward.py` /
+    `flash_backward.py`; on CPU in Pallas interpret mode). With MOSAIC_DEFAULT_ON_HOPPER, a Hopper GPU (sm90)
+    with bf16/fp16 and head dim 64 or 128 gets the Mosaic GPU kernels (`flash_hopper_forward.py` /
+    `flash_hopper_backward.py`) instead, and a Hopper call they cannot serve warns once and falls back.
   - "pallas_mosaic" / "pallas_triton": force one of the two. "pallas_mosaic" needs an sm90 GPU, or runs under
     Pallas's Mosaic GPU interpreter on CPU (tests), and raises where its dtype/head dim is not served.
   - "reference": the plain-math fp32 functions of `jax_impl.attention`.
@@ -55,6 +55,10 @@ from .flash_hopper_forward import HopperConfig, default_config, mosaic_forward, 
 from .remat import keep_for_backward
 
 BACKENDS = ("pallas", "pallas_mosaic", "pallas_triton", "reference", "cudnn")
+# Whether "pallas" picks the Mosaic kernels on sm90. Off until `pytest -m gpu tests/test_flash_hopper_jax.py`
+# passes on an H200: the Mosaic forward is measured there (correct, ~cuDNN speed), but the backward's one GPU
+# run hung on a register over-subscription since fixed and not yet re-run.
+MOSAIC_DEFAULT_ON_HOPPER = False
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_HEAD_DIM = 256
 
@@ -139,7 +143,7 @@ def _uses_mosaic(backend: str, q) -> bool:
         if unsupported:
             raise ValueError(f"backend='pallas_mosaic' does not serve {unsupported}; use 'pallas' or 'pallas_triton'")
         return True
-    if not _on_hopper():
+    if not (MOSAIC_DEFAULT_ON_HOPPER and _on_hopper()):
         return False
     if unsupported and jnp.dtype(q.dtype) != jnp.float32:  # fp32 is a correctness path: Triton, no warning
         warnings.warn(f"flash_attention: the Hopper Mosaic kernels do not serve {unsupported}; using the "

@@ -29,8 +29,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_forward import LOG2E, output_struct, pad_axis, round_up
-from .flash_hopper_forward import (COMPUTE_WARPGROUPS, HopperConfig, causal_kv_steps, interpret_params, iota,
-                                   layout, matmul_acc, matmul_nt, produce, smem_transforms, tile_index)
+from .flash_hopper_forward import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, PRODUCER_REGISTERS, HopperConfig,
+                                   causal_kv_steps, interpret_params, iota, layout, matmul_acc, matmul_nt, produce,
+                                   smem_transforms, tile_index)
 
 # jax 0.10's plgpu.load takes an index argument that 0.11 dropped.
 _LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
@@ -77,7 +78,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
-        plgpu.set_max_registers(240, action="increase")
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         k_first = cta_first + wg * block_kv
         rows = (batch, pl.ds(k_first, block_kv), kv_head)
@@ -119,7 +120,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
         def load(t, slot):
             q_block, head = q_block_and_head(t)
@@ -144,7 +145,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
-        plgpu.set_max_registers(240, action="increase")
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, dout_smem = q_smem2.at[wg], dout_smem2.at[wg]
         q_first = tile_first + wg * block_q
         rows = (batch, pl.ds(q_first, block_q), head)
@@ -192,7 +193,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, group)
 
         def load(kv_step, slot):
@@ -248,7 +249,7 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
                           stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
                           interpret=interpret),
         dict(k_smem2=tiles(wgs, block_kv), v_smem2=tiles(wgs, block_kv),
-             out_smem2=plgpu.SMEM((wgs, block_kv, head_dim), jnp.float32),
+             out_smem2=plgpu.SMEM((wgs, block_kv, head_dim), jnp.float32, transforms=smem_transforms(jnp.float32)),
              q_smem=tiles(stages, block_q), dout_smem=tiles(stages, block_q),
              lse_smem=plgpu.SMEM((stages, block_q), jnp.float32),
              delta_smem=plgpu.SMEM((stages, block_q), jnp.float32),
@@ -268,7 +269,7 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
                           num_tiles=num_tiles, interpret=interpret),
         dict(q_smem2=tiles(wgs, block_q), dout_smem2=tiles(wgs, block_q),
              lse_smem2=plgpu.SMEM((wgs, block_q), jnp.float32), delta_smem2=plgpu.SMEM((wgs, block_q), jnp.float32),
-             out_smem2=plgpu.SMEM((wgs, block_q, head_dim), jnp.float32),
+             out_smem2=plgpu.SMEM((wgs, block_q, head_dim), jnp.float32, transforms=smem_transforms(jnp.float32)),
              k_smem=tiles(stages, block_kv), v_smem=tiles(stages, block_kv),
              row_barriers=plgpu.Barrier(num_barriers=4 * wgs),
              k_barriers=plgpu.Barrier(num_barriers=stages), v_barriers=plgpu.Barrier(num_barriers=stages),

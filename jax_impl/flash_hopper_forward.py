@@ -49,6 +49,11 @@ except ImportError:
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_WARPGROUPS = 2  # + one TMA producer warpgroup
+# Per-thread register caps (setmaxnreg). The SM's 64K registers allow 512 per thread summed over the CTA's
+# warpgroups (128 threads each); an increase beyond what the others released waits forever, so the compute cap
+# is what the producer leaves, split evenly, in steps of 8: (512 - 40) / 2 -> 232.
+PRODUCER_REGISTERS = 40
+COMPUTE_REGISTERS = (512 - PRODUCER_REGISTERS) // COMPUTE_WARPGROUPS // 8 * 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +105,8 @@ def interpret_params(interpret: bool):
 
 
 def smem_transforms(dtype):
-    """Tiled + 128-byte-swizzled shared memory for 16-bit wgmma operands (64 elements = 128 bytes per row)."""
+    """Tiled + 128-byte-swizzled shared memory (rows of 128 bytes: 64 16-bit or 32 fp32 elements): the layout
+    wgmma operands need, and conflict-free stores of register tiles."""
     return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
 
 
@@ -179,7 +185,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
         q_first = tile_first + wg * block_q
         n_full, n_end = kv_range(q_first)
@@ -260,7 +266,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, group)
 
         def load(kv_step, slot):
@@ -325,7 +331,8 @@ def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
         schedule_barrier=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
     )
     if out_dtype != q.dtype:
-        scratch["o_smem2"] = plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), out_dtype)
+        scratch["o_smem2"] = plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), out_dtype,
+                                        transforms=smem_transforms(out_dtype))
 
     def body(q_ref, k_ref, v_ref, out_ref, lse_ref, **smem):
         smem.setdefault("o_smem2", smem["q_smem2"])
