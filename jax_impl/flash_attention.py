@@ -10,8 +10,12 @@ Two levels:
     gradients that sum over pairs to the full ones.
 
 Backends (`backend=`):
-  - "pallas" (default): our Pallas kernels. On a GPU they lower through Triton; anywhere else (CPU) they run
-    in Pallas interpret mode, chosen per call from `jax.default_backend()`.
+  - "pallas" (default): our Pallas kernels: the Triton-lowering kernels (`flash_forward.py` /
+    `flash_backward.py`; on CPU in Pallas interpret mode). With MOSAIC_DEFAULT_ON_HOPPER, a Hopper GPU (sm90)
+    with bf16/fp16 and head dim 64 or 128 gets the Mosaic GPU kernels (`flash_hopper_forward.py` /
+    `flash_hopper_backward.py`) instead, and a Hopper call they cannot serve warns once and falls back.
+  - "pallas_mosaic" / "pallas_triton": force one of the two. "pallas_mosaic" needs an sm90 GPU, or runs under
+    Pallas's Mosaic GPU interpreter on CPU (tests), and raises where its dtype/head dim is not served.
   - "reference": the plain-math fp32 functions of `jax_impl.attention`.
   - "cudnn" (GPU only, bf16/fp16, head dim a multiple of 8 up to 256, causal only with Sq == Sk since cuDNN's
     causal mask is top-left aligned): cuDNN's fused attention through jax's cuDNN module. Its forward with
@@ -37,6 +41,7 @@ import functools
 import inspect
 import math
 import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +50,16 @@ from jax import lax
 from .attention import reference_attention_backward, reference_attention_forward
 from .flash_backward import pallas_backward
 from .flash_forward import KernelConfig, padded_head_dim, pallas_forward
+from .flash_hopper_backward import mosaic_backward
+from .flash_hopper_forward import HopperConfig, default_config, mosaic_forward, supports
 from .remat import keep_for_backward
 from weights.attention import check_attention_shapes
 
-BACKENDS = ("pallas", "reference", "cudnn")
+BACKENDS = ("pallas", "pallas_mosaic", "pallas_triton", "reference", "cudnn")
+# Whether "pallas" picks the Mosaic kernels on sm90. Off until `pytest -m gpu tests/test_flash_hopper_jax.py`
+# passes on an H200: the Mosaic forward is measured there (correct, ~cuDNN speed), but the backward's one GPU
+# run hung on a register over-subscription since fixed and not yet re-run.
+MOSAIC_DEFAULT_ON_HOPPER = False
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_HEAD_DIM = 256
 
@@ -114,6 +125,31 @@ def override_block_sizes(head_dim: int, sizes: FlashBlockSizes):
 def _interpret() -> bool:
     """Pallas kernels compile through Triton on GPUs and run interpreted everywhere else."""
     return jax.default_backend() != "gpu"
+
+
+def _on_hopper() -> bool:
+    device = jax.devices()[0]
+    return jax.default_backend() == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+
+
+def _uses_mosaic(backend: str, q) -> bool:
+    """Which Pallas kernel family serves this call: True for Mosaic GPU, False for the Triton lowering."""
+    if backend == "pallas_triton":
+        return False
+    unsupported = supports(q, q.shape[3])
+    if backend == "pallas_mosaic":
+        if jax.default_backend() == "gpu" and not _on_hopper():
+            raise ValueError(f"backend='pallas_mosaic' needs a Hopper (sm90) GPU; this one is "
+                             f"{getattr(jax.devices()[0], 'compute_capability', '?')}")
+        if unsupported:
+            raise ValueError(f"backend='pallas_mosaic' does not serve {unsupported}; use 'pallas' or 'pallas_triton'")
+        return True
+    if not (MOSAIC_DEFAULT_ON_HOPPER and _on_hopper()):
+        return False
+    if unsupported and jnp.dtype(q.dtype) != jnp.float32:  # fp32 is a correctness path: Triton, no warning
+        warnings.warn(f"flash_attention: the Hopper Mosaic kernels do not serve {unsupported}; using the "
+                      f"Triton-lowering kernels", stacklevel=3)
+    return unsupported is None
 
 
 # --- validation -----------------------------------------------------------------------------------------------
@@ -216,9 +252,11 @@ def _cudnn_backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
 # --- pair-level API ---------------------------------------------------------------------------------------------
 
 def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale=None,
-                            out_dtype=None, backend: str = "pallas") -> tuple[jax.Array, jax.Array]:
+                            out_dtype=None, backend: str = "pallas", hopper_config: HopperConfig | None = None
+                            ) -> tuple[jax.Array, jax.Array]:
     """One attention pair's forward: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq] float32).
-    `softmax_scale=None` means 1/sqrt(D). Not differentiable itself: pair it with `flash_attention_backward`."""
+    `softmax_scale=None` means 1/sqrt(D). Not differentiable itself: pair it with `flash_attention_backward`.
+    `hopper_config`: block sizes of the Mosaic kernels (default: `flash_hopper_forward.default_config`)."""
     _check_backend(backend)
     _validate_qkv(q, k, v)
     causal = _check_causal(causal)
@@ -229,14 +267,17 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal:
     if backend == "cudnn":
         return _cudnn_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
     interpret = _interpret()
+    if _uses_mosaic(backend, q):
+        return mosaic_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype,
+                              config=hopper_config or default_config(q.shape[3]), interpret=interpret)
     sizes = block_sizes(q.shape[3], q.dtype, interpret=interpret)
     return pallas_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=sizes.forward,
                          interpret=interpret)
 
 
 def flash_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
-                             lse: jax.Array, *, causal: bool, softmax_scale=None, backend: str = "pallas"
-                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                             lse: jax.Array, *, causal: bool, softmax_scale=None, backend: str = "pallas",
+                             hopper_config: HopperConfig | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One attention pair's backward: (dq, dk, dv) in float32, shaped like q, k, v (dk/dv per KV head).
 
     `out` and `lse` may be the globally merged ones of a ring step (any float dtype): delta = rowsum(dout*out)
@@ -252,6 +293,9 @@ def flash_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax
     if backend == "cudnn":
         return _cudnn_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
     interpret = _interpret()
+    if _uses_mosaic(backend, q):
+        return mosaic_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                               config=hopper_config or default_config(q.shape[3]), interpret=interpret)
     sizes = block_sizes(q.shape[3], q.dtype, interpret=interpret)
     return pallas_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
                           dkdv_config=sizes.backward_dkdv, dq_config=sizes.backward_dq, interpret=interpret)
@@ -292,7 +336,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
     Differentiable in q, k, v (custom VJP running the backward kernels). The returned lse is wrapped in
     `stop_gradient`: it is for inspection and merging, and gradients flow only through out. Works under jit
-    and inside `jax.shard_map`. `backend`: "pallas" (default), "reference" or "cudnn" (see module doc).
+    and inside `jax.shard_map`. `backend`: one of BACKENDS, "pallas" by default (see module doc).
     """
     _check_backend(backend)
     _validate_qkv(q, k, v)

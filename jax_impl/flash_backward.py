@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .flash_forward import (LOG2E, KernelConfig, causal_visible, dot_precision, fit_block, has_masked_blocks,
                             kv_block_range, matmul, matmul_nt, output_struct, pad_axis, padded_head_dim,
-                            program_q_block, q_block_index, q_block_range, round_up, visible)
+                            program_q_block, q_block_range, query_grid_maps, round_up, visible)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_ref, *, causal: bool, scale: float,
@@ -162,14 +162,7 @@ def pallas_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     # dQ: grid over (query block, batch, head); K/V refs hold the whole sequence of the head's KV head.
     num_q_blocks = q_len // dq_block_q
 
-    def q_block_map(i, b, h):
-        return b, q_block_index(causal, num_q_blocks, i), h, 0
-
-    def kv_rows_map(i, b, h):
-        return b, 0, h // group, 0
-
-    def q_stats_map(i, b, h):
-        return b, h, q_block_index(causal, num_q_blocks, i)
+    q_block_map, kv_rows_map, q_stats_map = query_grid_maps(causal, num_q_blocks, group)
 
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, causal=causal, scale=softmax_scale, block_k=dq_block_k, offset=offset,

@@ -154,6 +154,22 @@ def q_block_index(causal: bool, num_q_blocks: int, i):
     return num_q_blocks - 1 - i if causal else i
 
 
+def query_grid_maps(causal: bool, num_q_blocks: int, group: int):
+    """BlockSpec index maps of a grid over (query block, batch, head), as the forward and dQ kernels run:
+    (a block of a [B, Sq, H, D] array, the whole sequence of the head's KV head in [B, Sk, Hkv, D], a block of
+    the row statistics [B, H, Sq])."""
+    def rows_map(i, b, h):
+        return b, q_block_index(causal, num_q_blocks, i), h, 0
+
+    def kv_map(i, b, h):
+        return b, 0, h // group, 0
+
+    def stats_map(i, b, h):
+        return b, h, q_block_index(causal, num_q_blocks, i)
+
+    return rows_map, kv_map, stats_map
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, causal: bool, scale_log2: float, block_k: int,
                     offset: int, seq_k: int, num_q_blocks: int, num_k_blocks: int, precision):
     block_q, head_dim = q_ref.shape
@@ -214,15 +230,7 @@ def pallas_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
     k = pad_axis(pad_axis(k, 1, k_len), 3, dim)
     v = pad_axis(pad_axis(v, 1, k_len), 3, dim)
 
-    def q_map(i, b, h):
-        return b, q_block_index(causal, num_q_blocks, i), h, 0
-
-    def kv_map(i, b, h):
-        return b, 0, h // group, 0
-
-    def lse_map(i, b, h):
-        return b, h, q_block_index(causal, num_q_blocks, i)
-
+    q_map, kv_map, lse_map = query_grid_maps(causal, num_q_blocks, group)
     kernel = functools.partial(
         _forward_kernel, causal=causal, scale_log2=softmax_scale * LOG2E, block_k=block_k,
         offset=seq_k - seq_q, seq_k=seq_k, num_q_blocks=num_q_blocks, num_k_blocks=num_k_blocks,

@@ -336,7 +336,7 @@ def test_validation_errors_name_the_argument(case):
 
 
 def test_backends_listed_and_cudnn_refused_off_gpu():
-    assert BACKENDS == ("pallas", "reference", "cudnn")
+    assert BACKENDS == ("pallas", "pallas_mosaic", "pallas_triton", "reference", "cudnn")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             flash_attention(*_arrays(dtype=jnp.bfloat16), backend="cudnn")

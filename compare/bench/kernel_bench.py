@@ -7,10 +7,13 @@ Measured, bf16, batch 1, H=32, D=128 (defaults), for each S (--seq-lens), causal
                           (a backend that refuses GQA is timed on K/V repeated beforehand, with a note)
               triton_hopper, triton_portable  with --triton-paths: each of our Triton paths forced (the
                           backends of those names), beside "triton", which picks among them
-  jax part    pallas      ours, `jax_impl.flash_attention.flash_attention` on [B, S, H, D]
+  jax part    pallas      ours, `jax_impl.flash_attention.flash_attention` on [B, S, H, D] (default backend)
+              pallas_mosaic  ours forced to the Hopper Mosaic GPU kernels (backend="pallas_mosaic")
               jax_cudnn   jax.nn.dot_product_attention(implementation="cudnn") (GQA native)
               pallas_mha  JAX's shipped Pallas kernel, jax.experimental.pallas.ops.gpu.attention.mha
                           (K/V repeated to H heads outside the timed call, it has no GQA)
+              tokamax     tokamax.dot_product_attention(implementation="mosaic") (optional peer:
+                          pip install -e ".[peers]"; an error row with that command when absent)
 Timing as the peers' anchor scripts (torch_kernels.py, jax_kernels.py) time them: torch with
 triton.testing.do_bench (median, CUDA events); JAX with block_until_ready, median of repeated calls after two
 warm-up calls. TFLOP/s from `weights.flops.attention_flops` for every implementation (so ratios are time ratios).
@@ -45,10 +48,49 @@ from compare.bench.common import check_parts_and_heads, previous_rows, write_jso
 from weights import BadInputError
 from weights.flops import attention_flops
 
-IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"), "jax": ("pallas", "jax_cudnn", "pallas_mha")}
+IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"),
+         "jax": ("pallas", "pallas_mosaic", "jax_cudnn", "pallas_mha", "tokamax")}
 TRITON_PATHS = ("triton_hopper", "triton_portable")  # measured only when --triton-paths names them
 RATIOS = (("ours/FA2", "triton", "sdpa_flash"), ("ours/cuDNN", "triton", "sdpa_cudnn"),
-          ("pallas/mha", "pallas", "pallas_mha"), ("pallas/jax-cuDNN", "pallas", "jax_cudnn"))
+          ("pallas/mha", "pallas", "pallas_mha"), ("pallas/jax-cuDNN", "pallas", "jax_cudnn"),
+          ("mosaic/jax-cuDNN", "pallas_mosaic", "jax_cudnn"), ("mosaic/tokamax", "pallas_mosaic", "tokamax"))
+PEERS_INSTALL = 'pip install -e ".[peers]"'
+
+
+def _import_tokamax():
+    """tokamax, importable without xprof: tokamax imports the xprof profiler (32 MB) at import time though its
+    attention never calls it, so when xprof is absent its modules are stood in by empty ones whose attributes
+    fail only if used."""
+    import importlib.abc
+    import importlib.util
+    import types
+
+    class _Absent(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Absent(f"{self.__name__}.{name}")
+
+        def __call__(self, *args, **kwargs):
+            raise ImportError(f"{self.__name__}: xprof is not installed (tokamax profiling only)")
+
+    class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            if name == "xprof" or name.startswith("xprof."):
+                return importlib.util.spec_from_loader(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            return _Absent(spec.name)
+
+        def exec_module(self, module):
+            module.__path__ = []
+
+    if importlib.util.find_spec("xprof") is None:
+        sys.meta_path.append(_StandIn())
+    import tokamax
+
+    return tokamax
 PASSES = (("fwd", "fwd_tflops"), ("fwd+bwd", "fwdbwd_tflops"))
 NO_CUDA = "bench kernels needs a CUDA GPU"
 
@@ -200,8 +242,10 @@ def _jax_part(args) -> None:
         from jax_impl.flash_attention import flash_attention
 
         impls["pallas"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal)
+        impls["pallas_mosaic"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
+                                                                         backend="pallas_mosaic")
     except Exception as err:
-        import_errors["pallas"] = f"import: {type(err).__name__}: {err}"[:300]
+        import_errors["pallas"] = import_errors["pallas_mosaic"] = f"import: {type(err).__name__}: {err}"[:300]
     impls["jax_cudnn"] = lambda q, k, v, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                               implementation="cudnn")
     try:
@@ -212,6 +256,12 @@ def _jax_part(args) -> None:
                                                                   causal=causal)
     except Exception as err:
         import_errors["pallas_mha"] = f"import: {type(err).__name__}: {err}"[:300]
+    try:
+        tokamax = _import_tokamax()
+        impls["tokamax"] = lambda q, k, v, causal: tokamax.dot_product_attention(q, k, v, is_causal=causal,
+                                                                                 implementation="mosaic")
+    except ImportError as err:
+        import_errors["tokamax"] = f"skipped: {err} (optional peer: {PEERS_INSTALL})"[:300]
 
     def measure(impl, seq_len, causal, kv_heads) -> dict:
         """One implementation at one point, on its own inputs (freed on return)."""

@@ -1,0 +1,281 @@
+"""FlashAttention backward for Hopper (sm90) as two Pallas Mosaic GPU kernels, fp32 gradients. Twin of
+`torch_impl/flash_hopper_backward.py`; the config, producer loop, step ranges and interpreter switch come
+from `flash_hopper_forward.py`.
+
+Same contract as `flash_backward.pallas_backward`: dout, q, k, v and a (possibly globally merged) out/lse;
+returns fp32 dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D]. Plain JAX first forms, in fp32, delta = rowsum(dout *
+out) and lse in the exp2 domain (rows with lse -inf and padded rows get +inf, so their P is exactly 0).
+
+  - dK/dV kernel: a CTA owns 2 * bwd_block_kv key rows of one (batch, KV head), one compute warpgroup per
+    bwd_block_kv; a TMA warpgroup streams (Q, dO, lse, delta) blocks of every query head of the GQA group
+    (one flat loop, head fastest) through `bwd_num_stages` slots, starting at the first query block that
+    sees the CTA's keys. Per step (4 wgmmas): S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
+    dS^T = P^T (dP^T - delta), dK += dS^T Q. Blocks crossing the causal diagonal are masked.
+  - dQ kernel: a CTA owns 2 * bwd_block_q query rows of one (batch, head); the TMA warpgroup streams K/V
+    blocks as in the forward (unmasked, then masked steps; longest tiles first). Per step (3 wgmmas):
+    S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+The softmax scale multiplies dQ and dK once at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .flash_forward import LOG2E, output_struct, pad_axis, round_up
+from .flash_hopper_forward import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, PRODUCER_REGISTERS, HopperConfig,
+                                   causal_kv_steps, interpret_params, iota, layout, matmul_acc, matmul_nt, produce,
+                                   smem_transforms, tile_index)
+
+# jax 0.10's plgpu.load takes an index argument that 0.11 dropped.
+_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
+
+
+def _load_stats(ref, kind, *, interpret: bool):
+    """A row-statistics vector (lse or delta) from shared memory in register layout `kind`."""
+    if interpret:  # INTERPRET: layouts are Mosaic compiler hints (see flash_hopper_forward.layout)
+        return ref[...]
+    return plgpu.load(ref, (), layout=kind) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=kind)
+
+
+def _store_fp32(results, out_smem, out_refs):
+    """Write fp32 register tiles to global memory through one shared-memory tile, one after the other."""
+    for result, out_ref in zip(results, out_refs):
+        out_smem[...] = result
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_ref, k_smem2, v_smem2, out_smem2,
+                 q_smem, dout_smem, lse_smem, delta_smem, kv_barriers, q_barriers, dout_barriers, lse_barriers,
+                 delta_barriers, consumed, *, causal: bool, scale: float, block_q: int, block_kv: int, stages: int,
+                 group: int, offset: int, num_q_blocks: int, interpret: bool):
+    batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
+    cta_first = lax.axis_index("kv_tile") * (COMPUTE_WARPGROUPS * block_kv)
+
+    def q_range(k_first):
+        """(first query block seeing any of the keys from k_first on, first query block seeing them all)."""
+        if not causal:
+            return 0, 0
+        start = jnp.clip(lax.div(jnp.maximum(k_first - offset, 0), block_q), 0, num_q_blocks)
+        full = jnp.clip(lax.div(jnp.maximum(k_first + block_kv - 1 - offset + block_q - 1, 0), block_q), 0,
+                        num_q_blocks)
+        return start, jnp.maximum(full, start)
+
+    cta_start, _ = q_range(cta_first)
+    begin, end = cta_start * group, num_q_blocks * group  # flat (query block, head of the group) steps
+
+    def q_block_and_head(t):
+        return lax.div(t, group), kv_head * group + lax.rem(t, group)
+
+    @pl.when(wg < COMPUTE_WARPGROUPS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        k_first = cta_first + wg * block_kv
+        rows = (batch, pl.ds(k_first, block_kv), kv_head)
+        for i, (src, dst) in enumerate(((k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem))):
+            plgpu.copy_gmem_to_smem(src, dst, kv_barriers.at[2 * wg + i])  # one barrier per copy
+            plgpu.barrier_wait(kv_barriers.at[2 * wg + i])
+        _, full_start = q_range(k_first)
+        dim = k_smem.shape[-1]
+        zeros = layout(jnp.zeros((block_kv, dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
+
+        def step(t, carry, *, masked: bool):
+            dk, dv = carry
+            slot = lax.rem(t - begin, stages)
+            for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
+                plgpu.barrier_wait(barrier.at[slot])
+            scores_t = matmul_nt(k_smem, q_smem.at[slot], interpret=interpret) * (scale * LOG2E)
+            lse2 = _load_stats(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
+            probs_t = jnp.exp2(scores_t - lax.broadcast_in_dim(lse2, scores_t.shape, [1]))
+            if masked:
+                q_pos = lax.div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
+                k_pos = k_first + iota(scores_t.shape, 0, interpret=interpret)
+                probs_t = jnp.where(k_pos <= q_pos + offset, probs_t, 0.0)
+            dv = matmul_acc(dv, probs_t.astype(dout_smem.dtype), dout_smem.at[slot], interpret=interpret)
+            dprobs_t = matmul_nt(v_smem, dout_smem.at[slot], interpret=interpret)
+            delta = _load_stats(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
+            dscores_t = probs_t * (dprobs_t - lax.broadcast_in_dim(delta, dprobs_t.shape, [1]))
+            dk = matmul_acc(dk, dscores_t.astype(q_smem.dtype), q_smem.at[slot], interpret=interpret)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return dk, dv
+
+        carry = (zeros, zeros)
+        if causal:  # the CTA's first blocks cross this warpgroup's diagonal (or see none of its keys: P = 0)
+            carry = lax.fori_loop(begin, full_start * group, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(full_start * group if causal else begin, end, functools.partial(step, masked=False),
+                              carry)
+        dk, dv = carry
+        out_rows = (batch, pl.ds(k_first, block_kv), kv_head)
+        _store_fp32((dk * scale, dv), out_smem2.at[wg], (dk_ref.at[out_rows], dv_ref.at[out_rows]))
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        def load(t, slot):
+            q_block, head = q_block_and_head(t)
+            rows = (batch, pl.ds(q_block * block_q, block_q), head)
+            stats = (batch, head, pl.ds(q_block * block_q, block_q))
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(lse2_ref.at[stats], lse_smem.at[slot], lse_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(dout_ref.at[rows], dout_smem.at[slot], dout_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_barriers.at[slot])
+        produce(load, (consumed,), begin=begin, end=end, stages=stages)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_smem2, dout_smem2, lse_smem2,
+               delta_smem2, out_smem2, k_smem, v_smem, row_barriers, k_barriers, v_barriers, k_consumed,
+               v_consumed, *, causal: bool, scale: float, block_q: int, block_kv: int, stages: int, group: int,
+               offset: int, seq_k: int, num_kv: int, num_tiles: int, interpret: bool):
+    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    tile_first = tile_index(causal, num_tiles) * (COMPUTE_WARPGROUPS * block_q)
+    kv_range = functools.partial(causal_kv_steps, block_q=block_q, block_kv=block_kv, causal=causal,
+                                 offset=offset, seq_k=seq_k, num_kv=num_kv)
+    _, tile_steps = kv_range(tile_first + block_q)
+
+    @pl.when(wg < COMPUTE_WARPGROUPS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        q_smem, dout_smem = q_smem2.at[wg], dout_smem2.at[wg]
+        q_first = tile_first + wg * block_q
+        rows = (batch, pl.ds(q_first, block_q), head)
+        stats = (batch, head, pl.ds(q_first, block_q))
+        copies = ((q_ref.at[rows], q_smem), (dout_ref.at[rows], dout_smem),
+                  (lse2_ref.at[stats], lse_smem2.at[wg]), (delta_ref.at[stats], delta_smem2.at[wg]))
+        for i, (src, dst) in enumerate(copies):
+            plgpu.copy_gmem_to_smem(src, dst, row_barriers.at[len(copies) * wg + i])  # one barrier per copy
+        for i in range(len(copies)):
+            plgpu.barrier_wait(row_barriers.at[len(copies) * wg + i])
+        lse2 = _load_stats(lse_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret=interpret)
+        delta = _load_stats(delta_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret=interpret)
+        n_full, n_end = kv_range(q_first)
+
+        def step(kv_step, dq, *, masked: bool):
+            slot = lax.rem(kv_step, stages)
+            plgpu.barrier_wait(k_barriers.at[slot])
+            plgpu.barrier_wait(v_barriers.at[slot])
+            scores = matmul_nt(q_smem, k_smem.at[slot], interpret=interpret) * (scale * LOG2E)
+            probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, scores.shape, [0]))
+            if masked:
+                q_pos = q_first + iota(scores.shape, 0, interpret=interpret)
+                k_pos = kv_step * block_kv + iota(scores.shape, 1, interpret=interpret)
+                seen = (k_pos <= q_pos + offset) if causal else (k_pos < seq_k)
+                probs = jnp.where(seen, probs, 0.0)
+            dprobs = matmul_nt(dout_smem, v_smem.at[slot], interpret=interpret)
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            dscores = probs * (dprobs - lax.broadcast_in_dim(delta, dprobs.shape, [0]))
+            dq = matmul_acc(dq, dscores.astype(k_smem.dtype), k_smem.at[slot], interpret=interpret)
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            return dq
+
+        dq = layout(jnp.zeros((block_q, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
+        dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
+        if causal or seq_k % block_kv:
+            dq = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), dq)
+
+        @pl.loop(n_end, tile_steps)
+        def _drain(kv_step):  # steps only the other warpgroup needs: observe their loads, release their slots
+            slot = lax.rem(kv_step, stages)
+            for full, done in ((k_barriers, k_consumed), (v_barriers, v_consumed)):
+                plgpu.barrier_wait(full.at[slot])
+                plgpu.barrier_arrive(done.at[slot])
+        _store_fp32((dq * scale,), out_smem2.at[wg], (dq_ref.at[rows],))
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        kv_head = lax.div(head, group)
+
+        def load(kv_step, slot):
+            rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_barriers.at[slot])
+        produce(load, (k_consumed, v_consumed), begin=0, end=tile_steps, stages=stages)
+
+
+def _launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, interpret: bool, name: str):
+    """plgpu.kernel with named scratch buffers (allocated collectively for all warpgroups) and a named grid."""
+    names = list(scratch)
+
+    def entry(*refs):
+        pl.run_scoped(lambda *smem: kernel(*refs, **dict(zip(names, smem))), *scratch.values(),
+                      collective_axes="wg")
+
+    return plgpu.kernel(entry, out_type=out_type, grid=tuple(grid.values()), grid_names=tuple(grid),
+                        num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True),
+                        interpret=interpret_params(interpret), kernel_name=name)(*inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "config", "interpret"))
+def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, *,
+                    causal: bool, softmax_scale: float, config: HopperConfig, interpret: bool
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Mosaic GPU backward on validated inputs (`supports` is None): (dq, dk, dv) in float32."""
+    batch, seq_q, heads, head_dim = q.shape
+    seq_k, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
+    q_len = round_up(seq_q, COMPUTE_WARPGROUPS * block_q)
+    k_len = round_up(seq_k, COMPUTE_WARPGROUPS * block_kv)
+    num_q_blocks, num_kv = q_len // block_q, k_len // block_kv
+    offset = seq_k - seq_q
+
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
+    delta, lse2 = pad_axis(delta, 2, q_len), pad_axis(lse2, 2, q_len, value=jnp.inf)
+    q, dout = pad_axis(q, 1, q_len), pad_axis(dout.astype(q.dtype), 1, q_len)
+    k, v = pad_axis(k, 1, k_len), pad_axis(v, 1, k_len)
+    inputs = (q, k, v, dout, lse2, delta)
+    dtype, transforms = q.dtype, smem_transforms(q.dtype)
+    wgs = COMPUTE_WARPGROUPS
+
+    def tiles(count, rows):
+        return plgpu.SMEM((count, rows, head_dim), dtype, transforms=transforms)
+
+    stages = min(config.bwd_num_stages, num_q_blocks * group)
+    dk, dv = _launch(
+        functools.partial(_dkdv_kernel, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
+                          stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
+                          interpret=interpret),
+        dict(k_smem2=tiles(wgs, block_kv), v_smem2=tiles(wgs, block_kv),
+             out_smem2=plgpu.SMEM((wgs, block_kv, head_dim), jnp.float32, transforms=smem_transforms(jnp.float32)),
+             q_smem=tiles(stages, block_q), dout_smem=tiles(stages, block_q),
+             lse_smem=plgpu.SMEM((stages, block_q), jnp.float32),
+             delta_smem=plgpu.SMEM((stages, block_q), jnp.float32),
+             kv_barriers=plgpu.Barrier(num_barriers=2 * wgs),
+             q_barriers=plgpu.Barrier(num_barriers=stages), dout_barriers=plgpu.Barrier(num_barriers=stages),
+             lse_barriers=plgpu.Barrier(num_barriers=stages), delta_barriers=plgpu.Barrier(num_barriers=stages),
+             consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
+        (output_struct(k.shape, jnp.float32, *inputs), output_struct(v.shape, jnp.float32, *inputs)),
+        dict(kv_heads=kv_heads, kv_tile=k_len // (wgs * block_kv), batch=batch), inputs, interpret=interpret,
+        name="twinflash_hopper_backward_dkdv")
+
+    stages = min(config.bwd_num_stages, num_kv)
+    num_tiles = q_len // (wgs * block_q)
+    dq = _launch(
+        functools.partial(_dq_kernel, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
+                          stages=stages, group=group, offset=offset, seq_k=seq_k, num_kv=num_kv,
+                          num_tiles=num_tiles, interpret=interpret),
+        dict(q_smem2=tiles(wgs, block_q), dout_smem2=tiles(wgs, block_q),
+             lse_smem2=plgpu.SMEM((wgs, block_q), jnp.float32), delta_smem2=plgpu.SMEM((wgs, block_q), jnp.float32),
+             out_smem2=plgpu.SMEM((wgs, block_q, head_dim), jnp.float32, transforms=smem_transforms(jnp.float32)),
+             k_smem=tiles(stages, block_kv), v_smem=tiles(stages, block_kv),
+             row_barriers=plgpu.Barrier(num_barriers=4 * wgs),
+             k_barriers=plgpu.Barrier(num_barriers=stages), v_barriers=plgpu.Barrier(num_barriers=stages),
+             k_consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+             v_consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
+        output_struct(q.shape, jnp.float32, *inputs),
+        dict(heads=heads, q_tile=num_tiles, batch=batch), inputs, interpret=interpret,
+        name="twinflash_hopper_backward_dq")
+    return dq[:, :seq_q], dk[:, :seq_k], dv[:, :seq_k]

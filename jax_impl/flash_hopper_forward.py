@@ -1,0 +1,363 @@
+"""FlashAttention forward for Hopper (sm90) as a Pallas Mosaic GPU kernel, plus what the Mosaic backward shares
+with it: the launch config (`HopperConfig`, heuristics, autotune space), the GPU interpreter switch and the
+causal step ranges. Twin of `torch_impl/flash_hopper_forward.py`.
+
+Same contract as `flash_forward.pallas_forward`: q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (GQA: the KV head is
+h // (H // Hkv), K/V never repeated), causal aligned bottom-right (query i sees key j iff j <= i + Sk - Sq),
+any lengths, out in `out_dtype`, lse [B, H, Sq] natural log, -inf (with out 0) for a row that sees no key.
+Head dims 64 and 128, bf16/fp16 only (`supports` says which calls this kernel serves).
+
+Kernel shape (one CTA = 2 * block_q query rows of one (batch, head)), after FlashAttention-3:
+  - three warpgroups: two compute warpgroups own block_q = 64 query rows each, the third issues the TMA
+    copies of K/V blocks into a `num_stages`-deep ring of shared-memory slots (full/consumed barriers);
+  - the two compute warpgroups ping-pong on a named barrier, so one's softmax overlaps the other's matmuls;
+  - online softmax in the exp2 domain (one FMA + exp2 per score), fp32 accumulators in registers;
+  - the K/V loop is split: blocks every row sees run unmasked, then the few crossing the causal diagonal
+    or holding padded keys run masked; blocks no row sees are never loaded;
+  - causal grids visit the query tiles longest first.
+Tails: the wrapper pads Sq to 2 * block_q and Sk to block_kv (padded keys are masked by position, padded
+query rows are sliced off).
+
+GPU interpreter (CPU tests, `interpret=True`): Pallas's Mosaic GPU interpreter lacks wgmma with a register
+left operand and `pl.run_state` over a wgmma accumulator. It also has no rule for register-layout
+casts. Its wgmma also cannot read a transposed operand. So three helpers differ under interpretation (lines
+marked INTERPRET): `matmul_nt` (Q K^T) and `matmul_acc` (P V) are plain fp32-accumulating dots on the operands
+read from shared memory (the same shared-memory tiles the wgmma reads), and `layout` leaves values without a
+layout hint (hints do not change values); everything else -- TMA copies, barriers and their phases, warpgroup
+roles and the ping-pong, step ranges, masks, softmax, epilogue stores -- is the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .flash_forward import LN2, LOG2E, output_struct, pad_axis, round_up
+
+try:  # public from jax 0.11; jax 0.10 has it only under _src
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+except ImportError:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+HEAD_DIMS = (64, 128)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+COMPUTE_WARPGROUPS = 2  # + one TMA producer warpgroup
+# Per-thread register caps (setmaxnreg). The SM's 64K registers allow 512 per thread summed over the CTA's
+# warpgroups (128 threads each); an increase beyond what the others released waits forever, so the compute cap
+# is what the producer leaves, split evenly, in steps of 8: (512 - 40) / 2 -> 232.
+PRODUCER_REGISTERS = 40
+COMPUTE_REGISTERS = (512 - PRODUCER_REGISTERS) // COMPUTE_WARPGROUPS // 8 * 8
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperConfig:
+    """Block sizes of the Mosaic kernels. Forward: each compute warpgroup owns `block_q` query rows (a CTA
+    2 * block_q) and steps over K/V by `block_kv` through `num_stages` shared-memory slots. Backward dK/dV: a
+    warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
+    owns `bwd_block_q` query rows and steps over keys by `bwd_block_kv`."""
+    block_q: int = 64
+    block_kv: int = 128
+    num_stages: int = 2
+    bwd_block_q: int = 64
+    bwd_block_kv: int = 64
+    bwd_num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
+            if getattr(self, name) % 64:
+                raise ValueError(f"HopperConfig.{name} must be a multiple of 64 (wgmma tiles), got "
+                                 f"{getattr(self, name)}")
+        if self.num_stages < 1 or self.bwd_num_stages < 1:
+            raise ValueError("HopperConfig stages must be >= 1")
+
+
+def default_config(head_dim: int) -> HopperConfig:
+    """Heuristic: block_kv 128 for D <= 128 (FA3's and tokamax's sm90 choice), 2 stages; shared memory at
+    D=128: Q 32 KB + K/V 2 x 2 x 32 KB + an fp32 out tile 64 KB when the ring asks for fp32 out."""
+    del head_dim  # both supported head dims take the same blocks today; the argument keeps the call sites honest
+    return HopperConfig()
+
+
+# Candidates for `compare` sweeps: each is a full config, timed as one.
+AUTOTUNE_SPACE = tuple(HopperConfig(block_q=64, block_kv=kv, num_stages=st, bwd_block_q=64, bwd_block_kv=bkv)
+                       for kv in (64, 128) for st in (2, 3) for bkv in (64, 128))
+
+
+def supports(q, head_dim: int) -> str | None:
+    """None when the Mosaic kernels serve this call, else the reason they do not."""
+    if jnp.dtype(q.dtype) not in DTYPES:
+        return f"dtype {q.dtype} (Mosaic kernels take bfloat16/float16)"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (Mosaic kernels take {HEAD_DIMS})"
+    return None
+
+
+def interpret_params(interpret: bool):
+    """`interpret=` of plgpu.kernel: the GPU interpreter on CPU, compiled Mosaic GPU otherwise."""
+    return InterpretGPUParams() if interpret else None
+
+
+def smem_transforms(dtype):
+    """Tiled + 128-byte-swizzled shared memory (rows of 128 bytes: 64 16-bit or 32 fp32 elements): the layout
+    wgmma operands need, and conflict-free stores of register tiles."""
+    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
+
+
+def causal_kv_steps(q_first, block_q: int, block_kv: int, *, causal: bool, offset: int, seq_k: int,
+                    num_kv: int):
+    """For query rows [q_first, q_first + block_q): (n_full, n_end). K/V blocks [0, n_full) are seen fully by
+    every row, [n_full, n_end) need the mask, blocks from n_end on are seen by no row."""
+    if not causal:
+        return seq_k // block_kv, num_kv
+    n_end = jnp.clip(lax.div(jnp.maximum(q_first + block_q + offset + block_kv - 1, 0), block_kv), 0, num_kv)
+    n_full = jnp.minimum(lax.div(jnp.maximum(q_first + offset + 1, 0), block_kv), n_end)
+    return n_full, n_end
+
+
+def tile_index(causal: bool, num_tiles: int):
+    """This CTA's query tile: causal grids run tiles in reverse so the longest CTAs start first."""
+    i = lax.axis_index("q_tile")
+    return num_tiles - 1 - i if causal else i
+
+
+def layout(x, kind, *, interpret: bool):
+    """x pinned to a register layout (`plgpu.Layout.WGMMA` or one of its reductions): a hint to the Mosaic
+    compiler with no effect on values, which the interpreter has no rule for (INTERPRET: x unchanged)."""
+    return x if interpret else plgpu.layout_cast(x, kind)
+
+
+def iota(shape, dimension: int, *, interpret: bool):
+    """int32 indices along `dimension` in the wgmma accumulator's register layout."""
+    return layout(lax.broadcasted_iota(jnp.int32, shape, dimension), plgpu.Layout.WGMMA, interpret=interpret)
+
+
+def matmul_nt(a_smem, b_smem, *, then=None, interpret: bool):
+    """a @ b^T in fp32 for two shared-memory tiles (a wgmma reading b transposed); `then()` runs while the
+    wgmma is in flight (a scheduling barrier)."""
+    if interpret:  # INTERPRET: the interpreter's wgmma cannot read a transposed operand
+        result = lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        if then is not None:
+            then()
+        return result
+
+    def compute(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+        if then is not None:
+            then()
+        return acc_ref[...]
+    return pl.run_scoped(compute, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
+
+
+def matmul_acc(acc, a, b_smem, *, interpret: bool):
+    """acc + a @ b in fp32, a in registers (the wgmma register-A form) or shared memory, b in shared memory."""
+    if interpret:  # INTERPRET: the interpreter has neither register-A wgmma nor run_state on an accumulator
+        a = a if isinstance(a, jax.Array) else a[...]
+        return acc + jnp.dot(a, b_smem[...], preferred_element_type=jnp.float32)
+
+    def compute(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_smem)
+    return pl.run_state(compute)(plgpu.ACC.init(acc))
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse_smem2, k_smem, v_smem,
+                    q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier, *,
+                    causal: bool, scale_log2: float, block_q: int, block_kv: int, stages: int, group: int,
+                    offset: int, seq_k: int, num_kv: int, num_tiles: int, interpret: bool):
+    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    tile_first = tile_index(causal, num_tiles) * (COMPUTE_WARPGROUPS * block_q)
+    kv_range = functools.partial(causal_kv_steps, block_q=block_q, block_kv=block_kv, causal=causal,
+                                 offset=offset, seq_k=seq_k, num_kv=num_kv)
+    # The second warpgroup's rows are the later ones, so its range covers the whole CTA's.
+    _, tile_steps = kv_range(tile_first + block_q)
+    head_dim = q_smem2.shape[-1]
+
+    def schedule_sync():
+        plgpu.barrier_arrive(schedule_barrier)
+        plgpu.barrier_wait(schedule_barrier)
+
+    @pl.when(wg < COMPUTE_WARPGROUPS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
+        q_first = tile_first + wg * block_q
+        n_full, n_end = kv_range(q_first)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_first, block_q), head], q_smem, q_barriers.at[wg])
+        plgpu.barrier_wait(q_barriers.at[wg])
+
+        rows_layout = plgpu.Layout.WGMMA.reduce(1)
+        row_max = layout(jnp.full((block_q,), -jnp.inf, jnp.float32), rows_layout, interpret=interpret)
+        row_sum = layout(jnp.zeros((block_q,), jnp.float32), rows_layout, interpret=interpret)
+        acc = layout(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
+
+        @pl.when(n_end > 0)
+        def _():
+            plgpu.barrier_wait(k_barriers.at[0])
+
+        pl.when(wg == 1)(schedule_sync)  # offsets the two warpgroups by half a step: the ping-pong
+
+        def step(kv_step, carry, *, masked: bool):
+            acc, row_max, row_sum = carry
+            slot = lax.rem(kv_step, stages)
+
+            scores = matmul_nt(q_smem, k_smem.at[slot], then=schedule_sync, interpret=interpret)
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            scores = scores * scale_log2
+            if masked:
+                q_pos = q_first + iota(scores.shape, 0, interpret=interpret)
+                k_pos = kv_step * block_kv + iota(scores.shape, 1, interpret=interpret)
+                seen = (k_pos <= q_pos + offset) if causal else (k_pos < seq_k)
+                scores = jnp.where(seen, scores, -jnp.inf)
+            new_max = jnp.maximum(row_max, scores.max(axis=1))
+            if masked:  # a row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN
+                new_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+            rescale = jnp.exp2(row_max - new_max)
+            probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
+            row_sum = row_sum * rescale + probs.sum(axis=1)
+            probs = probs.astype(q_smem.dtype)
+            # Hand the tensor cores over: the other warpgroup's QK^T runs while this one waits for its V.
+            acc, row_sum, new_max, probs = lax.optimization_barrier((acc, row_sum, new_max, probs))
+            plgpu.barrier_arrive(schedule_barrier)
+            plgpu.barrier_wait(v_barriers.at[slot])
+            plgpu.barrier_wait(schedule_barrier)
+            acc = matmul_acc(acc, probs, v_smem.at[slot], interpret=interpret)
+
+            @pl.when(kv_step + 1 < n_end)
+            def _():
+                plgpu.barrier_wait(k_barriers.at[lax.rem(kv_step + 1, stages)])
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            return acc, new_max, row_sum
+
+        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (acc, row_max, row_sum))
+        if causal or seq_k % block_kv:
+            carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+        acc, row_max, row_sum = carry
+
+        @pl.loop(n_end, tile_steps)
+        def _drain(kv_step):
+            # Steps only the other warpgroup needs: observe their loads (every barrier phase is waited for once
+            # by each warpgroup, which keeps the phase parity right), release their slots and keep the ping-pong
+            # count equal.
+            slot = lax.rem(kv_step, stages)
+            plgpu.barrier_wait(k_barriers.at[slot])
+            plgpu.barrier_wait(v_barriers.at[slot])
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            schedule_sync()
+            schedule_sync()
+        pl.when(wg == 0)(schedule_sync)
+
+        seen = row_sum > 0  # False only for rows that see no key (causal with Sq > Sk): out 0, lse -inf
+        inverse = jnp.where(seen, 1.0 / jnp.where(seen, row_sum, 1.0), 0.0)
+        o_smem[...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(o_smem.dtype)
+        lse_smem[...] = jnp.where(seen, row_max * LN2 + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_first, block_q), head])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_first, block_q)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        kv_head = lax.div(head, group)
+
+        def load(kv_step, slot):
+            rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_barriers.at[slot])
+        produce(load, (k_consumed, v_consumed), begin=0, end=tile_steps, stages=stages)
+
+
+def produce(load, consumed, *, begin, end, stages: int):
+    """The TMA warpgroup's loop: steps [begin, end) go through `stages` shared-memory slots (step s uses slot
+    (s - begin) % stages); `load(step, slot)` issues a step's copies, each completing on its slot's barrier,
+    and a slot is refilled once every compute warpgroup has arrived at its `consumed` barriers."""
+    for slot in range(stages):
+        pl.when(begin + slot < end)(functools.partial(load, begin + slot, slot))
+
+    @pl.loop(begin + stages, end)
+    def _refill(step):
+        slot = lax.rem(step - begin, stages)
+        for barrier in consumed:
+            plgpu.barrier_wait(barrier.at[slot])
+        load(step, slot)
+
+    @pl.loop(jnp.maximum(end - stages, begin), end)
+    def _last_releases(step):
+        # Nothing is refilled after the last steps, but their releases complete barrier phases: observe them so
+        # every phase has been waited for when the kernel exits (the GPU interpreter checks this).
+        for barrier in consumed:
+            plgpu.barrier_wait(barrier.at[lax.rem(step - begin, stages)])
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "out_dtype", "config", "interpret"))
+def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale: float, out_dtype,
+                   config: HopperConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Mosaic GPU forward on validated inputs (`supports` is None): (out [B, Sq, H, D] in `out_dtype`,
+    lse [B, H, Sq] float32)."""
+    batch, seq_q, heads, head_dim = q.shape
+    seq_k, kv_heads = k.shape[1], k.shape[2]
+    block_q, block_kv = config.block_q, config.block_kv
+    q_len = round_up(seq_q, COMPUTE_WARPGROUPS * block_q)
+    k_len = round_up(seq_k, block_kv)
+    num_tiles, num_kv = q_len // (COMPUTE_WARPGROUPS * block_q), k_len // block_kv
+    stages = min(config.num_stages, num_kv)
+    inputs = (q, k, v)
+    q = pad_axis(q, 1, q_len)
+    k, v = pad_axis(k, 1, k_len), pad_axis(v, 1, k_len)
+
+    transforms = smem_transforms(q.dtype)
+    out_dtype = jnp.dtype(out_dtype)
+    scratch = dict(
+        q_smem2=plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), q.dtype, transforms=transforms),
+        # A half-precision out tile reuses Q's buffer (Q is dead by then); fp32 (ring partials) gets its own.
+        o_smem2=None,
+        lse_smem2=plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),
+        k_smem=plgpu.SMEM((stages, block_kv, head_dim), k.dtype, transforms=transforms),
+        v_smem=plgpu.SMEM((stages, block_kv, head_dim), v.dtype, transforms=transforms),
+        q_barriers=plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
+        k_barriers=plgpu.Barrier(num_barriers=stages),
+        v_barriers=plgpu.Barrier(num_barriers=stages),
+        k_consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
+        v_consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
+        schedule_barrier=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+    )
+    if out_dtype != q.dtype:
+        scratch["o_smem2"] = plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), out_dtype,
+                                        transforms=smem_transforms(out_dtype))
+
+    def body(q_ref, k_ref, v_ref, out_ref, lse_ref, **smem):
+        smem.setdefault("o_smem2", smem["q_smem2"])
+        _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, **smem, causal=causal,
+                        scale_log2=softmax_scale * LOG2E, block_q=block_q, block_kv=block_kv, stages=stages,
+                        group=heads // kv_heads, offset=seq_k - seq_q, seq_k=seq_k, num_kv=num_kv,
+                        num_tiles=num_tiles, interpret=interpret)
+
+    def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+        names = [name for name, value in scratch.items() if value is not None]
+        pl.run_scoped(lambda *refs: body(q_ref, k_ref, v_ref, out_ref, lse_ref, **dict(zip(names, refs))),
+                      *(scratch[name] for name in names), collective_axes="wg")
+
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(output_struct((batch, q_len, heads, head_dim), out_dtype, *inputs),
+                  output_struct((batch, heads, q_len), jnp.float32, *inputs)),
+        grid=(heads, num_tiles, batch),
+        grid_names=("heads", "q_tile", "batch"),
+        num_threads=COMPUTE_WARPGROUPS + 1,
+        thread_name="wg",
+        # An fp32 out tile at D=128 overshoots 227 KB of shared memory by a few bytes; the row reductions here
+        # stay inside warps and need little of the reduction scratch.
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             reduction_scratch_bytes=2048 if out_dtype == q.dtype else 1024),
+        interpret=interpret_params(interpret),
+        kernel_name="twinflash_hopper_forward",
+    )(q, k, v)
+    return out[:, :seq_q], lse[:, :, :seq_q]

@@ -1,0 +1,111 @@
+"""The Hopper Mosaic GPU kernels (`jax_impl/flash_hopper_forward.py`, `flash_hopper_backward.py`) through the
+public API (`backend="pallas_mosaic"`): out, lse, dq, dk, dv against float64 under the flash-attention rule,
+the ring's pair contract (partials merged by lse, backward from the global out/lse), dispatch and config.
+
+On CPU the kernels EXECUTE under Pallas's Mosaic GPU interpreter (TMA copies, barriers, warpgroup roles and
+masks are the kernel's own code; only the matmul and layout-hint helpers marked INTERPRET differ), at tiny
+shapes: the interpreter steps every warpgroup of every CTA in Python, so each case costs tens of seconds even
+at one or two CTAs. `gpu`-marked tests run the compiled kernels on an sm90 GPU against the Triton-lowering
+kernels and cuDNN.
+
+Tolerances: the flash-attention rule of tests/test_flash_attention_jax.py (max error vs float64 <= 2x the
+naive same-dtype implementation's + ATOL); its reasons are stated there.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_flash_attention_jax import (_float64_attention, _flash_and_naive, _flash_rule_violations, _inputs, _jit,
+                                      _ring_step_by_pairs, _with_grads)
+
+from jax_impl.attention import reference_attention
+from jax_impl.flash_attention import BACKENDS, flash_attention, flash_attention_forward
+from jax_impl.flash_hopper_forward import HopperConfig, supports
+
+on_hopper = pytest.mark.skipif(
+    jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
+    reason="needs an sm90 (Hopper) GPU")
+
+# (Sq, Sk, H, Hkv, D, causal): odd tails on both sides; GQA 3:1 and 2:1; Sq > Sk causal has rows that see no key;
+# D 64 (the interpreter's cost grows with D, and D 128 runs the same code at the GPU tests' sizes).
+INTERPRET_CASES = [(77, 141, 3, 1, 64, True), (141, 77, 2, 1, 64, True), (100, 150, 2, 2, 64, False)]
+
+
+@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal", INTERPRET_CASES,
+                         ids=[f"q{a}-k{b}-h{c}:{d}-d{e}-{'causal' if f else 'full'}" for a, b, c, d, e, f
+                              in INTERPRET_CASES])
+def test_mosaic_flash_rule_against_float64(seq_q, seq_k, heads, kv_heads, head_dim, causal):
+    q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16)
+    flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_mosaic")
+    exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
+    assert flash[0].dtype == jnp.bfloat16 and flash[1].dtype == jnp.float32
+    assert not _flash_rule_violations(flash, naive, exact)
+    unseen = np.isneginf(exact[1]).transpose(0, 2, 1)  # [B, Sq, H]: rows that see no key get out 0 and dq 0
+    assert not np.any(np.asarray(flash[0], np.float32)[unseen]) and not np.any(np.asarray(flash[2])[unseen])
+
+
+def test_mosaic_negative_control_fails_the_rule():
+    """The rule has teeth for this kernel too: k and v swapped violates it."""
+    q, k, v, dout = _inputs(1, 70, 90, 2, 2, 64, jnp.float16)
+    flash = _with_grads(lambda q, k, v: flash_attention(q, v, k, return_lse=True, backend="pallas_mosaic"),
+                        q, k, v, dout)
+    naive = _with_grads(functools.partial(reference_attention, return_lse=True), q, k, v, dout)
+    assert _flash_rule_violations(flash, naive, _float64_attention(q, k, v, dout, causal=True, scale=1 / 8))
+
+
+def test_backend_names_and_forced_mosaic_errors():
+    assert {"pallas", "pallas_mosaic", "pallas_triton"} <= set(BACKENDS)
+    q, k, v, _ = _inputs(1, 8, 8, 2, 2, 96, jnp.bfloat16)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        flash_attention_forward(q, k, v, causal=True, backend="pallas_mosaic")
+    q32, k32, v32, _ = _inputs(1, 8, 8, 2, 2, 64, jnp.float32)
+    with pytest.raises(ValueError, match="dtype float32"):
+        flash_attention_forward(q32, k32, v32, causal=True, backend="pallas_mosaic")
+    assert supports(q32[..., :64].astype(jnp.bfloat16), 64) is None
+
+
+def test_config_rejects_blocks_wgmma_cannot_tile():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        HopperConfig(block_kv=96)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: compiled Mosaic kernels vs the Triton-lowering kernels vs cuDNN
+# ---------------------------------------------------------------------------------------------------------------
+
+GPU_CASES = [(1024, 1024, 8, 2, 128, True), (1000, 1000, 4, 4, 128, False), (777, 2048, 6, 2, 64, True),
+             (2048, 777, 4, 1, 64, True), (1536, 1536, 4, 4, 64, False)]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal", GPU_CASES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_gpu_mosaic_triton_and_cudnn_meet_the_rule(dtype, seq_q, seq_k, heads, kv_heads, head_dim, causal):
+    q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, dtype, seed=7)
+    exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
+    backends = ["pallas", "pallas_mosaic", "pallas_triton"] + (["cudnn"] if not causal or seq_q == seq_k else [])
+    for backend in backends:
+        flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend=backend)
+        assert not _flash_rule_violations(flash, naive, exact), backend
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_ring_pairs_with_external_lse_meet_the_rule(head_dim):
+    """The ring's use: fp32 partial outs merged by lse, then each pair's backward from the merged (global) out
+    and lse; the summed results meet the rule against the full attention's float64 answer."""
+    q_all, k, v, dout_all = _inputs(1, 2048, 2048, 8, 2, head_dim, jnp.bfloat16, seed=9)
+    q, dout = q_all[:, 1024:], dout_all[:, 1024:]  # the second half of a causal sequence against all its keys
+    exact = _float64_attention(q, k, v, dout, causal=True, scale=1 / math.sqrt(head_dim))
+    naive = _with_grads(functools.partial(reference_attention, causal=True, return_lse=True), q, k, v, dout)
+    for backend in ("pallas_mosaic", "pallas_triton", "cudnn"):
+        by_pairs = _jit(functools.partial(_ring_step_by_pairs, backend=backend))(q, k, v, dout)
+        assert not _flash_rule_violations(by_pairs, naive, exact), backend
