@@ -9,6 +9,8 @@ Subcommands: `convert` and `export` (weights/), `run` (compare/commands/run.py),
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +19,18 @@ from compare.commands import train
 from compare.harness import command as compare_command
 from weights import PRESETS, BadInputError
 from weights.atomic import atomic_file
+
+
+def interpret_triton_without_cuda() -> None:
+    """Selects Triton's interpreter (TRITON_INTERPRET=1, unless set) when there is no CUDA GPU, so that the torch
+    backend's Triton kernels run on CPU in this process and in every process it starts. Call it before anything
+    imports triton: Triton reads the variable when it decorates each kernel, its own library's at import."""
+    if "TRITON_INTERPRET" in os.environ or importlib.util.find_spec("torch") is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _save_npy_new(path: Path, array) -> None:
@@ -126,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    interpret_triton_without_cuda()  # before any backend import; the workers and torchrun ranks inherit it
 
     def command() -> int | None:
         args = build_parser().parse_args(argv)

@@ -1,7 +1,8 @@
-"""Test-wide set-up: emulated devices for JAX and the `gpu` marker's skip.
+"""Test-wide set-up: emulated devices for JAX, Triton's interpreter without CUDA, and the `gpu` marker's skip.
 
 JAX reads XLA_FLAGS once, when it first initialises its backend, so the 4 emulated host devices that the ring and
-mesh tests need are requested here, before any test module imports jax.
+mesh tests need are requested here, before any test module imports jax. Likewise TRITON_INTERPRET is chosen here,
+before anything imports triton, the way the `twinflash` CLI chooses it; the workers the tests start inherit both.
 """
 
 import os
@@ -10,6 +11,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest  # noqa: E402
+
+from compare.cli import interpret_triton_without_cuda  # noqa: E402
+
+interpret_triton_without_cuda()
 
 
 def _has_cuda() -> bool:

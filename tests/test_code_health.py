@@ -24,10 +24,6 @@ _MACHINE_ROOTS = ("wo" + "rk", "ho" + "me", "ro" + "ot", "tm" + "p", "Us" + "ers
                   "op" + "t", "va" + "r", "priv" + "ate")
 MACHINE_PATH = re.compile(r"(?<![\w.$<>~-])/(?:" + "|".join(_MACHINE_ROOTS) + r")/[\w.+-]")
 
-# (file, private name) imported across modules that another branch removes; listed so that this test passes until
-# it lands, and fails once it has landed (then delete the entry)
-KNOWN_PRIVATE_IMPORTS = {("torch_impl/flash_backward.py", "_SUM")}
-
 
 def _tracked_files() -> list[Path]:
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
@@ -135,8 +131,7 @@ def test_cycle_finder_finds_a_cycle():
 def test_no_private_name_imported_across_library_modules():
     found = {(str(path.relative_to(ROOT)), name) for path in _library_modules().values()
              for name in private_imports(path.read_text())}
-    assert found - KNOWN_PRIVATE_IMPORTS == set()
-    assert KNOWN_PRIVATE_IMPORTS <= found, "a listed private import is gone: delete its KNOWN_PRIVATE_IMPORTS entry"
+    assert found == set()
     assert private_imports("from a.b import _x, y, __version__\nfrom __future__ import annotations") == ["_x"]
 
 

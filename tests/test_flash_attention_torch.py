@@ -364,20 +364,39 @@ def test_gpu_other_backends(backend, kv_heads, causal):
     assert not violations, f"(pair-level backend, naive) errors beyond the rule: {violations}"
 
 
-def test_interpreter_works_when_triton_was_imported_first(tmp_path):
-    """Triton's own library functions are decorated when triton is imported; the kernels avoid them, so
-    importing triton before `torch_impl.flash_attention` sets TRITON_INTERPRET still interprets correctly."""
-    script = tmp_path / "late_interpret.py"
+@pytest.mark.parametrize("set_up, expected", [
+    ("cli", "ok"),  # the CLI's set-up (which tests/conftest.py runs too) before triton is imported: kernels run
+    ("none", "Triton's interpreter is off; move them to CUDA, or set TRITON_INTERPRET=1 before anything imports"),
+    ("late", "TRITON_INTERPRET=1 was set after triton was imported"),  # tl.sum etc. stayed compiled
+])
+def test_cpu_tensors_need_the_interpreter_chosen_before_triton_is_imported(tmp_path, set_up, expected):
+    """The library sets no TRITON_INTERPRET itself: without CUDA the entry point chooses it before triton is
+    imported, and a CPU call without it fails with one line naming the fix."""
+    script = tmp_path / "interpret.py"
     script.write_text(
-        "import triton.language\n"
+        "import os, sys\n"
+        "if sys.argv[1] == 'cli':\n"
+        "    from compare.cli import interpret_triton_without_cuda\n"
+        "    interpret_triton_without_cuda()\n"
+        "elif sys.argv[1] == 'late':\n"
+        "    import triton.language\n"
+        "    os.environ['TRITON_INTERPRET'] = '1'\n"
         "import torch\n"
         "from torch_impl.attention import reference_attention\n"
         "from torch_impl.flash_attention import flash_attention\n"
         "q, k, v = torch.randn(1, 40, 2, 32), torch.randn(1, 40, 1, 32), torch.randn(1, 40, 1, 32)\n"
-        "torch.testing.assert_close(flash_attention(q, k, v), reference_attention(q, k, v), rtol=1e-4, atol=1e-4)\n"
+        "try:\n"
+        "    out = flash_attention(q, k, v)\n"
+        "except ValueError as error:\n"
+        "    sys.exit(str(error))\n"
+        "# float32 both ways, only the summation order differs\n"
+        "torch.testing.assert_close(out, reference_attention(q, k, v), rtol=1e-4, atol=1e-4)\n"
         "print('ok')\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU: the module must switch the interpreter on by itself
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, whatever this machine has
+    done = subprocess.run([sys.executable, str(script), set_up], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    if expected == "ok":
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    else:
+        assert done.returncode == 1 and expected in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]

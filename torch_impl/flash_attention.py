@@ -16,9 +16,9 @@ Backends (`backend=`):
                 the causal mask top-left).
   "flash_attn"  the optional flash-attn 2.x package (`pip install 'twinflash[flash-attn]'`).
 
-Without CUDA, Triton's interpreter runs the "triton" kernels on CPU, automatically: `flash_forward`, the first
-kernel module any import goes through, sets TRITON_INTERPRET=1 (unless the user set it) before it defines a
-kernel (why that is enough, even when triton was imported first, is explained there).
+Without CUDA, Triton's interpreter runs the "triton" kernels on CPU when TRITON_INTERPRET=1 was set before anything
+imported triton: the `twinflash` CLI and tests/conftest.py set it when there is no CUDA GPU; otherwise a call with
+CPU tensors raises one line naming that fix (`flash_forward.interpreter_problem`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from torch_impl.attention import reference_attention_backward, reference_attention_forward
 from torch_impl.flash_backward import triton_backward
-from torch_impl.flash_forward import INTERPRETED, triton_forward
+from torch_impl.flash_forward import interpreter_problem, triton_forward
 from torch_impl.flash_hopper_backward import hopper_backward
 from torch_impl.flash_hopper_forward import hopper_forward, hopper_unsupported
 from torch_impl.remat import keep_for_backward
@@ -75,9 +75,11 @@ def _validate(q, k, v, *, causal, softmax_scale, backend) -> float:
 def _check_backend_limits(backend, q, k_v, causal) -> None:
     seq_k = k_v[0].shape[1]
     on_cuda = q.device.type == "cuda"
-    if backend in _TRITON_BACKENDS and not on_cuda and not (INTERPRETED and q.device.type == "cpu"):
-        raise ValueError(f"backend {backend!r} got {q.device.type} tensors but Triton is compiling for CUDA; move them "
-                         "to CUDA (or set TRITON_INTERPRET=1 before importing torch_impl to interpret on CPU)")
+    if backend in _TRITON_BACKENDS and not on_cuda:
+        if q.device.type != "cpu":
+            raise ValueError(f"backend {backend!r} runs CUDA tensors (or CPU ones, interpreted), got {q.device.type}")
+        if problem := interpreter_problem():
+            raise ValueError(f"backend {backend!r} got CPU tensors but {problem}")
     if backend == "triton_hopper" and (reason := hopper_unsupported(q, *k_v)):
         raise ValueError(f"backend 'triton_hopper' {reason}; backend 'triton' falls back to the portable kernels")
     if backend in ("sdpa_cudnn", "sdpa_flash", "flash_attn"):

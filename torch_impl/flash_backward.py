@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_impl.flash_forward import (_SUM, INTERPRETED, LOG2E, autotune_configs, dot_precision, fitting, key_range,
+from torch_impl.flash_forward import (INTERPRETED, LOG2E, autotune_configs, dot_precision, fitting, key_range,
                                       load_tile, query_block_program, round_to, seq_bucket, store_tile)
 
 
@@ -52,7 +52,7 @@ def _delta_kernel(Out, DOut, Delta, stride_ob, stride_os, stride_oh, stride_db, 
                + rows.to(tl.int64)[:, None] * stride_ds + offs_d[None, :])
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Delta + pid_bh.to(tl.int64) * seq_q + rows, tl.reduce(o * do, 1, _SUM), mask=rows < seq_q)
+    tl.store(Delta + pid_bh.to(tl.int64) * seq_q + rows, tl.sum(o * do, 1), mask=rows < seq_q)
 
 
 @triton.jit
@@ -137,8 +137,8 @@ def _dkdv_kernel(Q, K, V, DOut, Lse, Delta, DK, DV,
     do_base = DOut + batch.to(tl.int64) * stride_dob + first_head.to(tl.int64) * stride_doh
     lse_base = Lse + (batch * n_kv_heads * GROUP + first_head).to(tl.int64) * seq_q
     delta_base = Delta + (batch * n_kv_heads * GROUP + first_head).to(tl.int64) * seq_q
-    dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
-    dv = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qh, stride_dos,
                          stride_doh, cols, offs_m, offs_d, first, tl.minimum(full_start, padded_end), seq_q, diagonal,
                          qk_scale, True, CAUSAL, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, EMULATE, DOT_PRECISION)
@@ -221,7 +221,7 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
     full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     qk_scale = softmax_scale * LOG2E
 
-    dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
                    0, full_end, seq_k, diagonal, qk_scale,
                    False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)

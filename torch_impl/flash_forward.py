@@ -14,36 +14,38 @@ and arithmetic are garbage; fp32 -> bf16 casts truncate instead of rounding). Wi
 load every tile as float32 and round values to the operand dtype themselves (round-to-nearest-even), so the
 interpreter computes what the GPU computes: 16-bit operands, exact products, float32 accumulation.
 
-Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 is set below (a value the user set
-wins) before any kernel is defined. Triton (3.4 and later, through `triton.knobs`) reads that variable each time
-`@triton.jit` decorates a function, so this works even if triton was imported earlier. Triton's own library
-functions (tl.zeros, tl.max, tl.sum, tl.cdiv, ...) are decorated when triton is imported, though, and stay
-compiled-mode in that case, which the interpreter cannot call; the kernels therefore call none of them (see
-_MAX and _SUM below), and a test imports triton first to keep it that way.
+Without CUDA the kernels run in Triton's interpreter, which TRITON_INTERPRET=1 selects: set it before anything
+imports triton (the `twinflash` CLI and tests/conftest.py do so when there is no CUDA GPU). Triton decides per
+function, when `@triton.jit` decorates it: its own library (tl.sum, tl.max, tl.zeros, ...) when triton is imported,
+these kernels when this module is. `interpreter_problem` says why CPU tensors cannot run here when the two disagree
+or the interpreter is off; `torch_impl.flash_attention` raises it as one line.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 # Read now, exactly as `triton.jit` reads it when it decorates the kernels below.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
+
+def interpreter_problem() -> str | None:
+    """Why CPU tensors cannot run through the kernels in this process (one line naming the fix), or None when
+    Triton's interpreter runs them."""
+    fix = ("move them to CUDA, or set TRITON_INTERPRET=1 before anything imports triton (the twinflash CLI and the "
+           "tests do so when there is no CUDA GPU)")
+    if not INTERPRETED:
+        return f"Triton's interpreter is off; {fix}"
+    if not isinstance(tl.sum, InterpretedFunction):
+        return f"TRITON_INTERPRET=1 was set after triton was imported, so triton's own functions are compiled; {fix}"
+    return None
+
+
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # log(x) = log2(x) * LN2
-# Row reductions are tl.reduce with triton's own combine functions, which is what tl.max / tl.sum do for float32
-# (so the GPU code is the same), but the interpreter recognises these two by identity and reduces with numpy
-# without calling them, compiled-mode or not (module docstring). Tiles start from tl.full, not tl.zeros.
-_MAX = tl.standard._elementwise_max
-_SUM = tl.standard._sum_combine
 
 
 @triton.jit
@@ -103,16 +105,16 @@ def online_softmax_step(qk, l_i, m_i, cols, offs_m, seq_k, diagonal, qk_scale,
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row with nothing visible yet keeps m = -inf; subtracting 0 keeps its p at 0 instead of NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_shift[:, None])
     else:
-        m_new = tl.maximum(m_i, tl.reduce(qk, 1, _MAX) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_shift = m_new
         p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+    l_i = l_i * alpha + tl.sum(p, 1)
     return p, alpha, l_i, m_new
 
 
@@ -239,8 +241,8 @@ def _forward_kernel(Q, K, V, Out, Lse,
 
     qk_scale = softmax_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
                                    0, full_end, seq_k, diagonal, qk_scale,
                                    False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)

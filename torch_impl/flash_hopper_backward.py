@@ -126,8 +126,8 @@ def _hopper_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
         first = 0
         full_start = 0
     qk_scale = softmax_scale * LOG2E
-    dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, tl.float32)
-    dv = tl.full([BLOCK_N, HEAD_DIM], 0.0, tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for head_in_group in range(GROUP):
         head = kv_head * GROUP + head_in_group
         head_col = head * HEAD_DIM

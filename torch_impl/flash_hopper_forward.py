@@ -154,8 +154,8 @@ def _hopper_forward_kernel(Q, K, V, Out, Lse,
     full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     qk_scale = softmax_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_desc, v_desc, offs_m, offs_n, 0, full_end, seq_k, diagonal,
                                    qk_scale, False, CAUSAL, BLOCK_N, EMULATE, WARP_SPECIALIZE)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_desc, v_desc, offs_m, offs_n, full_end, end, seq_k, diagonal,
