@@ -1,5 +1,6 @@
-"""FlashAttention for JAX: public API, validation, backend dispatch, autodiff and the kernels' block-size
-table. Twin of `torch_impl/flash_attention.py`; the kernels live in `flash_forward.py` / `flash_backward.py`.
+"""FlashAttention for JAX: public API, validation, backend dispatch and autodiff. Twin of
+`torch_impl/flash_attention.py`; the kernels, and the block-size configs with their heuristics, live in
+`flash_forward.py` / `flash_backward.py` (`TritonConfig`) and `flash_hopper_*.py` (`HopperConfig`).
 
 Two levels:
   - `flash_attention(q, k, v, ...)`: drop-in attention (an `AttentionFn` with the defaults), differentiable
@@ -27,6 +28,11 @@ Backends (`backend=`):
     the input dtype and returns bf16/fp16 outputs and gradients, so fp32 out/gradients requested by the
     pair contract are exact casts of half-precision results (the ring accumulates them with that rounding).
 
+Block sizes (`config=`, every entry point): those of the Pallas kernel family serving the call, a `TritonConfig`
+or a `HopperConfig` (the other family's is a ValueError, and so is any config for "reference" and "cudnn"); None
+picks the family's heuristic (`flash_forward.default_config`, `flash_hopper_forward.default_config`). They
+travel only as this argument: the module holds no state that a call could change.
+
 Semantics shared by every backend: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], H a multiple of Hkv (GQA: K/V are
 never repeated). `causal=True` with Sq != Sk aligns the last query with the last key (the flash-attention
 convention): query i sees key j iff j <= i + Sk - Sq. A query that sees no key (causal, Sq > Sk) gets
@@ -35,8 +41,6 @@ out 0, lse -inf and zero gradients. lse is [B, H, Sq] float32, natural log, of t
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import inspect
 import math
@@ -47,11 +51,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import flash_forward, flash_hopper_forward
 from .attention import reference_attention_backward, reference_attention_forward
 from .flash_backward import pallas_backward
-from .flash_forward import KernelConfig, padded_head_dim, pallas_forward
+from .flash_forward import TritonConfig, pallas_forward
 from .flash_hopper_backward import mosaic_backward
-from .flash_hopper_forward import HopperConfig, default_config, mosaic_forward, supports
+from .flash_hopper_forward import HopperConfig, mosaic_forward, supports
 from .remat import keep_for_backward
 from weights.attention import check_attention_shapes
 
@@ -62,64 +67,6 @@ BACKENDS = ("pallas", "pallas_mosaic", "pallas_triton", "reference", "cudnn")
 MOSAIC_DEFAULT_ON_HOPPER = False
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_HEAD_DIM = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class FlashBlockSizes:
-    """Launch configs of the three kernels. forward and backward_dq: a program owns `block_q` query rows and
-    steps over K/V by `block_k`; backward_dkdv: a program owns `block_k` key rows and steps over queries by
-    `block_q` (for every query head of its GQA group)."""
-    forward: KernelConfig
-    backward_dkdv: KernelConfig
-    backward_dq: KernelConfig
-
-
-# GPU defaults for bf16/fp16 per kernel head dim (`padded_head_dim`: a power of two >= 16), starting points
-# for the H200, screened offline for sm_90 (Triton IR compiled with ptxas: no register spills, shared memory
-# within 227 KB); time them with compare/pallas_sweep.py.
-GPU_BLOCK_SIZES: dict[int, FlashBlockSizes] = {
-    16: FlashBlockSizes(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 2)),
-    32: FlashBlockSizes(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 2)),
-    64: FlashBlockSizes(KernelConfig(64, 64, 4, 2), KernelConfig(32, 128, 4, 3), KernelConfig(128, 64, 4, 3)),
-    128: FlashBlockSizes(KernelConfig(128, 128, 8, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 64, 8, 3)),
-    256: FlashBlockSizes(KernelConfig(64, 32, 8, 2), KernelConfig(32, 32, 8, 2), KernelConfig(64, 32, 8, 2)),
-}
-# fp32 inputs on the GPU run true-fp32 FMA dots (no tensor cores), whose operands and accumulators all sit in
-# registers: only small tiles fit (spill-free up to head dim 128). A correctness path (fp32 models), not a
-# speed path.
-GPU_FP32_BLOCK_SIZES = FlashBlockSizes(KernelConfig(32, 16, 8, 2), KernelConfig(16, 16, 8, 2),
-                                       KernelConfig(32, 16, 8, 2))
-# Interpret mode (CPU): small, unequal tiles, so short test sequences still cross several blocks and tails.
-INTERPRET_BLOCK_SIZES = FlashBlockSizes(KernelConfig(32, 16, 1, 1), KernelConfig(16, 32, 1, 1),
-                                        KernelConfig(32, 16, 1, 1))
-_block_size_overrides: dict[int, FlashBlockSizes] = {}
-
-
-def block_sizes(head_dim: int, dtype, *, interpret: bool) -> FlashBlockSizes:
-    """The block sizes the Pallas backend uses for this head dim and input dtype (an active
-    `override_block_sizes` wins over the tables)."""
-    dim = padded_head_dim(head_dim)
-    if dim in _block_size_overrides:
-        return _block_size_overrides[dim]
-    if interpret:
-        return INTERPRET_BLOCK_SIZES
-    return GPU_FP32_BLOCK_SIZES if jnp.dtype(dtype) == jnp.float32 else GPU_BLOCK_SIZES[dim]
-
-
-@contextlib.contextmanager
-def override_block_sizes(head_dim: int, sizes: FlashBlockSizes):
-    """Use `sizes` for every Pallas call with this head dim inside the block (benchmark sweeps). Sizes are read
-    when a call is traced: build a fresh jitted function per setting, a cached trace keeps the old sizes."""
-    dim = padded_head_dim(head_dim)
-    previous = _block_size_overrides.get(dim)
-    _block_size_overrides[dim] = sizes
-    try:
-        yield
-    finally:
-        if previous is None:
-            del _block_size_overrides[dim]
-        else:
-            _block_size_overrides[dim] = previous
 
 
 def _interpret() -> bool:
@@ -152,11 +99,29 @@ def _uses_mosaic(backend: str, q) -> bool:
     return unsupported is None
 
 
+def _pallas_config(backend: str, q, config, *, interpret: bool) -> TritonConfig | HopperConfig:
+    """The config of the Pallas kernel family serving this call (a `HopperConfig` for Mosaic, else a
+    `TritonConfig`): `config` if given, else the family's heuristic for q's head dim and dtype."""
+    mosaic = _uses_mosaic(backend, q)
+    if config is None:
+        return (flash_hopper_forward.default_config(q.shape[3]) if mosaic
+                else flash_forward.default_config(q.shape[3], q.dtype, interpret=interpret))
+    family = HopperConfig if mosaic else TritonConfig
+    if not isinstance(config, family):
+        raise ValueError(f"config must be a {family.__name__}: the {'Mosaic' if mosaic else 'Triton-lowering'} "
+                         f"kernels serve this call (backend={backend!r}); got {type(config).__name__}")
+    return config
+
+
 # --- validation -----------------------------------------------------------------------------------------------
 
-def _check_backend(backend: str) -> None:
+def _check_backend(backend: str, config=None) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if config is not None and not isinstance(config, (TritonConfig, HopperConfig)):
+        raise ValueError(f"config must be a TritonConfig, a HopperConfig or None, got {type(config).__name__}")
+    if config is not None and not backend.startswith("pallas"):
+        raise ValueError(f"config sets Pallas kernel block sizes; backend={backend!r} takes none")
 
 
 def _validate_qkv(q, k, v) -> None:
@@ -252,12 +217,12 @@ def _cudnn_backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
 # --- pair-level API ---------------------------------------------------------------------------------------------
 
 def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale=None,
-                            out_dtype=None, backend: str = "pallas", hopper_config: HopperConfig | None = None
+                            out_dtype=None, backend: str = "pallas", config: TritonConfig | HopperConfig | None = None
                             ) -> tuple[jax.Array, jax.Array]:
     """One attention pair's forward: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq] float32).
     `softmax_scale=None` means 1/sqrt(D). Not differentiable itself: pair it with `flash_attention_backward`.
-    `hopper_config`: block sizes of the Mosaic kernels (default: `flash_hopper_forward.default_config`)."""
-    _check_backend(backend)
+    `config`: the Pallas kernels' block sizes, None for the heuristic (module doc)."""
+    _check_backend(backend, config)
     _validate_qkv(q, k, v)
     causal = _check_causal(causal)
     scale = _resolve_scale(softmax_scale, q.shape[3])
@@ -267,23 +232,25 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal:
     if backend == "cudnn":
         return _cudnn_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
     interpret = _interpret()
-    if _uses_mosaic(backend, q):
-        return mosaic_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype,
-                              config=hopper_config or default_config(q.shape[3]), interpret=interpret)
-    sizes = block_sizes(q.shape[3], q.dtype, interpret=interpret)
-    return pallas_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=sizes.forward,
+    config = _pallas_config(backend, q, config, interpret=interpret)
+    if isinstance(config, HopperConfig):
+        return mosaic_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config,
+                              interpret=interpret)
+    return pallas_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config.forward,
                          interpret=interpret)
 
 
 def flash_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
                              lse: jax.Array, *, causal: bool, softmax_scale=None, backend: str = "pallas",
-                             hopper_config: HopperConfig | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                             config: TritonConfig | HopperConfig | None = None
+                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One attention pair's backward: (dq, dk, dv) in float32, shaped like q, k, v (dk/dv per KV head).
 
     `out` and `lse` may be the globally merged ones of a ring step (any float dtype): delta = rowsum(dout*out)
     is computed from the given out, and P = exp(S - lse) is then this pair's share of the global softmax.
+    `config`: the Pallas kernels' block sizes, None for the heuristic (module doc).
     """
-    _check_backend(backend)
+    _check_backend(backend, config)
     _validate_qkv(q, k, v)
     _validate_backward_inputs(dout, q, out, lse)
     causal = _check_causal(causal)
@@ -293,32 +260,33 @@ def flash_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax
     if backend == "cudnn":
         return _cudnn_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
     interpret = _interpret()
-    if _uses_mosaic(backend, q):
-        return mosaic_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                               config=hopper_config or default_config(q.shape[3]), interpret=interpret)
-    sizes = block_sizes(q.shape[3], q.dtype, interpret=interpret)
+    config = _pallas_config(backend, q, config, interpret=interpret)
+    if isinstance(config, HopperConfig):
+        return mosaic_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, config=config,
+                               interpret=interpret)
     return pallas_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                          dkdv_config=sizes.backward_dkdv, dq_config=sizes.backward_dq, interpret=interpret)
+                          dkdv_config=config.backward_dkdv, dq_config=config.backward_dq, interpret=interpret)
 
 
 # --- differentiable API -----------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention_with_lse(q, k, v, causal, softmax_scale, backend):
-    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention_with_lse(q, k, v, causal, softmax_scale, backend, config):
+    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend,
+                                   config=config)
 
 
-def _attention_fwd(q, k, v, causal, softmax_scale, backend):
+def _attention_fwd(q, k, v, causal, softmax_scale, backend, config):
     out, lse = keep_for_backward(*flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                                          backend=backend))
+                                                          backend=backend, config=config))
     return (out, lse), (q, k, v, out, lse)
 
 
-def _attention_bwd(causal, softmax_scale, backend, residuals, cotangents):
+def _attention_bwd(causal, softmax_scale, backend, config, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, _ = cotangents  # lse is non-differentiable: flash_attention hands it out under stop_gradient
     dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                          backend=backend)
+                                          backend=backend, config=config)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -326,7 +294,8 @@ _attention_with_lse.defvjp(_attention_fwd, _attention_bwd)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, softmax_scale=None,
-                    return_lse: bool = False, backend: str = "pallas"):
+                    return_lse: bool = False, backend: str = "pallas",
+                    config: TritonConfig | HopperConfig | None = None):
     """FlashAttention: out [B, Sq, H, D] in q's dtype (and lse [B, H, Sq] float32 with return_lse=True).
 
     q [B, Sq, H, D], k/v [B, Sk, Hkv, D] with H a multiple of Hkv (GQA, K/V not repeated); bf16, fp16 or
@@ -336,13 +305,14 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 
     Differentiable in q, k, v (custom VJP running the backward kernels). The returned lse is wrapped in
     `stop_gradient`: it is for inspection and merging, and gradients flow only through out. Works under jit
-    and inside `jax.shard_map`. `backend`: one of BACKENDS, "pallas" by default (see module doc).
+    and inside `jax.shard_map`. `backend`: one of BACKENDS, "pallas" by default; `config`: the Pallas kernels'
+    block sizes, None for the heuristic (see module doc).
     """
-    _check_backend(backend)
+    _check_backend(backend, config)
     _validate_qkv(q, k, v)
     causal = _check_causal(causal)
     scale = _resolve_scale(softmax_scale, q.shape[3])
-    out, lse = _attention_with_lse(q, k, v, causal, scale, backend)
+    out, lse = _attention_with_lse(q, k, v, causal, scale, backend, config)
     if return_lse:
         return out, lax.stop_gradient(lse)
     return out

@@ -1,6 +1,7 @@
 """FlashAttention forward as a Pallas kernel (Triton lowering on GPU, interpreted on CPU), plus the
-kernel-side pieces the backward kernels share: the launch config, the fp32-accumulating matmuls, the
-visibility mask and the causal block ranges. Twin of `torch_impl/flash_forward.py`.
+kernel-side pieces the backward kernels share: the launch configs (`KernelConfig` per kernel, `TritonConfig` for
+the three, and the `default_config` heuristic), the fp32-accumulating matmuls, the visibility mask and the causal
+block ranges. Twin of `torch_impl/flash_forward.py`.
 
 Layout is the model's own, q [B, Sq, H, D] and k/v [B, Sk, Hkv, D]: BlockSpecs stride over the head axis,
 so nothing is transposed. GQA is native: the K/V index map picks KV head h // (H // Hkv).
@@ -19,6 +20,7 @@ padded keys are masked by position, padded query rows are sliced off.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -42,6 +44,41 @@ class KernelConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Block sizes of the Triton-lowering kernels (the Mosaic kernels' twin is `HopperConfig`). forward and
+    backward_dq: a program owns `block_q` query rows and steps over K/V by `block_k`; backward_dkdv: a program
+    owns `block_k` key rows and steps over queries by `block_q` (for every query head of its GQA group)."""
+    forward: KernelConfig
+    backward_dkdv: KernelConfig
+    backward_dq: KernelConfig
+
+
+# GPU defaults for bf16/fp16 per kernel head dim (`padded_head_dim`: a power of two >= 16), starting points
+# for the H200, screened offline for sm_90 (Triton IR compiled with ptxas: no register spills, shared memory
+# within 227 KB); time them with compare/bench/pallas_sweep.py.
+GPU_CONFIGS: dict[int, TritonConfig] = {
+    16: TritonConfig(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 2)),
+    32: TritonConfig(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 2)),
+    64: TritonConfig(KernelConfig(64, 64, 4, 2), KernelConfig(32, 128, 4, 3), KernelConfig(128, 64, 4, 3)),
+    128: TritonConfig(KernelConfig(128, 128, 8, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 64, 8, 3)),
+    256: TritonConfig(KernelConfig(64, 32, 8, 2), KernelConfig(32, 32, 8, 2), KernelConfig(64, 32, 8, 2)),
+}
+# fp32 inputs on the GPU run true-fp32 FMA dots (no tensor cores), whose operands and accumulators all sit in
+# registers: only small tiles fit (spill-free up to head dim 128). A correctness path (fp32 models), not a
+# speed path.
+GPU_FP32_CONFIG = TritonConfig(KernelConfig(32, 16, 8, 2), KernelConfig(16, 16, 8, 2), KernelConfig(32, 16, 8, 2))
+# Interpret mode (CPU): small, unequal tiles, so short test sequences still cross several blocks and tails.
+INTERPRET_CONFIG = TritonConfig(KernelConfig(32, 16, 1, 1), KernelConfig(16, 32, 1, 1), KernelConfig(32, 16, 1, 1))
+
+
+def default_config(head_dim: int, dtype, *, interpret: bool) -> TritonConfig:
+    """Heuristic: the block sizes a call with this head dim and input dtype gets when it passes no config."""
+    if interpret:
+        return INTERPRET_CONFIG
+    return GPU_FP32_CONFIG if jnp.dtype(dtype) == jnp.float32 else GPU_CONFIGS[padded_head_dim(head_dim)]
 
 
 def padded_head_dim(head_dim: int) -> int:

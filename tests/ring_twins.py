@@ -1,7 +1,8 @@
 """The one test base of the twin ring attentions, read by tests/test_ring_attention_torch.py and
 tests/test_ring_attention_jax.py: the cases both run (ring size, mask, layout, variant, heads, shapes, dtype), the
-inputs (numpy, so both backends compute on the same numbers), the exact float64 answer, and the two comparisons
-with their tolerances. A case or a tolerance changed here changes both sides, so the twins cannot drift.
+inputs (numpy, so both backends compute on the same numbers), the exact float64 answer (tests/kernel_twins.py's),
+and the two comparisons with their tolerances. A case or a tolerance changed here changes both sides, so the twins
+cannot drift.
 
 Tolerances:
   FP32_TOL (fp32 inputs, the "reference" pair backend, against single-device float32 attention on the whole
@@ -19,10 +20,10 @@ Tolerances:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import ml_dtypes
 import numpy as np
+from kernel_twins import float64_attention  # the exact answer, shared with the kernel tests
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)  # same float32 math in another summation order (module docstring)
 BF16_ATOL = 1e-3  # the flash rule's absolute term (module docstring)
@@ -81,29 +82,6 @@ def inputs(case: RingCase) -> list[np.ndarray]:
     if case.dtype == "bfloat16":
         arrays = [a.astype(ml_dtypes.bfloat16).astype(np.float32) for a in arrays]
     return arrays
-
-
-def float64_attention(q, k, v, dout, causal: bool) -> dict[str, np.ndarray]:
-    """The exact answer in float64 numpy: {out, lse, dq, dk, dv} of softmax(q k^T / sqrt(D)) v, GQA by repeating
-    K/V heads (their gradients folded back), causal with the ordinary lower-triangular mask."""
-    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-    group = q.shape[2] // k.shape[2]
-    kr, vr = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    scores = np.einsum("bqhd,bkhd->bhqk", q, kr) / math.sqrt(q.shape[-1])
-    if causal:
-        scores = np.where(np.tril(np.ones(scores.shape[-2:], bool)), scores, -np.inf)
-    lse = np.log(np.sum(np.exp(scores - scores.max(-1, keepdims=True)), -1)) + scores.max(-1)
-    probs = np.exp(scores - lse[..., None])
-    out = np.einsum("bhqk,bkhd->bqhd", probs, vr)
-    dprobs = np.einsum("bqhd,bkhd->bhqk", dout, vr)
-    dscores = probs * (dprobs - np.einsum("bqhd,bqhd->bhq", dout, out)[..., None]) / math.sqrt(q.shape[-1])
-
-    def fold(x):  # repeated K/V heads back to Hkv
-        return x.reshape(*x.shape[:2], k.shape[2], group, x.shape[-1]).sum(3)
-
-    dq = np.einsum("bhqk,bkhd->bqhd", dscores, kr)
-    return {"out": out, "lse": lse, "dq": dq, "dk": fold(np.einsum("bhqk,bqhd->bkhd", dscores, q)),
-            "dv": fold(np.einsum("bhqk,bqhd->bkhd", probs, dout))}
 
 
 def assert_fp32_close(got: dict, expected: dict) -> None:

@@ -1,19 +1,11 @@
 """JAX FlashAttention (`jax_impl/flash_attention.py` and its Pallas kernels) against a float64 reference: out,
 lse, dq, dk, dv over dtypes, causal/full, MHA/GQA, head dims and odd or unequal lengths; the pair-level contract
 the ring uses (partials merged by lse, backward from the global out/lse); autodiff under jit and shard_map;
-random shapes (hypothesis); validation. On CPU the kernels run in Pallas interpret mode with small blocks;
-`gpu`-marked tests run the Triton-compiled kernels at real sizes.
-
-Tolerances:
-  Low precision (bf16/fp16): the flash-attention rule. Each result's max error against float64 may be at most
-    twice the error of the naive same-dtype attention (`reference_attention`: matmuls in the input dtype) plus
-    ATOL. Both sides round inputs to matmuls and P to the input dtype, in different orders and blockings; a
-    factor 2 absorbs that while a real defect (a lost block, wrong scale, wrong row statistics) costs whole
-    score terms, far more (the negative control asserts the rule then fails). ATOL (1e-3, a fraction of one
-    bf16 ulp at the O(1) magnitudes here) covers results the naive path happens to get exactly right
-    (e.g. a single key: out = v).
-  fp32: both sides do exact float32 arithmetic and differ only in summation order: FP32_ATOL = 2e-5 on O(1)
-    values (observed <= 2e-6).
+random shapes (hypothesis); configs and validation. On CPU the kernels run in Pallas interpret mode with small
+blocks; `gpu`-marked tests run the Triton-compiled kernels at real sizes. Twin of
+`tests/test_flash_attention_torch.py`: the cases both run, their inputs, the float64 answer and the tolerances
+(with their reasons) are tests/kernel_twins.py's: the flash rule (max error vs float64 <= 2x the naive same-dtype
+attention's + KERNEL_ATOL) for bf16/fp16, FP32_TOL for fp32 (float32 math in another summation order).
 """
 
 from __future__ import annotations
@@ -24,18 +16,18 @@ import math
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+import kernel_twins as twins
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_impl.attention import reference_attention, reference_attention_backward, reference_attention_forward
-from jax_impl.flash_attention import (BACKENDS, FlashBlockSizes, KernelConfig, block_sizes, flash_attention,
-                                      flash_attention_backward, flash_attention_forward, override_block_sizes)
+from jax_impl.flash_attention import BACKENDS, flash_attention, flash_attention_backward, flash_attention_forward
+from jax_impl.flash_forward import INTERPRET_CONFIG, KernelConfig, TritonConfig, default_config
+from jax_impl.flash_hopper_forward import HopperConfig
 
-ATOL = 1e-3
-FP32_ATOL = 2e-5
-NAMES = ("out", "lse", "dq", "dk", "dv")
+NAMES = twins.NAMES
 # Interpret-mode kernels are tiny loops; XLA's CPU optimisation passes dominate their compile time. (On a GPU
 # the kernels are Triton-compiled and XLA keeps its defaults.)
 FAST_COMPILE = ({"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -44,35 +36,24 @@ on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs jax wi
 
 
 def _inputs(batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, seed=0):
-    """q, k, v and an output cotangent, standard normal (scores O(1): softmax neither flat nor one-hot)."""
-    rng = np.random.default_rng(seed)
-    shapes = [(batch, seq_q, heads, head_dim), (batch, seq_k, kv_heads, head_dim),
-              (batch, seq_k, kv_heads, head_dim), (batch, seq_q, heads, head_dim)]
-    return [jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype) for shape in shapes]
+    """The twins' inputs (kernel_twins.inputs) as `dtype` arrays: q, k, v and an output cotangent."""
+    case = twins.KernelCase(seq_q, seq_k, heads, kv_heads, head_dim, batch=batch)
+    return [jnp.asarray(x).astype(dtype) for x in twins.inputs(case, jnp.dtype(dtype).name, seed)]
+
+
+def _case_inputs(case: twins.KernelCase, dtype, seed=0):
+    return _inputs(case.batch, case.seq_q, case.seq_k, case.heads, case.kv_heads, case.dim, dtype, seed)
+
+
+def _named(results) -> dict:
+    """(out, lse, dq, dk, dv) as kernel_twins' {name: array}."""
+    return dict(zip(NAMES, results))
 
 
 def _float64_attention(q, k, v, dout, *, causal, scale):
-    """(out, lse, dq, dk, dv) in float64 numpy from the (already rounded) inputs: the exact answer."""
-    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-    seq_q, seq_k, group = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
-    kr, vr = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    scores = np.einsum("bqhd,bkhd->bhqk", q, kr) * scale
-    if causal:  # bottom-right aligned: query i sees key j iff j <= i + Sk - Sq
-        scores = np.where(np.arange(seq_k)[None, :] <= np.arange(seq_q)[:, None] + seq_k - seq_q, scores, -np.inf)
-    row_max = scores.max(-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    total = np.exp(scores - row_max).sum(-1)
-    with np.errstate(divide="ignore"):
-        lse = np.where(total > 0, np.log(total) + row_max[..., 0], -np.inf)
-    probs = np.where(total[..., None] > 0, np.exp(scores - np.where(np.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-    out = np.einsum("bhqk,bkhd->bqhd", probs, vr)
-    dprobs = np.einsum("bqhd,bkhd->bhqk", dout, vr)
-    dscores = probs * (dprobs - np.einsum("bqhd,bqhd->bhq", dout, out)[..., None]) * scale
-    dq = np.einsum("bhqk,bkhd->bqhd", dscores, kr)
-    dk = np.einsum("bhqk,bqhd->bkhd", dscores, q)
-    dv = np.einsum("bhqk,bqhd->bkhd", probs, dout)
-    fold = lambda x: x.reshape(*x.shape[:2], k.shape[2], group, x.shape[-1]).sum(3)  # noqa: E731 (GQA heads)
-    return out, lse, dq, fold(dk), fold(dv)
+    """(out, lse, dq, dk, dv) in float64 numpy from the (already rounded) inputs: kernel_twins' exact answer."""
+    exact = twins.float64_attention(*(np.asarray(x, np.float64) for x in (q, k, v, dout)), causal, scale)
+    return tuple(exact[name] for name in NAMES)
 
 
 def _jit(fn):
@@ -87,23 +68,13 @@ def _with_grads(attention, q, k, v, dout):
     return _jit(run)(q, k, v, dout)
 
 
-def _max_errors(got, exact) -> list[float]:
-    """Max abs error per result; lse compared where finite (the -inf pattern is asserted separately)."""
-    errors = []
-    for name, g, e in zip(NAMES, got, exact):
-        g = np.asarray(g, np.float64)
-        if name == "lse":
-            np.testing.assert_array_equal(np.isneginf(g), np.isneginf(e), err_msg="rows that see no key")
-            g, e = np.where(np.isfinite(e), g, 0.0), np.where(np.isfinite(e), e, 0.0)
-        assert np.all(np.isfinite(g)), f"{name} has NaN/inf"
-        errors.append(float(np.max(np.abs(g - e))))
-    return errors
+def _flash_rule_violations(got, naive, exact) -> dict[str, tuple[float, float]]:
+    """{name: (our error, naive error)} breaking the flash rule (kernel_twins.flash_rule_violations)."""
+    return twins.flash_rule_violations(_named(got), _named(naive), _named(exact))
 
 
-def _flash_rule_violations(got, naive, exact) -> list[str]:
-    errors, naive_errors = _max_errors(got, exact), _max_errors(naive, exact)
-    return [f"{name}: error {err:.3g} vs naive same-dtype {ref:.3g}"
-            for name, err, ref in zip(NAMES, errors, naive_errors) if not err <= 2 * ref + ATOL]
+def _assert_fp32_close(got, expected):
+    twins.assert_fp32_close(_named(got), _named(expected))
 
 
 def _flash_and_naive(q, k, v, dout, *, causal, scale=None, **flash_kwargs):
@@ -115,47 +86,52 @@ def _flash_and_naive(q, k, v, dout, *, causal, scale=None, **flash_kwargs):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Accuracy: the flash-attention rule against float64
+# Accuracy: the flash-attention rule against float64 (kernel_twins' cases)
 # ---------------------------------------------------------------------------------------------------------------
 
-SHAPES = [(97, 97, 32), (200, 97, 64), (1, 200, 128)]  # (Sq, Sk, D): odd tails, Sq > Sk (rows see no key), Sq=1
-
-
-@pytest.mark.parametrize("seq_q,seq_k,head_dim", SHAPES, ids=[f"q{a}-k{b}-d{c}" for a, b, c in SHAPES])
-@pytest.mark.parametrize("group", [1, 4], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("case", twins.HALF_CASES, ids=twins.ids(twins.HALF_CASES))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
-def test_flash_rule_against_float64(dtype, causal, group, seq_q, seq_k, head_dim):
-    q, k, v, dout = _inputs(1, seq_q, seq_k, 2 * group, 2, head_dim, dtype)
+def test_flash_rule_against_float64(dtype, causal, case):
+    q, k, v, dout = _case_inputs(case, dtype)
     flash, naive = _flash_and_naive(q, k, v, dout, causal=causal)
-    exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
+    exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(case.dim))
     assert flash[0].dtype == dtype and flash[1].dtype == jnp.float32
-    assert not _flash_rule_violations(flash, naive, exact)
-    unseen = np.isneginf(exact[1]).transpose(0, 2, 1)  # [B, Sq, H]: query rows that see no key (Sq > Sk causal)
-    assert not np.any(np.asarray(flash[0], np.float32)[unseen]) and not np.any(np.asarray(flash[2], np.float32)[unseen])
+    violations = _flash_rule_violations(flash, naive, exact)
+    assert not violations, f"(ours, naive) errors beyond the rule: {violations}"
+    twins.assert_unseen_rows_zero(_named(flash), _named(exact))
 
 
-@pytest.mark.parametrize("batch,seq_q,seq_k,heads,kv_heads,head_dim", [(2, 45, 70, 6, 2, 96), (1, 33, 20, 2, 1, 256)])
-def test_float32_matches_float64_like_float32_math(batch, seq_q, seq_k, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("case", twins.FP32_CASES, ids=twins.ids(twins.FP32_CASES))
+def test_float32_matches_float64_like_float32_math(case):
     """fp32 inputs (the CPU model tests' path), causal with Sq != Sk; head dim 96 (padded to 128 inside) with
     GQA 3, and the widest head dim, 256."""
-    q, k, v, dout = _inputs(batch, seq_q, seq_k, heads, kv_heads, head_dim, jnp.float32, seed=3)
+    q, k, v, dout = _case_inputs(case, jnp.float32, seed=3)
     flash = _with_grads(functools.partial(flash_attention, causal=True, return_lse=True), q, k, v, dout)
-    exact = _float64_attention(q, k, v, dout, causal=True, scale=1 / math.sqrt(head_dim))
-    for name, err in zip(NAMES, _max_errors(flash, exact)):
-        assert err <= FP32_ATOL, f"{name}: {err:.3g}"
+    _assert_fp32_close(flash, _float64_attention(q, k, v, dout, causal=True, scale=1 / math.sqrt(case.dim)))
 
 
 @pytest.mark.parametrize("mistake", ["wrong_scale", "swapped_kv"])
 def test_negative_control_fails_the_rule(mistake):
-    """The rule has teeth: the kernel run with a 10% wrong scale, or with k and v swapped, violates it."""
-    q, k, v, dout = _inputs(1, 97, 97, 4, 2, 32, jnp.bfloat16)
-    scale = 1 / math.sqrt(32)
-    wrong_scale, (k_in, v_in) = (1.1 * scale, (k, v)) if mistake == "wrong_scale" else (scale, (v, k))
+    """The rule has teeth: the kernel run with a wrong scale, or with k and v swapped, violates it."""
+    q, k, v, dout = _case_inputs(twins.NEGATIVE_CONTROL, jnp.bfloat16)
+    scale = 1 / math.sqrt(q.shape[-1])
+    wrong_scale, (k_in, v_in) = ((twins.WRONG_SCALE_FACTOR * scale, (k, v)) if mistake == "wrong_scale"
+                                 else (scale, (v, k)))
     flash = _with_grads(lambda q, k, v: flash_attention(q, k_in, v_in, softmax_scale=wrong_scale, return_lse=True),
                         q, k, v, dout)
     naive = _with_grads(functools.partial(reference_attention, return_lse=True), q, k, v, dout)
-    assert _flash_rule_violations(flash, naive, _float64_attention(q, k, v, dout, causal=True, scale=scale))
+    assert "out" in _flash_rule_violations(flash, naive, _float64_attention(q, k, v, dout, causal=True, scale=scale))
+
+
+def test_fully_masked_rows_are_zero_with_lse_minus_inf():
+    q, k, v, dout = _case_inputs(twins.UNSEEN_ROWS, jnp.bfloat16)
+    flash = _with_grads(functools.partial(flash_attention, causal=True, softmax_scale=0.2, return_lse=True),
+                        q, k, v, dout)
+    exact = _named(_float64_attention(q, k, v, dout, causal=True, scale=0.2))
+    twins.assert_unseen_rows_zero(_named(flash), exact)
+    assert (exact["lse"][:, :, :30] == -np.inf).all()  # query i sees key j iff j <= i - 30
+    twins.max_errors(_named(flash), exact)  # lse -inf exactly on those rows, everything else finite
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,13 +169,13 @@ def test_pairs_merged_by_lse_and_backward_from_global_stats_equal_full_attention
     by_pairs = _jit(functools.partial(_ring_step_by_pairs, backend=backend))(q, k, v, dout)
     full = _jit(functools.partial(_full_by_pair_functions, backend=backend))(q, k, v, dout)
     for name, a, b in zip(NAMES, by_pairs, full):
-        np.testing.assert_allclose(a, b, atol=FP32_ATOL, err_msg=name)
+        np.testing.assert_allclose(a, b, **twins.FP32_TOL, err_msg=name)
 
 
 def test_pallas_pairs_match_reference_pairs_with_half_inputs_and_fp32_out():
     """bf16 pair forward with out_dtype float32 and backward from a bf16 global out: same contract as the
     reference pair functions (fp32 math on the same rounded inputs); a few bf16 ulps apart since the kernel
-    rounds P to bf16 before the PV matmul and the reference does not."""
+    rounds P to bf16 before the PV matmul and the reference does not (kernel_twins.HALF_P_TOL)."""
     q, k, v, dout = _inputs(1, 50, 50, 4, 1, 64, jnp.bfloat16, seed=5)
 
     def pairs(q, k, v, dout, backend):
@@ -211,7 +187,7 @@ def test_pallas_pairs_match_reference_pairs_with_half_inputs_and_fp32_out():
                for backend in ("pallas", "reference")}
     assert all(x.dtype == jnp.float32 for x in results["pallas"])
     for name, a, b in zip(NAMES, results["pallas"], results["reference"]):
-        np.testing.assert_allclose(a, b, atol=3e-2, err_msg=name)  # bf16 P rounding: ~1e-2 on O(1) grads
+        np.testing.assert_allclose(a, b, **twins.HALF_P_TOL, err_msg=name)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -227,7 +203,7 @@ def test_grad_under_jit_equals_reference_grad():
     ours = _jit(jax.grad(_loss(flash_attention), argnums=(0, 1, 2)))(q, k, v)
     reference = jax.grad(_loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip(("dq", "dk", "dv"), ours, reference):
-        np.testing.assert_allclose(a, b, atol=FP32_ATOL, err_msg=name)
+        np.testing.assert_allclose(a, b, **twins.FP32_TOL, err_msg=name)
 
 
 def test_lse_is_non_differentiable():
@@ -249,9 +225,9 @@ def test_inside_shard_map_over_batch(causal):
     out = _jit(sharded)(q, k, v)
     grads = _jit(jax.grad(_loss(sharded), argnums=(0, 1, 2)))(q, k, v)
     reference = functools.partial(reference_attention, causal=causal)
-    np.testing.assert_allclose(out, reference(q, k, v), atol=FP32_ATOL)
+    np.testing.assert_allclose(out, reference(q, k, v), **twins.FP32_TOL)
     for a, b in zip(grads, jax.grad(_loss(reference), argnums=(0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(a, b, atol=FP32_ATOL)
+        np.testing.assert_allclose(a, b, **twins.FP32_TOL)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,26 +255,49 @@ def test_random_shapes_match_reference_pairs(batch, seq_q, seq_k, kv_heads, grou
     finite = np.isfinite(reference[1])
     ours, reference = list(ours), list(reference)
     ours[1], reference[1] = np.where(finite, ours[1], 0), np.where(finite, reference[1], 0)
-    for name, a, b in zip(NAMES, ours, reference):
-        np.testing.assert_allclose(a, b, atol=FP32_ATOL, err_msg=name)
+    _assert_fp32_close(ours, reference)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Configuration and validation
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_block_size_override_is_scoped_and_used():
-    custom = FlashBlockSizes(KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1))
-    default = block_sizes(32, jnp.bfloat16, interpret=True)
-    q, k, v, _ = _inputs(1, 40, 40, 2, 2, 32, jnp.float32, seed=9)
-    with override_block_sizes(32, custom):
-        assert block_sizes(32, jnp.bfloat16, interpret=True) == custom
-        assert block_sizes(64, jnp.bfloat16, interpret=True) == default
-        out, lse = flash_attention_forward(q, k, v, causal=True)
-    assert block_sizes(32, jnp.bfloat16, interpret=True) == default
-    ref_out, ref_lse = reference_attention_forward(q, k, v, causal=True, softmax_scale=1 / math.sqrt(32))
-    np.testing.assert_allclose(out, ref_out, atol=FP32_ATOL)
-    np.testing.assert_allclose(lse, ref_lse, atol=FP32_ATOL)
+def _forward_grids(config, q, k, v) -> list[tuple]:
+    """The grids of the pallas_calls one traced forward launches with `config` (inside its jitted kernels)."""
+    def grids(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield tuple(eqn.params["grid_mapping"].grid)
+            for param in eqn.params.values():
+                if hasattr(param, "eqns") or hasattr(param, "jaxpr"):
+                    yield from grids(getattr(param, "jaxpr", param))
+
+    return list(grids(jax.make_jaxpr(functools.partial(flash_attention_forward, causal=True, config=config))(
+        q, k, v).jaxpr))
+
+
+def test_config_is_an_argument_and_none_means_the_heuristic():
+    """A TritonConfig reaches the kernels (its block_q sets the forward grid) and computes the same attention; no
+    config means `default_config`; nothing outside the call changes."""
+    q, k, v, dout = _inputs(1, 40, 40, 2, 2, 32, jnp.float32, seed=9)
+    custom = TritonConfig(KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1))
+    assert default_config(32, jnp.float32, interpret=True) == INTERPRET_CONFIG != custom
+    assert _forward_grids(custom, q, k, v) == [(3, 1, 2)]  # 40 query rows in blocks of 16
+    assert _forward_grids(None, q, k, v) == _forward_grids(INTERPRET_CONFIG, q, k, v) == [(2, 1, 2)]  # of 32
+    flash = _with_grads(functools.partial(flash_attention, causal=True, return_lse=True, config=custom),
+                        q, k, v, dout)
+    reference = _with_grads(functools.partial(reference_attention, causal=True, return_lse=True), q, k, v, dout)
+    _assert_fp32_close(flash, reference)
+
+
+@pytest.mark.parametrize("backend, config, message", [
+    ("pallas", HopperConfig(), "config must be a TritonConfig"),
+    ("pallas_triton", KernelConfig(16, 16, 4, 1), "config must be a TritonConfig, a HopperConfig or None"),
+    ("reference", INTERPRET_CONFIG, "takes none"),
+])
+def test_config_of_the_wrong_kind_is_refused(backend, config, message):
+    with pytest.raises(ValueError, match=message):
+        flash_attention(*_arrays(), backend=backend, config=config)
 
 
 def _arrays(q=(1, 8, 4, 16), k=(1, 8, 2, 16), v=None, dtype=jnp.float32):

@@ -1,13 +1,13 @@
 """Tests of the PyTorch FlashAttention (`torch_impl/flash_attention.py` and its Triton kernels). Twin of
-`tests/test_flash_attention_jax.py`.
+`tests/test_flash_attention_jax.py`: the cases both run, their inputs, the float64 answer and the tolerances
+(with their reasons) are tests/kernel_twins.py's.
 
 Without CUDA the kernels run in Triton's interpreter, so shapes stay small; with CUDA every test here runs on the
 GPU and the `gpu`-marked tests add real sizes and the CUDA-only backends.
 
-Accuracy rule (FlashAttention's own test criterion): against an exact float64 oracle, each of out, lse, dq, dk, dv
-from the kernel must be within 2x the error of a naive implementation computing in the same dtype
-(`reference_attention`: matmuls in the input dtype, softmax in float32), plus a small absolute floor. A kernel may
-round differently from the naive code, but not worse than twice as much.
+Accuracy rule (FlashAttention's own test criterion, kernel_twins' docstring): against the exact float64 answer,
+each of out, lse, dq, dk, dv from the kernel must be within 2x the error of a naive implementation computing in
+the same dtype (`reference_attention`: matmuls in the input dtype, softmax in float32), plus KERNEL_ATOL.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 
+import kernel_twins as twins
 import pytest
 import torch
 import triton
@@ -32,39 +33,24 @@ from torch_impl.flash_forward import FORWARD_SHAPES, INTERPRETED, fitting, forwa
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF = (torch.bfloat16, torch.float16)
-# Absolute floor of the rule: where the naive result is exact (a single key: out = v, dq = 0), ours still differs
-# by float32 summation order, ~1e-6.
-ATOL = 1e-4
-NAMES = ("out", "lse", "dq", "dk", "dv")
+NAMES = twins.NAMES
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def _inputs(batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype, seed=0, device=DEVICE):
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(batch, seq_q, heads, head_dim), (batch, seq_k, kv_heads, head_dim),
-              (batch, seq_k, kv_heads, head_dim), (batch, seq_q, heads, head_dim)]
-    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
+    """The twins' inputs (kernel_twins.inputs) as `dtype` tensors: q, k, v and an output cotangent."""
+    case = twins.KernelCase(seq_q, seq_k, heads, kv_heads, head_dim, batch=batch)
+    return [torch.from_numpy(x).to(device=device, dtype=dtype) for x in twins.inputs(case, _DTYPE_NAMES[dtype], seed)]
+
+
+def _case_inputs(case: twins.KernelCase, dtype, seed=0):
+    return _inputs(case.batch, case.seq_q, case.seq_k, case.heads, case.kv_heads, case.dim, dtype, seed)
 
 
 def _exact(q, k, v, dout, causal, scale):
-    """float64 forward and backward from the textbook formulas: the oracle."""
-    q, k, v, dout = (x.double() for x in (q, k, v, dout))
-    batch, seq_q, heads, head_dim = q.shape
-    seq_k, group = k.shape[1], heads // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        visible = torch.arange(seq_k, device=q.device) <= torch.arange(seq_q, device=q.device)[:, None] + seq_k - seq_q
-        scores = scores.masked_fill(~visible, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
-    dprobs = torch.einsum("bqhd,bkhd->bhqk", dout, v)
-    delta = (dout * out).sum(-1).transpose(1, 2)
-    dscores = probs * (dprobs - delta[..., None]) * scale
-    dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k)
-    dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q).reshape(batch, seq_k, heads // group, group, head_dim).sum(3)
-    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout).reshape(batch, seq_k, heads // group, group, head_dim).sum(3)
-    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    """The float64 answer (kernel_twins.float64_attention) as float64 tensors on q's device."""
+    exact = twins.float64_attention(*(x.detach().double().cpu().numpy() for x in (q, k, v, dout)), causal, scale)
+    return {name: torch.from_numpy(x).to(q.device) for name, x in exact.items()}
 
 
 def _with_grads(attend, q, k, v, dout):
@@ -84,74 +70,67 @@ def _naive(q, k, v, dout, causal, scale):
                        q, k, v, dout)
 
 
-def _errors(result, exact):
-    errors = {}
-    for name in NAMES:
-        got, want = result[name].double(), exact[name]
-        finite = torch.isfinite(want)
-        assert torch.equal(torch.isfinite(got), finite), f"{name}: non-finite entries differ from the oracle's"
-        errors[name] = (got - want)[finite].abs().max().item() if finite.any() else 0.0
-    return errors
+def _numpy(result: dict) -> dict:
+    return {name: x.detach().double().cpu().numpy() for name, x in result.items()}
 
 
 def _rule_violations(ours, naive, exact):
-    """Names breaking err(ours) <= 2 * err(naive) + ATOL (module docstring)."""
-    mine, theirs = _errors(ours, exact), _errors(naive, exact)
-    return {n: (mine[n], theirs[n]) for n in NAMES if mine[n] > 2 * theirs[n] + ATOL}
+    """{name: (our error, naive error)} breaking the flash rule (kernel_twins.flash_rule_violations)."""
+    return twins.flash_rule_violations(_numpy(ours), _numpy(naive), _numpy(exact))
 
 
 def _check_rule(q, k, v, dout, causal, scale=None):
     scale = scale or 1 / math.sqrt(q.shape[-1])
     exact = _exact(q, k, v, dout, causal, scale)
-    violations = _rule_violations(_ours(q, k, v, dout, causal, scale), _naive(q, k, v, dout, causal, scale), exact)
+    ours = _ours(q, k, v, dout, causal, scale)
+    violations = _rule_violations(ours, _naive(q, k, v, dout, causal, scale), exact)
     assert not violations, f"(ours, naive) errors beyond the rule: {violations}"
+    return ours, exact
 
 
-# (Sq, Sk, H, Hkv, D): GQA ratios 1, 2 and 4; head dims 32..256; lengths 1, 37, 97, 200; Sq < Sk and Sq > Sk
-# (the latter with causal rows that see no key).
-CASES = [(97, 97, 2, 2, 64), (200, 200, 4, 1, 32), (1, 1, 1, 1, 128), (97, 200, 4, 1, 64), (200, 97, 2, 2, 32),
-         (64, 80, 2, 1, 128), (37, 37, 1, 1, 96), (40, 24, 2, 1, 256)]
+def _assert_fp32_close(ours, exact):
+    twins.assert_fp32_close(_numpy(ours), _numpy(exact))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "sq{}-sk{}-h{}-kv{}-d{}".format(*c))
+@pytest.mark.parametrize("case", twins.HALF_CASES, ids=twins.ids(twins.HALF_CASES))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 def test_matches_exact_within_twice_naive_error(dtype, causal, case):
     # Under the interpreter this is the proof that the bf16 path is right: the kernels upcast tiles and round
     # operands themselves there (flash_forward's docstring), and must still meet the rule.
-    seq_q, seq_k, heads, kv_heads, head_dim = case
-    _check_rule(*_inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, dtype), causal)
+    ours, exact = _check_rule(*_case_inputs(case, dtype), causal)
+    assert ours["out"].dtype == dtype and ours["lse"].dtype == torch.float32
+    twins.assert_unseen_rows_zero(_numpy(ours), _numpy(exact))
 
 
-def test_rule_fails_for_wrong_attention():
+@pytest.mark.parametrize("mistake", ["wrong_scale", "swapped_kv"])
+def test_rule_fails_for_wrong_attention(mistake):
     """Negative control: the comparison above would catch a wrong scale or swapped k/v."""
-    q, k, v, dout = _inputs(1, 97, 97, 2, 2, 64, torch.bfloat16)
-    scale = 1 / 8
-    exact = _exact(q, k, v, dout, True, scale)
-    naive = _naive(q, k, v, dout, True, scale)
-    assert "out" in _rule_violations(_ours(q, k, v, dout, True, scale * 1.25), naive, exact)
-    assert "out" in _rule_violations(_ours(q, v, k, dout, True, scale), naive, exact)
+    q, k, v, dout = _case_inputs(twins.NEGATIVE_CONTROL, torch.bfloat16)
+    scale = 1 / math.sqrt(q.shape[-1])
+    exact, naive = _exact(q, k, v, dout, True, scale), _naive(q, k, v, dout, True, scale)
+    wrong = (_ours(q, k, v, dout, True, scale * twins.WRONG_SCALE_FACTOR) if mistake == "wrong_scale"
+             else _ours(q, v, k, dout, True, scale))
+    assert "out" in _rule_violations(wrong, naive, exact)
 
 
 def test_fully_masked_rows_are_zero_with_lse_minus_inf():
-    q, k, v, dout = _inputs(1, 50, 20, 2, 1, 32, torch.bfloat16)
-    result = _ours(q, k, v, dout, True, 0.2)
-    blind = slice(0, 30)  # query i sees key j iff j <= i - 30
-    assert torch.all(result["out"][:, blind] == 0) and torch.all(result["dq"][:, blind] == 0)
-    assert torch.all(result["lse"][:, :, blind] == -math.inf)
-    assert all(torch.isfinite(result[n]).all() for n in ("out", "dq", "dk", "dv"))
+    q, k, v, dout = _case_inputs(twins.UNSEEN_ROWS, torch.bfloat16)
+    result, exact = _numpy(_ours(q, k, v, dout, True, 0.2)), _numpy(_exact(q, k, v, dout, True, 0.2))
+    twins.assert_unseen_rows_zero(result, exact)
+    assert (exact["lse"][:, :, :30] == -math.inf).all()  # query i sees key j iff j <= i - 30
+    twins.max_errors(result, exact)  # lse -inf exactly on those rows, everything else finite
 
 
-def test_float32_matches_exact_with_any_strides():
-    # float32 runs IEEE dots (no TF32) so the model's float32 tests can use this kernel: ~1e-6 relative errors.
-    # The tensors are [B, H, S, D] in memory (as after a transpose) and dout has a non-unit last stride.
-    q, k, v, dout = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in _inputs(2, 45, 70, 4, 2, 32,
-                                                                                        torch.float32))
+@pytest.mark.parametrize("case", twins.FP32_CASES, ids=twins.ids(twins.FP32_CASES))
+def test_float32_matches_exact_with_any_strides(case):
+    # float32 runs IEEE dots (no TF32) so the model's float32 tests can use this kernel. The tensors are
+    # [B, H, S, D] in memory (as after a transpose) and dout has a non-unit last stride.
+    q, k, v, dout = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in _case_inputs(case, torch.float32))
     dout = dout.transpose(2, 3).contiguous().transpose(2, 3)
     assert dout.stride(-1) != 1
-    ours, exact = _ours(q, k, v, dout, True, 0.3), _exact(q, k, v, dout, True, 0.3)
-    for name in NAMES:
-        torch.testing.assert_close(ours[name].double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)
+    scale = 1 / math.sqrt(case.dim)
+    _assert_fp32_close(_ours(q, k, v, dout, True, scale), _exact(q, k, v, dout, True, scale))
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -178,9 +157,9 @@ def test_pair_functions_with_global_out_and_lse_sum_to_full_gradients(dtype, cau
         lse = torch.logsumexp(torch.stack(lses), dim=0)
         out = sum(o * torch.exp(part - lse).transpose(1, 2)[..., None] for o, part in zip(outs, lses))
         merged[i] = out, lse
-    # float32: merging changes only the summation order (~1e-6). bf16: P is rounded to bf16 for the P @ V matmul
-    # relative to each pass's running row max, so split and full passes round differently (bf16 eps 2^-8).
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    # float32: merging changes only the summation order; bf16: P rounded at each pass's own row max
+    # (kernel_twins: FP32_TOL, HALF_P_TOL)
+    tol = twins.FP32_TOL if dtype == torch.float32 else twins.HALF_P_TOL
     torch.testing.assert_close(torch.cat([merged[i][0] for i in range(2)], 1), full_out, **tol)
     torch.testing.assert_close(torch.cat([merged[i][1] for i in range(2)], 2), full_lse, **tol)
 
@@ -204,9 +183,7 @@ def test_pair_functions_with_global_out_and_lse_sum_to_full_gradients(dtype, cau
 def test_random_shapes(batch, seq_q, seq_k, kv_heads, group, head_dim, causal, dtype, seed):
     q, k, v, dout = _inputs(batch, seq_q, seq_k, kv_heads * group, kv_heads, head_dim, dtype, seed)
     if dtype == torch.float32:
-        ours, exact = _ours(q, k, v, dout, causal, 0.2), _exact(q, k, v, dout, causal, 0.2)
-        for name in NAMES:  # IEEE float32 throughout: errors ~1e-6 relative
-            torch.testing.assert_close(ours[name].double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)
+        _assert_fp32_close(_ours(q, k, v, dout, causal, 0.2), _exact(q, k, v, dout, causal, 0.2))
     else:
         _check_rule(q, k, v, dout, causal, 0.2)
 
@@ -214,8 +191,7 @@ def test_random_shapes(batch, seq_q, seq_k, kv_heads, group, head_dim, causal, d
 def test_reference_backend_agrees_with_triton():
     q, k, v, dout = _inputs(1, 33, 40, 4, 2, 32, torch.float32)
     ours, ref = _ours(q, k, v, dout, True, 0.2), _ours(q, k, v, dout, True, 0.2, backend="reference")
-    for name in NAMES:  # both float32 math on identical inputs
-        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-4, msg=name)
+    twins.assert_fp32_close(_numpy(ours), _numpy(ref))  # both float32 math on identical inputs
 
 
 @triton.jit
@@ -330,9 +306,7 @@ def test_gpu_real_sizes(case, causal):
 @pytest.mark.gpu
 def test_gpu_float32_is_ieee():
     q, k, v, dout = _inputs(1, 700, 900, 8, 2, 128, torch.float32, device="cuda")
-    ours, exact = _ours(q, k, v, dout, True, 0.1), _exact(q, k, v, dout, True, 0.1)
-    for name in NAMES:  # TF32 would give ~1e-3 errors here
-        torch.testing.assert_close(ours[name].double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)
+    _assert_fp32_close(_ours(q, k, v, dout, True, 0.1), _exact(q, k, v, dout, True, 0.1))  # TF32: ~1e-3 off
 
 
 @pytest.mark.gpu

@@ -8,8 +8,8 @@ shapes: the interpreter steps every warpgroup of every CTA in Python, so each ca
 at one or two CTAs. `gpu`-marked tests run the compiled kernels on an sm90 GPU against the Triton-lowering
 kernels and cuDNN.
 
-Tolerances: the flash-attention rule of tests/test_flash_attention_jax.py (max error vs float64 <= 2x the
-naive same-dtype implementation's + ATOL); its reasons are stated there.
+Tolerances: the flash-attention rule of tests/kernel_twins.py (max error vs float64 <= 2x the
+naive same-dtype implementation's + KERNEL_ATOL); its reasons are stated there.
 """
 
 from __future__ import annotations

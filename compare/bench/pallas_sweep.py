@@ -9,7 +9,8 @@ the best configs. A config that fails to compile (shared memory, registers) is r
 config's result is checked against the first one's (max_abs_diff), so a fast wrong config stands out.
 Timing: block_until_ready, median of --repeats after two warm-up calls. TFLOP/s from
 `weights.flops.attention_flops` (backward = 2.5 forwards). Prints one JSON object per line and a summary with
-ready-to-paste `GPU_BLOCK_SIZES` entries; writes all rows to --out.
+ready-to-paste `jax_impl.flash_forward.GPU_CONFIGS` entries; writes all rows to --out. Every config reaches the
+kernels as an argument (`config=`), so each timed function is its own trace.
 """
 
 from __future__ import annotations
@@ -64,10 +65,9 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_impl.flash_attention import (GPU_BLOCK_SIZES, FlashBlockSizes, KernelConfig, flash_attention,
-                                          override_block_sizes)
+    from jax_impl.flash_attention import flash_attention
     from jax_impl.flash_backward import pallas_backward
-    from jax_impl.flash_forward import padded_head_dim, pallas_forward
+    from jax_impl.flash_forward import GPU_CONFIGS, KernelConfig, TritonConfig, padded_head_dim, pallas_forward
 
     b, s, h, hkv = args.batch, args.seq_len, args.heads, args.kv_heads
     keys = jax.random.split(jax.random.key(0), 4)
@@ -75,7 +75,7 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
                      for key, heads in zip(keys, (h, hkv, hkv, h)))
     scale = head_dim ** -0.5
     fwd_flops = attention_flops(b, h, s, s, head_dim, causal, backward=False)
-    default = GPU_BLOCK_SIZES[padded_head_dim(head_dim)]
+    default = GPU_CONFIGS[padded_head_dim(head_dim)]
     out, lse = jax.jit(functools.partial(pallas_forward, causal=causal, softmax_scale=scale,
                                          out_dtype=jnp.dtype(jnp.bfloat16), config=default.forward,
                                          interpret=False))(q, k, v)
@@ -112,16 +112,16 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
         if timed:
             best[kernel] = min(timed)[1]
 
-    def loss(q, k, v):
-        return jnp.sum(flash_attention(q, k, v, causal=causal).astype(jnp.float32) * dout.astype(jnp.float32))
+    tuned = TritonConfig(best["fwd"], best["dkdv"], best["dq"])
+    for label, config in (("table", default), ("best", tuned)):
+        attention = functools.partial(flash_attention, causal=causal, backend="pallas_triton", config=config)
 
-    tuned = FlashBlockSizes(best["fwd"], best["dkdv"], best["dq"])
-    for label, sizes in (("table", default), ("best", tuned)):
-        with override_block_sizes(head_dim, sizes):  # fresh jits: sizes are read at trace time
-            fwd_ms = jax_median_ms(jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=causal)), q, k, v,
-                                repeats=args.repeats)
-            fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=args.repeats)
-        rows.append(_emit(dict(point, kernel="flash_attention", sizes=label, block_sizes=repr(sizes),
+        def loss(q, k, v):
+            return jnp.sum(attention(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+
+        fwd_ms = jax_median_ms(jax.jit(attention), q, k, v, repeats=args.repeats)
+        fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=args.repeats)
+        rows.append(_emit(dict(point, kernel="flash_attention", sizes=label, block_sizes=repr(config),
                                fwd_ms=fwd_ms, fwd_tflops=fwd_flops / (fwd_ms * 1e-3) / 1e12, fwdbwd_ms=fwdbwd_ms,
                                fwdbwd_tflops=3.5 * fwd_flops / (fwdbwd_ms * 1e-3) / 1e12)))
     print(f"# head_dim {head_dim} causal={causal}: {padded_head_dim(head_dim)}: {tuned!r},", flush=True)
