@@ -12,8 +12,8 @@ Two levels:
 
 Backends (`backend=`):
   - "pallas" (default): our Pallas kernels: the Triton-lowering kernels (`flash_forward.py` /
-    `flash_backward.py`; on CPU in Pallas interpret mode). With MOSAIC_DEFAULT_ON_HOPPER, a Hopper GPU (sm90)
-    with bf16/fp16 and head dim 64 or 128 gets the Mosaic GPU kernels (`flash_hopper_forward.py` /
+    `flash_backward.py`; on CPU in Pallas interpret mode). On a Hopper GPU (sm90), bf16/fp16 at the head dims
+    of MOSAIC_DEFAULT_HEAD_DIMS get the Mosaic GPU kernels (`flash_hopper_forward.py` /
     `flash_hopper_backward.py`) instead, and a Hopper call they cannot serve warns once and falls back.
   - "pallas_mosaic" / "pallas_triton": force one of the two. "pallas_mosaic" needs an sm90 GPU, or runs under
     Pallas's Mosaic GPU interpreter on CPU (tests), and raises where its dtype/head dim is not served.
@@ -61,10 +61,11 @@ from .remat import keep_for_backward
 from weights.attention import check_attention_shapes
 
 BACKENDS = ("pallas", "pallas_mosaic", "pallas_triton", "reference", "cudnn")
-# Whether "pallas" picks the Mosaic kernels on sm90. Off until `pytest -m gpu tests/test_flash_hopper_jax.py`
-# passes on an H200: the Mosaic forward is measured there (correct, ~cuDNN speed), but the backward's one GPU
-# run hung on a register over-subscription since fixed and not yet re-run.
-MOSAIC_DEFAULT_ON_HOPPER = False
+# Head dims at which "pallas" takes the Mosaic kernels on sm90, as measured on an H200 (compare/results/README.md,
+# 2026-11-22; the GPU tests of tests/test_flash_hopper_jax.py passed there): at D=128 the Mosaic forward runs at
+# cuDNN's rate and forward+backward 14-25 % above the Triton lowering at every measured point. D=64's
+# forward+backward has not been timed against the Triton lowering yet, so D=64 keeps it.
+MOSAIC_DEFAULT_HEAD_DIMS = (128,)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_HEAD_DIM = 256
 
@@ -91,12 +92,14 @@ def _uses_mosaic(backend: str, q) -> bool:
         if unsupported:
             raise ValueError(f"backend='pallas_mosaic' does not serve {unsupported}; use 'pallas' or 'pallas_triton'")
         return True
-    if not (MOSAIC_DEFAULT_ON_HOPPER and _on_hopper()):
+    if not _on_hopper():
         return False
-    if unsupported and jnp.dtype(q.dtype) != jnp.float32:  # fp32 is a correctness path: Triton, no warning
-        warnings.warn(f"flash_attention: the Hopper Mosaic kernels do not serve {unsupported}; using the "
-                      f"Triton-lowering kernels", stacklevel=3)
-    return unsupported is None
+    if unsupported:
+        if jnp.dtype(q.dtype) != jnp.float32:  # fp32 is a correctness path: Triton, no warning
+            warnings.warn(f"flash_attention: the Hopper Mosaic kernels do not serve {unsupported}; using the "
+                          f"Triton-lowering kernels", stacklevel=3)
+        return False
+    return q.shape[3] in MOSAIC_DEFAULT_HEAD_DIMS
 
 
 def _pallas_config(backend: str, q, config, *, interpret: bool) -> TritonConfig | HopperConfig:
