@@ -30,8 +30,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_forward import LOG2E, output_struct, pad_axis, round_up
 from .flash_hopper_forward import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, PRODUCER_REGISTERS, HopperConfig,
-                                   causal_kv_steps, interpret_params, iota, layout, matmul_acc, matmul_nt, produce,
-                                   smem_transforms, tile_index)
+                                   copy_in, interpret_params, iota, layout, matmul_acc, matmul_nt, produce,
+                                   query_tile, smem_transforms, stream_kv, warpgroup_rows)
 
 # jax 0.10's plgpu.load takes an index argument that 0.11 dropped.
 _LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
@@ -80,11 +80,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-        k_first = cta_first + wg * block_kv
-        rows = (batch, pl.ds(k_first, block_kv), kv_head)
-        for i, (src, dst) in enumerate(((k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem))):
-            plgpu.copy_gmem_to_smem(src, dst, kv_barriers.at[2 * wg + i])  # one barrier per copy
-            plgpu.barrier_wait(kv_barriers.at[2 * wg + i])
+        k_first, rows = warpgroup_rows(cta_first, wg, block_kv, batch, kv_head)
+        copy_in(((k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)), kv_barriers, 2 * wg)
         _, full_start = q_range(k_first)
         dim = k_smem.shape[-1]
         zeros = layout(jnp.zeros((block_kv, dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
@@ -138,24 +135,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
                v_consumed, *, causal: bool, scale: float, block_q: int, block_kv: int, stages: int, group: int,
                offset: int, seq_k: int, num_kv: int, num_tiles: int, interpret: bool):
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    tile_first = tile_index(causal, num_tiles) * (COMPUTE_WARPGROUPS * block_q)
-    kv_range = functools.partial(causal_kv_steps, block_q=block_q, block_kv=block_kv, causal=causal,
-                                 offset=offset, seq_k=seq_k, num_kv=num_kv)
-    _, tile_steps = kv_range(tile_first + block_q)
+    tile_first, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q,
+                                                  block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv)
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, dout_smem = q_smem2.at[wg], dout_smem2.at[wg]
-        q_first = tile_first + wg * block_q
-        rows = (batch, pl.ds(q_first, block_q), head)
+        q_first, rows = warpgroup_rows(tile_first, wg, block_q, batch, head)
         stats = (batch, head, pl.ds(q_first, block_q))
         copies = ((q_ref.at[rows], q_smem), (dout_ref.at[rows], dout_smem),
                   (lse2_ref.at[stats], lse_smem2.at[wg]), (delta_ref.at[stats], delta_smem2.at[wg]))
-        for i, (src, dst) in enumerate(copies):
-            plgpu.copy_gmem_to_smem(src, dst, row_barriers.at[len(copies) * wg + i])  # one barrier per copy
-        for i in range(len(copies)):
-            plgpu.barrier_wait(row_barriers.at[len(copies) * wg + i])
+        copy_in(copies, row_barriers, len(copies) * wg)
         lse2 = _load_stats(lse_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret=interpret)
         delta = _load_stats(delta_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret=interpret)
         n_full, n_end = kv_range(q_first)
@@ -193,14 +184,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        kv_head = lax.div(head, group)
-
-        def load(kv_step, slot):
-            rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_barriers.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_barriers.at[slot])
-        produce(load, (k_consumed, v_consumed), begin=0, end=tile_steps, stages=stages)
+        stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_barriers, v_barriers), (k_consumed, v_consumed),
+                  batch=batch, kv_head=lax.div(head, group), block_kv=block_kv, steps=tile_steps, stages=stages)
 
 
 def _launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, interpret: bool, name: str):

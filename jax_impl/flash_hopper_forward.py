@@ -166,16 +166,31 @@ def matmul_acc(acc, a, b_smem, *, interpret: bool):
     return pl.run_state(compute)(plgpu.ACC.init(acc))
 
 
+def warpgroup_rows(first, wg, block: int, batch, head):
+    """Compute warpgroup `wg`'s `block` rows of a tile starting at row `first`: (its first row, its index into a
+    [B, S, H, D] array)."""
+    start = first + wg * block
+    return start, (batch, pl.ds(start, block), head)
+
+
+def query_tile(*, causal: bool, num_tiles: int, block_q: int, block_kv: int, offset: int, seq_k: int, num_kv: int):
+    """This CTA's query tile in a kernel whose compute warpgroups own `block_q` query rows each (longest causal
+    tiles first): (its first row, `causal_kv_steps` bound to the call, the number of K/V blocks the producer
+    streams). The last warpgroup's rows are the tile's latest, so its range covers the whole tile's."""
+    tile_first = tile_index(causal, num_tiles) * (COMPUTE_WARPGROUPS * block_q)
+    kv_range = functools.partial(causal_kv_steps, block_q=block_q, block_kv=block_kv, causal=causal,
+                                 offset=offset, seq_k=seq_k, num_kv=num_kv)
+    _, tile_steps = kv_range(tile_first + (COMPUTE_WARPGROUPS - 1) * block_q)
+    return tile_first, kv_range, tile_steps
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse_smem2, k_smem, v_smem,
                     q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier, *,
                     causal: bool, scale_log2: float, block_q: int, block_kv: int, stages: int, group: int,
                     offset: int, seq_k: int, num_kv: int, num_tiles: int, interpret: bool):
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    tile_first = tile_index(causal, num_tiles) * (COMPUTE_WARPGROUPS * block_q)
-    kv_range = functools.partial(causal_kv_steps, block_q=block_q, block_kv=block_kv, causal=causal,
-                                 offset=offset, seq_k=seq_k, num_kv=num_kv)
-    # The second warpgroup's rows are the later ones, so its range covers the whole CTA's.
-    _, tile_steps = kv_range(tile_first + block_q)
+    tile_first, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q,
+                                                  block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv)
     head_dim = q_smem2.shape[-1]
 
     def schedule_sync():
@@ -186,9 +201,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
-        q_first = tile_first + wg * block_q
+        q_first, rows = warpgroup_rows(tile_first, wg, block_q, batch, head)
         n_full, n_end = kv_range(q_first)
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_first, block_q), head], q_smem, q_barriers.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_barriers.at[wg])
         plgpu.barrier_wait(q_barriers.at[wg])
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -259,20 +274,36 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
         o_smem[...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(o_smem.dtype)
         lse_smem[...] = jnp.where(seen, row_max * LN2 + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_first, block_q), head])
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[rows])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_first, block_q)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        kv_head = lax.div(head, group)
+        stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_barriers, v_barriers), (k_consumed, v_consumed),
+                  batch=batch, kv_head=lax.div(head, group), block_kv=block_kv, steps=tile_steps, stages=stages)
 
-        def load(kv_step, slot):
-            rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_barriers.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_barriers.at[slot])
-        produce(load, (k_consumed, v_consumed), begin=0, end=tile_steps, stages=stages)
+
+def stream_kv(refs, smem, barriers, consumed, *, batch, kv_head, block_kv: int, steps, stages: int):
+    """The TMA warpgroup of a kernel whose compute warpgroups walk K/V blocks [0, steps) of one KV head: block s's
+    K and V (`refs` in global memory) go into slot s % stages of `smem`, each completing on its slot's barrier
+    of `barriers`, through `produce`."""
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    def load(kv_step, slot):
+        rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
+        for ref, tile, barrier in zip(refs, smem, barriers):
+            plgpu.copy_gmem_to_smem(ref.at[rows], tile.at[slot], barrier.at[slot])
+    produce(load, consumed, begin=0, end=steps, stages=stages)
+
+
+def copy_in(copies, barriers, first):
+    """A compute warpgroup's operands that stay for its whole loop: each (global, shared) pair of `copies` on its
+    own barrier, barriers.at[first + i], all issued before the first wait."""
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, barriers.at[first + i])
+    for i in range(len(copies)):
+        plgpu.barrier_wait(barriers.at[first + i])
 
 
 def produce(load, consumed, *, begin, end, stages: int):
