@@ -307,6 +307,7 @@ def _write_tensors(out: Path, names: list[str], read, weight_map: dict[str, str]
         files.setdefault(weight_map[name], []).append(name)
     for filename, members in files.items():
         save_file({n: np.ascontiguousarray(read(n)) for n in members}, str(out / filename), metadata=metadata)
+        publish_mode(out / filename)  # safetensors writes 0600 whatever the umask
     if set(files) != {SINGLE_FILE}:
         total = sum(read(n).nbytes for n in names)
         index = {"metadata": {"total_size": total}, "weight_map": {n: weight_map[n] for n in names}}
