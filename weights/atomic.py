@@ -27,13 +27,6 @@ def publish_mode(path: Path | str, *, directory: bool = False) -> None:
     os.chmod(path, (0o777 if directory else 0o666) & ~user_umask())
 
 
-def _nearest_existing(path: Path) -> Path:
-    for candidate in (path, *path.parents):
-        if os.path.lexists(candidate):
-            return candidate
-    return Path(os.getcwd())
-
-
 def _check_writable(directory: Path, path: Path, name: str) -> None:
     if not os.access(directory, os.W_OK | os.X_OK):
         where = "" if directory == path else f": {directory} is not writable"
@@ -53,7 +46,7 @@ def check_output_dir(path: Path, name: str, *, empty: bool) -> None:
                 raise BadInputError(f"{path} exists and is not empty; refusing to overwrite it")
             _check_writable(path, path, name)
             return
-        ancestor = _nearest_existing(path)
+        ancestor = next(p for p in path.parents if os.path.lexists(p))  # `path` is absolute: "/" exists
         if not ancestor.is_dir():
             raise BadInputError(f"{name} {path}: cannot create it, {ancestor} is a file")
         _check_writable(ancestor, path, name)
