@@ -14,11 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from compare.args import OneLineParser, with_error_contract
+from compare.args import SEED_MAX, OneLineParser, integer, with_error_contract
 from compare.commands import train
 from compare.harness import command as compare_command
 from weights import PRESETS, BadInputError
-from weights.atomic import atomic_file
+from weights.atomic import atomic_file, check_new_file, check_output_dir
 
 
 def interpret_triton_without_cuda() -> None:
@@ -33,13 +33,15 @@ def interpret_triton_without_cuda() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
 def _save_npy_new(path: Path, array) -> None:
     """Writes a .npy file that must not exist yet, atomically (a crash leaves no partial file)."""
     import numpy as np
 
-    if path.exists():
-        raise BadInputError(f"{path} exists; refusing to overwrite it")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_new_file(path, "--dump-logits")  # again: the forward pass took a while
     with atomic_file(path, "wb") as handle:
         np.save(handle, array)
 
@@ -47,22 +49,25 @@ def _save_npy_new(path: Path, array) -> None:
 def cmd_convert(args) -> None:
     from weights import convert_hf_checkpoint
 
+    check_output_dir(args.out_dir, "OUT_DIR", empty=True)
     config = convert_hf_checkpoint(args.hf_dir, args.out_dir)
-    print(f"converted {args.hf_dir} -> {args.out_dir} ({config.num_layers} layers, {config.num_params:,} parameters)")
+    print(f"converted {args.hf_dir} -> {args.out_dir} ({_plural(config.num_layers, 'layer')}, "
+          f"{_plural(config.num_params, 'parameter')})")
 
 
 def cmd_export(args) -> None:
     from weights import export_hf_checkpoint
 
+    check_output_dir(args.hf_dir, "HF_DIR", empty=True)
     config = export_hf_checkpoint(args.converted_dir, args.hf_dir)
-    print(f"exported {args.converted_dir} -> {args.hf_dir} ({config.num_params:,} parameters)")
+    print(f"exported {args.converted_dir} -> {args.hf_dir} ({_plural(config.num_params, 'parameter')})")
 
 
 def cmd_run(args) -> None:
     from compare.commands.run import prepare_tokens, run_forward
 
-    if args.dump_logits is not None and args.dump_logits.exists():
-        raise BadInputError(f"{args.dump_logits} exists; refusing to overwrite it")
+    if args.dump_logits is not None:
+        check_new_file(args.dump_logits, "--dump-logits")
     tokens = prepare_tokens(args.model, args.seed, args.tokens, args.batch, args.seq_len)
     result = run_forward(args.backend, args.model, tokens, args.dtype, args.seed)
     batch, seq_len = tokens.shape
@@ -78,7 +83,14 @@ def cmd_run(args) -> None:
         print(f"logits      float32 {list(result.logits.shape)} -> {args.dump_logits}")
 
 
+BENCHMARKS = {"kernels": "1 GPU: our Triton and Pallas kernels beside the vendors'",
+              "ring": "4 GPUs: both rings beside one GPU and PyTorch's context parallelism"}
+
+
 def cmd_bench(args) -> int:
+    if args.what is None:
+        raise BadInputError("bench needs a benchmark: " + "; ".join(f"`twinflash bench {name}` ({what})"
+                                                                    for name, what in BENCHMARKS.items()))
     if args.what == "kernels":
         from compare.bench.kernel_bench import main as bench_main
     else:
@@ -113,11 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
     source = run.add_mutually_exclusive_group()
     source.add_argument("--tokens", type=Path, help="int .npy of shape [batch, seq_len]")
-    source.add_argument("--seq-len", type=int, default=128, help="random tokens: sequence length")
-    run.add_argument("--batch", type=int, default=1, help="random tokens: batch size")
-    run.add_argument("--seed", type=int, default=0, help="random tokens and preset weights seed")
+    source.add_argument("--seq-len", type=integer(2), default=128, help="random tokens: sequence length")
+    run.add_argument("--batch", type=integer(1), default=1, help="random tokens: batch size")
+    run.add_argument("--seed", type=integer(0, SEED_MAX), default=0,
+                     help="random tokens and preset weights seed")
     run.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    run.add_argument("--dump-logits", type=Path, help="write float32 [batch, seq_len, vocab] logits here (.npy)")
+    run.add_argument("--dump-logits", type=Path, help="write float32 [batch, seq_len, vocab] logits to this new "
+                     ".npy file (its directory must exist)")
     run.set_defaults(func=cmd_run)
 
     training = commands.add_parser("train", help="distributed Llama training (fsdp x sp mesh), train.jsonl per step")
@@ -132,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs)",
                                 description="arguments after the benchmark's name go to it: "
                                             "`twinflash bench kernels --help`")
-    bench.add_argument("what", choices=("kernels", "ring"))
+    bench.add_argument("what", nargs="?", choices=tuple(BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -49,6 +49,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from weights.atomic import check_output_dir, publish_mode
 from weights.config import PRESETS, LlamaConfig, parameter_shapes, preset, read_json
 from weights.errors import CheckpointError
 
@@ -273,14 +274,15 @@ def _validate(config: LlamaConfig, found: dict[str, tuple[tuple[int, ...], str]]
 
 
 def _fresh_output(out_dir: Path) -> Path:
-    """A temporary sibling of `out_dir` to write into; refuses to touch an existing non-empty `out_dir`."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise CheckpointError(f"{out_dir} exists and is not empty; refusing to overwrite it")
+    """A temporary sibling of `out_dir` to write into; refuses to touch an existing non-empty `out_dir`, or one
+    that cannot be written."""
+    check_output_dir(out_dir, "output directory", empty=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
+    publish_mode(tmp, directory=True)  # mkdtemp's 0700 would make the published directory private
     if out_dir.exists():
         out_dir.rmdir()
     os.replace(tmp, out_dir)
@@ -305,6 +307,7 @@ def _write_tensors(out: Path, names: list[str], read, weight_map: dict[str, str]
         files.setdefault(weight_map[name], []).append(name)
     for filename, members in files.items():
         save_file({n: np.ascontiguousarray(read(n)) for n in members}, str(out / filename), metadata=metadata)
+        publish_mode(out / filename)  # safetensors writes 0600 whatever the umask
     if set(files) != {SINGLE_FILE}:
         total = sum(read(n).nbytes for n in names)
         index = {"metadata": {"total_size": total}, "weight_map": {n: weight_map[n] for n in names}}

@@ -42,10 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from compare.args import OneLineParser, with_error_contract
+from compare.args import SEED_MAX, OneLineParser, integer, number, with_error_contract
 from compare.launch import SETTINGS_FLAG, TORCHRUN_ENV, hand_off, host_devices_env, torchrun_launcher
 from weights import PRESETS, BadInputError, LlamaConfig, open_weights
-from weights.atomic import write_text_atomically
+from weights.atomic import check_output_dir, write_text_atomically
 from weights.data import random_batches, text_batches
 from weights.flops import PEAK_FLOPS_PER_DEVICE, model_flops_per_token
 from weights.parallel import REMAT_MODES, MeshShape
@@ -62,19 +62,21 @@ JSONL = "train.jsonl"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=tuple(ATTENTION_BACKENDS), default="torch")
     parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--seq-len", type=integer(2), required=True)
+    parser.add_argument("--steps", type=integer(1), required=True)
     parser.add_argument("--mesh", help="e.g. fsdp=2,sp=2 (default: fsdp over all devices; "
                         "on CPU one process)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--batch", type=int, help="sequences per step, all devices together (default: fsdp size)")
+    parser.add_argument("--batch", type=integer(1),
+                        help="sequences per step, all devices together (default: fsdp size)")
     parser.add_argument("--data", choices=("text", "random"), default="text")
-    parser.add_argument("--seed", type=int, default=0, help="data order and preset weights")
+    parser.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="data order and preset weights")
     defaults = OptimizerConfig()
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--grad-clip", type=float, default=defaults.grad_clip_norm, help="max global grad norm")
+    parser.add_argument("--lr", type=number(0, above=True), default=defaults.lr, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=integer(0), default=defaults.warmup_steps)
+    parser.add_argument("--weight-decay", type=number(0), default=defaults.weight_decay)
+    parser.add_argument("--grad-clip", type=number(0, above=True), default=defaults.grad_clip_norm,
+                        help="max global grad norm")
     parser.add_argument("--activation-checkpointing", nargs="?", choices=tuple(REMAT_MODES), const="full",
                         default="off", metavar="MODE",
                         help="per-layer activation checkpointing; alone: full. " + "; ".join(
@@ -82,13 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", help="ring step kernel: triton, reference or sdpa_cudnn (torch), "
                         "pallas, reference or cudnn (jax); default ours (triton, pallas)")
     parser.add_argument("--ring-variant", choices=("ring", "allgather"), default="ring")
-    parser.add_argument("--loss-chunk-tokens", type=int, help="positions per logits chunk of the loss")
-    parser.add_argument("--ckpt-dir", type=Path)
-    parser.add_argument("--ckpt-every", type=int, help="steps between checkpoints (always one at the end)")
-    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    parser.add_argument("--loss-chunk-tokens", type=integer(1), help="positions per logits chunk of the loss")
+    parser.add_argument("--ckpt-dir", type=Path, help="checkpoint directory (created, with its parents)")
+    parser.add_argument("--ckpt-every", type=integer(1), help="steps between checkpoints (always one at the end)")
+    parser.add_argument("--keep", type=integer(1), default=3, help="checkpoints kept")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
-    parser.add_argument("--stop-at", type=int, help="end this run after that many steps (resume later)")
-    parser.add_argument("--out", type=Path, help="directory for train.jsonl")
+    parser.add_argument("--stop-at", type=integer(1), help="end this run after that many steps (resume later)")
+    parser.add_argument("--out", type=Path, help="directory for train.jsonl (created, with its parents)")
     parser.add_argument("--plan-memory", action="store_true", help="JAX: compile the step for abstract inputs and "
                         "print XLA's per-device memory plan; nothing is loaded or trained")
     parser.add_argument("--eager", action="store_true", help="torch on GPUs: run the step without torch.compile "
@@ -96,18 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="trace the last steps and write their time "
                         "breakdown by category to OUT/profile.json (and print it)")
     parser.add_argument("--export", type=Path, dest="export_dir",
-                        help="write the final weights to DIR/converted (twinflash format) and DIR/hf")
+                        help="write the final weights to DIR/converted (twinflash format) and DIR/hf (each must "
+                        "not exist or be empty)")
 
 
 def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSettings:
     """Validated settings; `device_count` gives the default mesh (fsdp over all devices)."""
     mesh = MeshShape.parse(args.mesh) if args.mesh is not None else MeshShape(fsdp=device_count)
-    lower_bounds = (("--seq-len", args.seq_len, 2), ("--steps", args.steps, 1), ("--batch", args.batch, 1),
-                    ("--ckpt-every", args.ckpt_every, 1), ("--keep", args.keep, 1), ("--stop-at", args.stop_at, 1),
-                    ("--loss-chunk-tokens", args.loss_chunk_tokens, 1), ("--warmup-steps", args.warmup_steps, 0))
-    for name, value, least in lower_bounds:
-        if value is not None and value < least:
-            raise BadInputError(f"{name} must be >= {least}, got {value}")
     if args.stop_at is not None and args.stop_at > args.steps:
         raise BadInputError(f"--stop-at {args.stop_at} is beyond --steps {args.steps}")
     if args.resume and args.ckpt_dir is None:
@@ -128,7 +125,23 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
         export_dir=args.export_dir, plan_memory=args.plan_memory, eager=args.eager,
         profile=args.profile)
     check_attention_backend(settings)
+    check_output_locations(settings)
     return settings
+
+
+def check_output_locations(settings: TrainSettings) -> None:
+    """Refuses, before anything is loaded or started, outputs the run could not write at its end: --out,
+    --ckpt-dir and --export's directories must be creatable (missing parents are created) and writable, not files;
+    --export's two directories and, without --resume, OUT/train.jsonl must not exist yet (or be empty)."""
+    if settings.out is not None:
+        check_output_dir(settings.out, "--out", empty=False)
+        if (settings.out / JSONL).exists() and not settings.resume:
+            raise BadInputError(f"{settings.out / JSONL} exists; refusing to overwrite it (use --resume to continue "
+                                "that run, or another --out)")
+    if settings.ckpt_dir is not None:
+        check_output_dir(settings.ckpt_dir, "--ckpt-dir", empty=False)
+    for path in settings.export_paths or ():
+        check_output_dir(path, "--export", empty=True)
 
 
 # --- data and checks ----------------------------------------------------------------------------------------------
@@ -140,12 +153,7 @@ def training_batches(settings: TrainSettings, config: LlamaConfig) -> np.ndarray
 
 
 def _check_outputs(settings: TrainSettings, start_step: int) -> None:
-    if settings.out is not None and (settings.out / JSONL).exists() and not settings.resume:
-        raise BadInputError(f"{settings.out / JSONL} exists; refusing to overwrite it (use --resume to continue "
-                            "that run, or another --out)")
-    for path in settings.export_paths or ():
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise BadInputError(f"{path} exists and is not empty; refusing to overwrite it")
+    check_output_locations(settings)  # again in the processes `hand_off` starts: they get settings, not arguments
     if settings.stop_at is not None and settings.stop_at <= start_step:
         raise BadInputError(f"--stop-at {settings.stop_at} is not after the checkpoint's step {start_step}")
 

@@ -25,14 +25,15 @@ import math
 import time
 from pathlib import Path
 
-from compare.args import ints, lengths
+from compare.args import integer, ints, lengths, names, number
 from compare.harness import jobs as J
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.harness.launches import run_jobs
 from compare.harness.plan import check_model, gpu_count, order_for_launches, plan_jobs, plan_settings
 from compare.report.data import add_scaling, benchmark_point, report_dict
 from compare.report.write import load_peers, write_report
-from weights import PRESETS, BadInputError, open_weights
+from weights import PRESETS, open_weights
+from weights.atomic import check_output_dir
 from weights.errors import EXIT_CHECK_FAILED, EXIT_OK
 from weights.parallel import REMAT_MODES
 
@@ -41,41 +42,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
     parser.add_argument("--seq-lens", type=lengths, help="context lengths, e.g. 8k,32k,128k (default: 128,256 on "
                         "CPU, 8k,32k,128k on GPUs)")
-    parser.add_argument("--devices", type=int, help="devices to use (default: all GPUs, or 4 emulated CPU devices)")
+    parser.add_argument("--devices", type=integer(1),
+                        help="devices to use (default: all GPUs, or 4 emulated CPU devices)")
     parser.add_argument("--device-counts", type=ints, help="benchmark device counts, e.g. 1,2,4 (default: powers "
                         "of two up to --devices)")
     parser.add_argument("--mode", choices=("forward", "train"), default="train")
-    parser.add_argument("--steps", type=int, help="timed steps per point and loss-curve steps (default 2 CPU, 4 GPU)")
+    parser.add_argument("--steps", type=integer(1),
+                        help="timed steps per point and loss-curve steps (default 2 CPU, 4 GPU)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="benchmark dtype (default fp32 CPU, bf16 GPU); "
                         "the equivalence check is always fp32")
-    parser.add_argument("--backends", default="torch,jax", help="comma-separated: torch, jax")
-    parser.add_argument("--ablation", default="ours,vendor,reference",
+    parser.add_argument("--backends", type=names(("torch", "jax")), default="torch,jax",
+                        help="comma-separated: torch, jax")
+    parser.add_argument("--ablation", type=names(("ours", "vendor", "reference")), default="ours,vendor,reference",
                         help="attention kernels at the largest device count: ours, vendor (SDPA cuDNN / JAX cuDNN), "
                              "reference (plain math)")
     parser.add_argument("--activation-checkpointing", choices=("auto", *REMAT_MODES), default="auto",
                         help="benchmark with per-layer recomputation (`twinflash train --help` lists the modes; "
                              "auto: full for models over 2B parameters, else off)")
-    parser.add_argument("--check-seq-len", type=int, help="equivalence context length (default: the smallest of "
-                        "--seq-lens, at most 2048)")
-    parser.add_argument("--check-layers", type=int, help="equivalence on the model's first N layers (default: all, "
-                        "or 2 for models over 2B parameters)")
+    parser.add_argument("--check-seq-len", type=integer(2), help="equivalence context length (default: the "
+                        "smallest of --seq-lens, at most 2048)")
+    parser.add_argument("--check-layers", type=integer(1), help="equivalence on the model's first N layers "
+                        "(default: all, or 2 for models over 2B parameters)")
     parser.add_argument("--no-bench", dest="bench", action="store_false", help="equivalence section only")
     parser.add_argument("--perturb", metavar="BACKEND:PARAM", help="harness self-test: scale one parameter by 1 %% "
                         "in one backend's equivalence run (the check must fail and name it)")
-    parser.add_argument("--job-timeout-s", type=float, default=900.0, help="a job silent this long is stopped")
-    parser.add_argument("--time-limit-s", type=float, help="stop launching after this long; the jobs left are "
-                        "recorded as not run and the report is written")
+    parser.add_argument("--job-timeout-s", type=number(0, above=True), default=900.0,
+                        help="a job silent this long is stopped")
+    parser.add_argument("--time-limit-s", type=number(0, above=True), help="stop launching after this long; the "
+                        "jobs left are recorded as not run and the report is written")
     parser.add_argument("--out", type=Path, help="report directory, must not exist or be empty "
                         "(default: out/compare-<model>-<date>)")
 
 
 def _default_out(model: str) -> Path:
     return Path("out") / f"compare-{Path(model).name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-
-
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise BadInputError(f"{out} exists and is not empty; refusing to overwrite it")
 
 
 def _summary_table(report: dict):
@@ -103,11 +103,9 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    settings = plan_settings(args, gpu_count())
     out = (args.out or _default_out(args.model)).resolve()
-    _check_out(out)
-    if args.job_timeout_s <= 0 or (args.time_limit_s is not None and args.time_limit_s <= 0):
-        raise BadInputError("--job-timeout-s and --time-limit-s must be > 0")
+    check_output_dir(out, "--out", empty=True)
+    settings = plan_settings(args, gpu_count())
     deadline = math.inf if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     settings["out"] = out
     work_dir, trace_dir = out / "work", out / "traces"
