@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_impl.flash_forward import (INTERPRETED, LOG2E, autotune_configs, dot_precision, fitting, key_range,
-                                      load_tile, query_block_program, round_to, seq_bucket, store_tile)
+from torch_impl.flash_forward import (INTERPRETED, LOG2E, autotuned, dot_precision, key_range, key_scores,
+                                      key_tile_pointers, load_tile, query_block_program, round_to, seq_bucket,
+                                      store_tile, visible_keys)
 
 
 @triton.jit
@@ -35,6 +36,14 @@ def load_row_stats(lse_ptrs, delta_ptrs, rows, n_rows, CHECK_ROWS: tl.constexpr)
         delta = tl.load(delta_ptrs)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     return lse2, delta
+
+
+@triton.jit
+def key_block_program(n_kv_heads, BLOCK_N: tl.constexpr):
+    """(batch, kv head, first key) of a program of the grid (key blocks, batch * kv heads). Causal key blocks near
+    the start are seen by the most queries: the natural order launches them first."""
+    pid_bh = tl.program_id(1)
+    return pid_bh // n_kv_heads, pid_bh % n_kv_heads, tl.program_id(0) * BLOCK_N
 
 
 @triton.jit
@@ -93,8 +102,7 @@ def dkdv_shared_bytes(block_m, block_n, stages, row_bytes):
     return (2 * block_n + stages * 2 * block_m) * row_bytes  # K and V resident; Q and dO streamed
 
 
-@triton.autotune(configs=autotune_configs(DKDV_SHAPES, (32, 64)), key=["HEAD_DIM", "CAUSAL", "SEQ_BUCKET"],
-                 prune_configs_by={"early_config_prune": fitting(dkdv_shared_bytes)})
+@autotuned(DKDV_SHAPES, (32, 64), dkdv_shared_bytes)
 @triton.jit
 def _dkdv_kernel(Q, K, V, DOut, Lse, Delta, DK, DV,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -102,22 +110,16 @@ def _dkdv_kernel(Q, K, V, DOut, Lse, Delta, DK, DV,
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                  n_kv_heads, seq_q, seq_k, softmax_scale, SEQ_BUCKET,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Causal key blocks near the start are seen by the most queries: the natural order launches them first.
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // n_kv_heads
-    kv_head = pid_bh % n_kv_heads
-    col0 = tl.program_id(0) * BLOCK_N
+                 EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    batch, kv_head, col0 = key_block_program(n_kv_heads, BLOCK_N)
     cols = col0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k = load_tile(K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-                  + cols.to(tl.int64)[:, None] * stride_ks + offs_d[None, :],
-                  cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
-    v = load_tile(V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-                  + cols.to(tl.int64)[:, None] * stride_vs + offs_d[None, :],
-                  cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
+    k_ptrs, v_ptrs = key_tile_pointers(K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh,
+                                       V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh,
+                                       stride_ks, stride_vs, cols, offs_d)
+    k = load_tile(k_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
+    v = load_tile(v_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, True, EMULATE)
 
     diagonal = seq_k - seq_q
     if CAUSAL:
@@ -162,18 +164,15 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs
               start, end, seq_k, diagonal, qk_scale,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_N: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Accumulate dq (unscaled) of one query block over key blocks [start, end)."""
-    k_ptrs = k_base + (start + offs_n).to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = v_base + (start + offs_n).to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
+    """Accumulate dq (unscaled) of one query block over key blocks [start, end). P is recomputed from the saved
+    row statistics (lse2 in log2 units), so masked keys are zeroed after the exp2 rather than set to -inf before."""
+    k_ptrs, v_ptrs = key_tile_pointers(k_base, v_base, stride_ks, stride_vs, start + offs_n, offs_d)
     for start_n in range(start, end, BLOCK_N):
-        cols = start_n + offs_n
-        k = load_tile(k_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+        cols, k, qk = key_scores(q, k_ptrs, start_n, offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE,
+                                 DOT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
-            visible = cols[None, :] < seq_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(visible_keys(cols, offs_m, seq_k, diagonal, CAUSAL), p, 0.0)
         v = load_tile(v_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -191,8 +190,7 @@ def dq_shared_bytes(block_m, block_n, stages, row_bytes):
     return (2 * block_m + stages * 2 * block_n) * row_bytes  # Q and dO resident; K and V streamed
 
 
-@triton.autotune(configs=autotune_configs(DQ_SHAPES, (64, 32)), key=["HEAD_DIM", "CAUSAL", "SEQ_BUCKET"],
-                 prune_configs_by={"early_config_prune": fitting(dq_shared_bytes)})
+@autotuned(DQ_SHAPES, (64, 32), dq_shared_bytes)
 @triton.jit
 def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -200,8 +198,7 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
                stride_dqb, stride_dqs, stride_dqh,
                n_heads, seq_q, seq_k, softmax_scale, SEQ_BUCKET,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-               EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head, kv_head, row0 = query_block_program(n_heads, GROUP, BLOCK_M, CAUSAL)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

@@ -96,15 +96,30 @@ def store_tile(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D
 
 
 @triton.jit
+def visible_keys(cols, rows, seq_k, diagonal, CAUSAL: tl.constexpr):
+    """[rows, cols] mask of the keys each query row sees: keys before seq_k and, if CAUSAL, at most `diagonal`
+    past the row (bottom-right alignment)."""
+    visible = cols[None, :] < seq_k
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None] + diagonal)
+    return visible
+
+
+@triton.jit
+def key_tile_pointers(k_base, v_base, stride_ks, stride_vs, cols, offs_d):
+    """Pointers to the [cols, offs_d] tiles of K and V (int64 row offsets: long sequences overflow int32)."""
+    k_ptrs = k_base + cols.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = v_base + cols.to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
+    return k_ptrs, v_ptrs
+
+
+@triton.jit
 def online_softmax_step(qk, l_i, m_i, cols, offs_m, seq_k, diagonal, qk_scale,
                         MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """One key block's online-softmax update from raw scores `qk` [rows, cols]: (p, alpha, l_i, m_i) with p the
     unnormalised probabilities, alpha the factor rescaling what was accumulated before, m_i in log2 units."""
     if MASKED:
-        visible = cols[None, :] < seq_k
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        qk = tl.where(visible_keys(cols, offs_m, seq_k, diagonal, CAUSAL), qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row with nothing visible yet keeps m = -inf; subtracting 0 keeps its p at 0 instead of NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -119,17 +134,45 @@ def online_softmax_step(qk, l_i, m_i, cols, offs_m, seq_k, diagonal, qk_scale,
 
 
 @triton.jit
+def key_scores(q, k_ptrs, start_n, offs_n, seq_k, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(cols, k, q k^T) of the key tile starting at start_n: its key indices, the K tile (rows past seq_k read as 0
+    when MASKED) and the raw scores."""
+    cols = start_n + offs_n
+    k = load_tile(k_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
+    return cols, k, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def empty_softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(acc, l_i, m_i) of query rows that have seen no key yet: nothing accumulated, running max -inf."""
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def normalized_output(acc, l_i, m_i):
+    """(out in float32, lse in natural log) from the final (acc, l_i, m_i); a row that saw no key gets out 0 and
+    lse -inf."""
+    sees_nothing = l_i == 0.0
+    l_safe = tl.where(sees_nothing, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(sees_nothing, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    return out, lse
+
+
+@triton.jit
 def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
                    start, end, seq_k, diagonal, qk_scale,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) over key blocks [start, end); m_i is in log2 units."""
-    k_ptrs = k_base + (start + offs_n).to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = v_base + (start + offs_n).to(tl.int64)[:, None] * stride_vs + offs_d[None, :]
+    k_ptrs, v_ptrs = key_tile_pointers(k_base, v_base, stride_ks, stride_vs, start + offs_n, offs_d)
     for start_n in range(start, end, BLOCK_N):
-        cols = start_n + offs_n
-        k = load_tile(k_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        cols, k, qk = key_scores(q, k_ptrs, start_n, offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE,
+                                 DOT_PRECISION)
         p, alpha, l_i, m_i = online_softmax_step(qk, l_i, m_i, cols, offs_m, seq_k, diagonal, qk_scale,
                                                  MASKED, CAUSAL)
         v = load_tile(v_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
@@ -206,6 +249,14 @@ def fitting(shared_bytes):
     return prune
 
 
+def autotuned(gpu_shapes, interpreter_blocks, shared_bytes):
+    """The autotune decorator of a kernel tiled by BLOCK_M x BLOCK_N: configs from `autotune_configs`, pruned by
+    `fitting(shared_bytes)`, tuned per head dim, mask and sequence bucket."""
+    return triton.autotune(configs=autotune_configs(gpu_shapes, interpreter_blocks),
+                           key=["HEAD_DIM", "CAUSAL", "SEQ_BUCKET"],
+                           prune_configs_by={"early_config_prune": fitting(shared_bytes)})
+
+
 # (BLOCK_M, BLOCK_N, warps, stages): no register spills on sm_90 at D=128 (128 x 128 x 2: a few bytes); the last
 # one is for D=256.
 FORWARD_SHAPES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
@@ -216,23 +267,21 @@ def forward_shared_bytes(block_m, block_n, stages, row_bytes):
     return (block_m + stages * 2 * block_n) * row_bytes  # Q resident; K and V streamed
 
 
-@triton.autotune(configs=autotune_configs(FORWARD_SHAPES, (64, 32)), key=["HEAD_DIM", "CAUSAL", "SEQ_BUCKET"],
-                 prune_configs_by={"early_config_prune": fitting(forward_shared_bytes)})
+@autotuned(FORWARD_SHAPES, (64, 32), forward_shared_bytes)
 @triton.jit
 def _forward_kernel(Q, K, V, Out, Lse,
                     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                     n_heads, seq_q, seq_k, softmax_scale, SEQ_BUCKET,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                    EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch, head, kv_head, row0 = query_block_program(n_heads, GROUP, BLOCK_M, CAUSAL)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
     q = load_tile(q_base + offs_m.to(tl.int64)[:, None] * stride_qs + offs_d[None, :], offs_m, seq_q, offs_d,
                   HEAD_DIM, BLOCK_D, True, EMULATE)
 
@@ -240,9 +289,7 @@ def _forward_kernel(Q, K, V, Out, Lse,
     full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
 
     qk_scale = softmax_scale * LOG2E
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = empty_softmax_state(BLOCK_M, BLOCK_D)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
                                    0, full_end, seq_k, diagonal, qk_scale,
                                    False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
@@ -250,10 +297,7 @@ def _forward_kernel(Q, K, V, Out, Lse,
                                    full_end, end, seq_k, diagonal, qk_scale,
                                    True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
 
-    sees_nothing = l_i == 0.0
-    l_safe = tl.where(sees_nothing, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(sees_nothing, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    out, lse = normalized_output(acc, l_i, m_i)
     o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
     store_tile(o_base + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :], out, offs_m, seq_q, offs_d,
                HEAD_DIM, BLOCK_D, EMULATE)

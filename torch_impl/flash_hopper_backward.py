@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_impl.flash_backward import load_row_stats, row_delta
+from torch_impl.flash_backward import key_block_program, load_row_stats, row_delta
 from torch_impl.flash_forward import INTERPRETED, LOG2E, round_to, seq_bucket
 from torch_impl.flash_hopper_forward import Config, row_descriptor, load_block, set_descriptor_allocator
 
@@ -89,11 +89,7 @@ def _hopper_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                             EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             TMA_REDUCE: tl.constexpr, DQ_TRANSPOSED: tl.constexpr):
-    # Causal key blocks near the start are seen by the most queries: the natural order launches them first.
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // n_kv_heads
-    kv_head = pid_bh % n_kv_heads
-    col0 = tl.program_id(0) * BLOCK_N
+    batch, kv_head, col0 = key_block_program(n_kv_heads, BLOCK_N)
     cols = col0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)

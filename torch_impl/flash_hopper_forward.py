@@ -22,8 +22,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from torch_impl.flash_forward import (INTERPRETED, LN2, LOG2E, key_range, online_softmax_step, query_block_program,
-                                      round_to, seq_bucket)
+from torch_impl.flash_forward import (INTERPRETED, LOG2E, empty_softmax_state, key_range, normalized_output,
+                                      online_softmax_step, query_block_program, round_to, seq_bucket)
 
 HOPPER_HEAD_DIMS = (64, 128)
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
@@ -153,21 +153,17 @@ def _hopper_forward_kernel(Q, K, V, Out, Lse,
     diagonal = seq_k - seq_q
     full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     qk_scale = softmax_scale * LOG2E
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = empty_softmax_state(BLOCK_M, HEAD_DIM)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_desc, v_desc, offs_m, offs_n, 0, full_end, seq_k, diagonal,
                                    qk_scale, False, CAUSAL, BLOCK_N, EMULATE, WARP_SPECIALIZE)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_desc, v_desc, offs_m, offs_n, full_end, end, seq_k, diagonal,
                                    qk_scale, True, CAUSAL, BLOCK_N, EMULATE, WARP_SPECIALIZE)
 
-    sees_nothing = l_i == 0.0
-    l_safe = tl.where(sees_nothing, 1.0, l_i)
-    lse = tl.where(sees_nothing, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    out, lse = normalized_output(acc, l_i, m_i)
     # A plain store: `out` may be float32 (a ring's partial output), whose tile would not fit a TMA staging buffer.
     o_ptrs = (Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
               + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :])
-    out = round_to(acc / l_safe[:, None], Out.dtype.element_ty, EMULATE).to(Out.dtype.element_ty)
+    out = round_to(out, Out.dtype.element_ty, EMULATE).to(Out.dtype.element_ty)
     tl.store(o_ptrs, out, mask=offs_m[:, None] < seq_q)
     tl.store(Lse + (batch * n_heads + head).to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 

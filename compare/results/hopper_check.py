@@ -25,6 +25,13 @@ from torch_impl.flash_hopper_backward import backward_configs, hopper_backward
 from torch_impl.flash_hopper_forward import forward_configs, hopper_forward
 from weights.flops import attention_flops
 
+# The float64 oracle and the autograd harness are the kernel tests' own, so that this check and the CPU/GPU tests
+# judge the kernels by one definition. tests/ is not a package: its modules import each other by bare name.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+import test_flash_attention_torch as kernel_tests  # noqa: E402
+
+exact, with_grads = kernel_tests._exact, kernel_tests._with_grads
+
 OUT = os.environ.get("OUT", ".")
 RESULTS = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                     "argv": sys.argv}, "correct": [], "sweep": [], "compare": []}
@@ -40,34 +47,6 @@ def inputs(b, sq, sk, h, hkv, d, dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     shapes = [(b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)]
     return [torch.randn(s, generator=g, device="cuda").to(dtype) for s in shapes]
-
-
-def exact(q, k, v, dout, causal, scale):
-    q, k, v, dout = (x.double() for x in (q, k, v, dout))
-    b, sq, h, d = q.shape
-    sk, group = k.shape[1], h // k.shape[2]
-    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        vis = torch.arange(sk, device="cuda") <= torch.arange(sq, device="cuda")[:, None] + sk - sq
-        s = s.masked_fill(~vis, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
-    dp = torch.einsum("bqhd,bkhd->bhqk", dout, v)
-    delta = (dout * out).sum(-1).transpose(1, 2)
-    ds = p * (dp - delta[..., None]) * scale
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k)
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q).reshape(b, sk, h // group, group, d).sum(3)
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout).reshape(b, sk, h // group, group, d).sum(3)
-    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-
-
-def with_grads(attend, q, k, v, dout):
-    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out, lse = attend(q, k, v)
-    out.backward(dout)
-    return dict(out=out.detach(), lse=lse, dq=q.grad, dk=k.grad, dv=v.grad)
 
 
 def errors(result, ref):
@@ -167,17 +146,25 @@ def stage_sweep(s=16384, h=32, hkv=32, d=128, causal=True):
         RESULTS["sweep"].append(row)
         print("sweep", row, flush=True)
         save()
+    sweep_backward(q, k, v, dout, ref_out, ref_lse, ref_grads, h, causal)
+
+
+def sweep_backward(q, k, v, dout, out, lse, ref_grads, h, causal):
+    """Each backward config on the same inputs: compile time, max relative difference to `ref_grads` (float32
+    gradients) and the median time of a q.dtype backward."""
+    s, hkv, d = k.shape[1], k.shape[2], k.shape[3]
+    scale = 1 / math.sqrt(d)
     for cfg in backward_configs(d):
         row = dict(kind="bwd", S=s, hkv=hkv, d=d, causal=causal, config=str(cfg))
         try:
             t0 = time.time()
-            grads = hopper_backward(dout, q, k, v, ref_out, ref_lse, causal=causal, softmax_scale=scale,
+            grads = hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
                                     grad_dtype=torch.float32, config=cfg)
             row["compile_s"] = time.time() - t0
             row["max_rel_diff_vs_portable"] = [float((a - b).abs().max() / b.abs().max())
                                                for a, b in zip(grads, ref_grads)]
-            ms = do_bench(lambda: hopper_backward(dout, q, k, v, ref_out, ref_lse, causal=causal,
-                                                  softmax_scale=scale, grad_dtype=q.dtype, config=cfg),
+            ms = do_bench(lambda: hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                                  grad_dtype=q.dtype, config=cfg),
                           warmup=10, rep=40, return_mode="median")
             row.update(ms=ms, tflops=tflops(ms, s, causal, h, d, backward_only=True))
         except Exception as err:
@@ -200,22 +187,7 @@ def stage_bwd_sweep(s=16384, h=32, hkv=32, d=128, causal=True):
     RESULTS["sweep"].append(dict(kind="bwd", S=s, hkv=hkv, d=d, causal=causal, config="portable", ms=ms,
                                  tflops=tflops(ms, s, causal, h, d, backward_only=True)))
     print("sweep", RESULTS["sweep"][-1], flush=True)
-    for cfg in backward_configs(d):
-        row = dict(kind="bwd", S=s, hkv=hkv, d=d, causal=causal, config=str(cfg))
-        try:
-            grads = hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                                    grad_dtype=torch.float32, config=cfg)
-            row["max_rel_diff_vs_portable"] = [float((a - b).abs().max() / b.abs().max())
-                                               for a, b in zip(grads, ref)]
-            ms = do_bench(lambda: hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                                                  grad_dtype=q.dtype, config=cfg),
-                          warmup=10, rep=40, return_mode="median")
-            row.update(ms=ms, tflops=tflops(ms, s, causal, h, d, backward_only=True))
-        except Exception as err:
-            row["error"] = f"{type(err).__name__}: {err}"[:300]
-        RESULTS["sweep"].append(row)
-        print("sweep", row, flush=True)
-        save()
+    sweep_backward(q, k, v, dout, out, lse, ref, h, causal)
 
 
 def stage_compare(points=((65536, True, 32), (65536, False, 32), (65536, True, 8)), h=32, d=128,

@@ -1,5 +1,5 @@
 """GPU probe for the Mosaic kernels: API check, correctness vs reference, timings vs cuDNN (not committed)."""
-import inspect, json, os, sys, time, traceback, math, difflib
+import inspect, json, os, sys, traceback, math, difflib
 import jax, jax.numpy as jnp, numpy as np
 OUT = os.environ.get("OUT", ".")
 log = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "checks": [], "timings": []}
@@ -34,12 +34,7 @@ for sq, sk, h, hkv, d, causal, odt in [(256, 256, 2, 2, 128, False, None), (256,
     except Exception as e:
         rec = dict(shape=[sq, sk, h, hkv, d], causal=causal, error=tail(e))
     print("CHECK", json.dumps(rec)[:3000], flush=True); log["checks"].append(rec)
-def bench(fn, *a, n=10):
-    for _ in range(2): jax.block_until_ready(fn(*a))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter(); jax.block_until_ready(fn(*a)); ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2] * 1e3
+from probe_bench import bench
 from weights.flops import attention_flops
 for S in (16384, 65536):
     for causal in (True, False):

@@ -1,5 +1,5 @@
 """GPU probe 2: Mosaic backward correctness + fwd / fwd+bwd timings (not committed)."""
-import json, os, sys, time, traceback
+import json, os, sys, traceback
 import jax, jax.numpy as jnp
 OUT = os.environ.get("OUT", ".")
 log = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "checks": [], "timings": []}
@@ -29,12 +29,7 @@ for sq, sk, h, hkv, d, causal in [(1000, 1000, 4, 1, 128, False), (4096, 4096, 4
     print("CHECK", json.dumps(rec)[:2500], flush=True); log["checks"].append(rec)
 if "checks" in sys.argv:
     json.dump(log, open(f"{OUT}/probe2_checks.json", "w"), indent=1); sys.exit(0)
-def bench(fn, *a, n=10):
-    for _ in range(2): jax.block_until_ready(fn(*a))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter(); jax.block_until_ready(fn(*a)); ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2] * 1e3
+from probe_bench import bench
 def impls(causal, d):
     r = {b: (lambda b: lambda q, k, v: flash_attention(q, k, v, causal=causal, backend=b))(b) for b in ("pallas_mosaic", "pallas_triton")}
     r["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
