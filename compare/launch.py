@@ -15,7 +15,6 @@ that dies is named in one line by `worker_failure`, read from the launch's log, 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -34,7 +33,14 @@ TRAIN_MODULE = "compare.commands.train"
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # XLA_FLAGS entry: JAX's number of CPU devices
 PROGRESS_ENV = "TWINFLASH_PROGRESS_FILE"  # where a handed-off training run records its steps done, for the CLI
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# What an owned process runs first on Linux, then exec's the command (same PID): it lets SIGINT and SIGTERM through
+# again (held back while it started) and asks for SIGTERM when the CLI dies (prctl 1: PR_SET_PDEATHSIG, kept across
+# exec), or sends it now if the CLI is already gone. Not a `preexec_fn`: that makes Python fork (not vfork) a
+# process JAX runs threads in, which JAX warns is unsafe.
+_OWNED_START = ("import ctypes, os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, "
+                "(signal.SIGINT, signal.SIGTERM)); ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0); "
+                "os.getppid() == int(sys.argv[1]) or os.kill(os.getpid(), signal.SIGTERM); "
+                "os.execvp(sys.argv[2], sys.argv[2:])")
 
 
 class Interrupted(Exception):
@@ -135,19 +141,11 @@ def owned_process(command: list[str], **popen) -> contextlib.AbstractContextMana
 
 @contextlib.contextmanager
 def _owned_process(command: list[str], popen: dict) -> Iterator[subprocess.Popen]:
-    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-    parent = os.getpid()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-
-    def in_child() -> None:  # between fork and exec
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        if libc is not None:
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-            if os.getppid() != parent:  # the CLI died before the request took effect
-                os.kill(os.getpid(), signal.SIGTERM)
-
+    linux = sys.platform.startswith("linux")
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS if linux else ())  # the start lets them through
     try:
-        process = subprocess.Popen(command, start_new_session=True, preexec_fn=in_child, **popen)
+        process = subprocess.Popen([sys.executable, "-c", _OWNED_START, str(os.getpid()), *command] if linux
+                                   else command, start_new_session=True, **popen)
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         raise

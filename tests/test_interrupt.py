@@ -49,9 +49,10 @@ def _alive(pid: int) -> bool:
 
 
 def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """The CLI in a process group of its own, as a shell starts a command (a Ctrl-C signals that group)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "compare.cli", *args], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def _wait_for(condition, process: subprocess.Popen, what: str) -> None:
@@ -117,7 +118,8 @@ def test_sigint_to_train_stops_every_worker(tmp_path):
     assert steps_done >= 2
     assert checkpoint.parent == tmp_path / "ckpt" and checkpoint.exists()
     lines = (tmp_path / "out" / "train.jsonl").read_text().splitlines()
-    assert len(lines) == steps_done  # nothing written after the line's count: the workers are gone
+    # the count is recorded just before a step's line: a stop between the two leaves that line out
+    assert steps_done - 1 <= len(lines) <= steps_done
 
 
 def test_a_killed_rank_ends_the_run(tmp_path):
@@ -141,14 +143,14 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
-def test_sigterm_to_compare_writes_the_report_of_what_finished(tmp_path):
+def test_sigterm_to_compare_s_group_writes_the_report_of_what_finished(tmp_path):
     process = _start(tmp_path, "compare", "--backends", "torch", "--devices", "2", "--seq-lens", "64", "--mode",
                      "forward", "--ablation", "ours", "--steps", "1", "--out", "out")
     work = tmp_path / "out" / "work"
     _wait_for(lambda: any(work.glob("*-equivalence.json")) and any(work.glob("*.started")) and
               len(_tree(process.pid)) >= 2, process, "a finished job and a running launch")
     tree = _tree(process.pid)
-    process.send_signal(signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)  # the whole group, as a shell's job control sends it
     code, stderr = _end(process, tree)
     assert code == 143
     _one_line(stderr, r"twinflash: compare interrupted \(SIGTERM\); report of the (\d+) of (\d+) jobs that finished, "

@@ -308,6 +308,7 @@ def _main(argv: list[str]) -> int:
         raise BadInputError(f"`bench ring` needs {GPUS} CUDA GPUs; this machine has {found}")
     meta, rows = previous_rows(args.rows_from)
     tasks = plan_tasks(args)
+    saved = None
     with interruptible(), tempfile.TemporaryDirectory(prefix="ring-bench-") as tmp:
         try:
             for worker, parts in (("torch", ("torch", "peer")), ("jax", ("jax",))):
@@ -316,10 +317,10 @@ def _main(argv: list[str]) -> int:
                     worker_meta, worker_rows = run_worker(worker, worker_tasks, args, Path(tmp))
                     meta.update(worker_meta)
                     rows = merge_rows(rows, worker_rows)
-                    save(rows, meta, argv, args.out)  # kept if a later part is cut short
+                    saved, _ = save(rows, meta, argv, args.out)  # kept if a later part is cut short
         except Interrupted as stop:  # the workers are stopped; what finished before this part is saved
-            print(f"twinflash: bench ring interrupted ({stop.signal_name}); the parts that finished are in "
-                  f"{args.out}", file=sys.stderr)
+            print(f"twinflash: bench ring interrupted ({stop.signal_name}); "
+                  f"{f'the parts that finished are in {saved}' if saved else 'nothing written'}", file=sys.stderr)
             return stop.exit_code
     report(rows, meta, argv, args.out)
     return 0

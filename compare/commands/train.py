@@ -249,11 +249,11 @@ class StepReport:
             "peak_memory_bytes": list(peak_memory_bytes),
         }
         self.records.append(record)
+        if self.progress_path is not None:  # first: train.jsonl never has a line more than the count says
+            _record_progress(self.progress_path, step + 1)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-        if self.progress_path is not None:
-            _record_progress(self.progress_path, step + 1)
         mfu = f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
         stats = (f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | {tflops:.1f} TFLOP/s/device{mfu} | "
                  f"peak {max(peak_memory_bytes) / 2**30:.2f} GiB")
