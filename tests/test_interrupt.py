@@ -89,6 +89,42 @@ def _end(process: subprocess.Popen, tree: list[int]) -> tuple[int, str]:
     return process.returncode, stderr
 
 
+# A stand-in for torchrun: starts a process in a session of its own (as torchrun starts each rank), prints its PID.
+_SPAWNER = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(60)'], start_new_session=True); print(child.pid, flush=True); time.sleep(60)")
+
+
+def test_an_owned_process_is_stopped_with_the_processes_in_sessions_of_their_own():
+    from compare.launch import owned_process
+
+    with owned_process([sys.executable, "-c", _SPAWNER], stdout=subprocess.PIPE, text=True) as process:
+        grandchild = int(process.stdout.readline())
+        tree = _tree(process.pid)
+        assert grandchild in tree and os.getsid(grandchild) != os.getsid(process.pid)  # not in its group
+    process.stdout.close()
+    deadline = time.monotonic() + 5.0  # SIGKILL is immediate; the margin is for a loaded CI core
+    while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in tree if _alive(pid)]
+
+
+def test_an_owned_process_gets_sigterm_when_its_owner_is_killed():
+    owner = ("import sys, time; from compare.launch import owned_process\n"
+             "with owned_process([sys.executable, '-c', 'import time; time.sleep(60)']) as p:\n"
+             "    print(p.pid, flush=True); time.sleep(60)")
+    process = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True,
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    with process.stdout:
+        child = int(process.stdout.readline())
+    time.sleep(0.5)  # the start shim has exec'd the command (the death signal is asked for before the exec)
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 5.0  # the kernel sends the death signal at once; margin for a loaded CI core
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the owned process outlived its SIGKILLed owner"
+
+
 def _train(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     """A torch run over 2 gloo processes, long enough to be stopped, once it has done 2 steps: (CLI, its tree)."""
     process = _start(tmp_path, "train", "--seq-len", "64", "--steps", "2000", "--mesh", "fsdp=2", "--data", "random",
