@@ -132,15 +132,11 @@ def progress_file(scratch: Path) -> Path:
     return scratch / "progress.json"
 
 
-def owned_process(command: list[str], **popen) -> contextlib.AbstractContextManager[subprocess.Popen]:
+@contextlib.contextmanager
+def owned_process(command: list[str], **popen) -> Iterator[subprocess.Popen]:
     """`subprocess.Popen(command, **popen)` as a worker the CLI owns: in a session of its own, stopped with every
     process under it when the block ends (`stop_process_tree`), and on Linux sent SIGTERM if the CLI dies first.
     SIGINT and SIGTERM are held back while it starts, so that a signal cannot leave it started and not owned."""
-    return _owned_process(command, popen)
-
-
-@contextlib.contextmanager
-def _owned_process(command: list[str], popen: dict) -> Iterator[subprocess.Popen]:
     linux = sys.platform.startswith("linux")
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS if linux else ())  # the start lets them through
     try:
