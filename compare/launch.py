@@ -1,16 +1,28 @@
-"""Starting the processes the commands run in: torchrun with one process per device on this host, a JAX process
-with a given number of emulated host devices, the hand-off of a training run's settings to the processes it
-starts, and stopping a launch with everything it started. `twinflash train`, the compare harness and the ring
-benchmark launch through here; each keeps its own protocol with the processes (and its relaunch loop).
+"""Starting the processes the commands run in, and the one process model of every command that starts some
+(`twinflash train`, the compare harness, the benchmarks): torchrun with one process per device on this host, a JAX
+process with a given number of emulated host devices, the hand-off of a training run's settings to the processes it
+starts; each command keeps its own protocol with the processes (and its relaunch loop).
+
+The process model: the CLI owns its workers. Each launch runs in a session of its own (a Ctrl-C at the terminal
+reaches the CLI alone, which decides) and is stopped with every process under it when its block ends, however it
+ends (`owned_process`; torchrun starts each worker in a session of its own, so the tree is walked, not a process
+group killed). On Linux a launch gets SIGTERM if the CLI dies without stopping it (PR_SET_PDEATHSIG; torchrun's
+agent then stops its workers). Inside `interruptible()` the first SIGINT or SIGTERM raises `Interrupted` in the
+CLI, whose command stops its launch, says in one line what is left and exits 128 + the signal (130, 143). A worker
+that dies is named in one line by `worker_failure`, read from the launch's log, which the command keeps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from weights.settings import TrainSettings
@@ -19,6 +31,56 @@ TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker
 SETTINGS_FLAG = "--settings-json"  # `python -m compare.commands.train --settings-json FILE`: a process of our own
 TRAIN_MODULE = "compare.commands.train"
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # XLA_FLAGS entry: JAX's number of CPU devices
+PROGRESS_ENV = "TWINFLASH_PROGRESS_FILE"  # where a handed-off training run records its steps done, for the CLI
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What an owned process runs first on Linux, then exec's the command (same PID): it lets SIGINT and SIGTERM through
+# again (held back while it started) and asks for SIGTERM when the CLI dies (prctl 1: PR_SET_PDEATHSIG, kept across
+# exec), or sends it now if the CLI is already gone. Not a `preexec_fn`: that makes Python fork (not vfork) a
+# process JAX runs threads in, which JAX warns is unsafe.
+_OWNED_START = ("import ctypes, os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, "
+                "(signal.SIGINT, signal.SIGTERM)); ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0); "
+                "os.getppid() == int(sys.argv[1]) or os.kill(os.getpid(), signal.SIGTERM); "
+                "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the CLI (inside `interruptible`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal, as a shell reports a process the signal ended: 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Within the block, the first SIGINT or SIGTERM raises `Interrupted` in the main thread; later ones are
+    ignored (the command is already stopping: a second Ctrl-C must not cut its report short). The handlers are
+    restored after. Outside the main thread (where Python cannot handle signals) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def raise_once(signum, frame):
+        if not fired:
+            fired.append(signum)
+            raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, raise_once) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def torchrun_launcher(device_count: int) -> tuple[list[str], dict[str, str]]:
@@ -38,20 +100,131 @@ def host_devices_env(count: int) -> dict[str, str]:
     return env
 
 
-def hand_off(settings: TrainSettings, launcher: list[str], env: dict[str, str]) -> int:
-    """Runs `launcher + [-m compare.commands.train --settings-json FILE]` with `settings` in FILE and waits;
-    returns its exit code. The processes it starts train (`compare.commands.train.run_handed_off`)."""
-    with tempfile.TemporaryDirectory(prefix="twinflash-train-") as tmp:
-        settings_file = Path(tmp) / "settings.json"
-        settings_file.write_text(settings.to_json())
-        command = [*launcher, "-m", TRAIN_MODULE, SETTINGS_FLAG, str(settings_file)]
-        return subprocess.run(command, env=env).returncode
-
-
-def stop_process_group(process: subprocess.Popen) -> None:
-    """Kills a process started with `start_new_session=True` and everything it started, and reaps it."""
+def hand_off(settings: TrainSettings, launcher: list[str], env: dict[str, str], scratch: Path) -> int:
+    """Runs `launcher + [-m compare.commands.train --settings-json FILE]` with `settings` in FILE (in `scratch`,
+    a directory the caller removes) and waits; the processes it starts train (`compare.commands.train.
+    run_handed_off`) and record their steps done in `progress_file(scratch)`. Returns 0, or after a failure the
+    failed process's exit code (at least 1) once one line on stderr said which process died and why (or passed
+    on its own one-line error) and named the log kept with its full output. `Interrupted` propagates, the
+    processes stopped."""
+    settings_file = scratch / "settings.json"
+    settings_file.write_text(settings.to_json())
+    command = [*launcher, "-m", TRAIN_MODULE, SETTINGS_FLAG, str(settings_file)]
+    fd, log_name = tempfile.mkstemp(prefix="twinflash-train-", suffix=".log")
+    log = Path(log_name)
+    keep_log = False
     try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        with os.fdopen(fd, "w") as out, owned_process(command, env=env | {PROGRESS_ENV: str(progress_file(scratch))},
+                                                      stderr=out) as process:
+            process.wait()
+        if process.returncode == 0:
+            return 0
+        message, code, own = worker_failure(log.read_text(errors="replace"), process.returncode)
+        keep_log = not own
+        print(f"twinflash: {message}" if own else f"twinflash: {message}; full log: {log}", file=sys.stderr)
+        return code
+    finally:
+        if not keep_log:
+            log.unlink(missing_ok=True)
+
+
+def progress_file(scratch: Path) -> Path:
+    return scratch / "progress.json"
+
+
+@contextlib.contextmanager
+def owned_process(command: list[str], **popen) -> Iterator[subprocess.Popen]:
+    """`subprocess.Popen(command, **popen)` as a worker the CLI owns: in a session of its own, stopped with every
+    process under it when the block ends (`stop_process_tree`), and on Linux sent SIGTERM if the CLI dies first.
+    SIGINT and SIGTERM are held back while it starts, so that a signal cannot leave it started and not owned."""
+    linux = sys.platform.startswith("linux")
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS if linux else ())  # the start lets them through
+    try:
+        process = subprocess.Popen([sys.executable, "-c", _OWNED_START, str(os.getpid()), *command] if linux
+                                   else command, start_new_session=True, **popen)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a signal held back is handled here, inside the `try`
+        yield process
+    finally:
+        stop_process_tree(process)
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        parent = int(stat.rpartition(")")[2].split()[1])  # after the command name, which may hold spaces
+        children.setdefault(parent, []).append(int(entry.name))
+    return children
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process under it (Linux: from /proc; elsewhere just `root`)."""
+    if not Path("/proc/self/stat").exists():
+        return [root]
+    children, tree = _children_by_parent(), [root]
+    for pid in tree:
+        tree.extend(children.get(pid, ()))
+    return tree
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)
+
+
+def stop_process_tree(process: subprocess.Popen) -> None:
+    """Kills a process started by `owned_process` and every process under it, and reaps it. The tree is frozen
+    first (SIGSTOP, walked again until no new process appears: a stopped process starts none), then killed, so
+    that no process is re-parented away from the walk before it is found."""
+    if process.poll() is None:
+        frozen: list[int] = []
+        while fresh := [pid for pid in process_tree(process.pid) if pid not in frozen]:
+            for pid in fresh:
+                _signal(pid, signal.SIGSTOP)
+            frozen += fresh
+        for pid in frozen:
+            _signal(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)  # what is left in its session's group (it may have ended itself)
     process.wait()
+
+
+def failure_reason(log_tail: str) -> str | None:
+    """The last exception line of a worker's log (a rank's own error, not torchrun's summary of it)."""
+    lines = [line.partition("]: ")[2] if line.startswith("[rank") else line for line in log_tail.splitlines()]
+    errors = [line.strip() for line in lines
+              if re.match(r"\s*[\w.]*(Error|Exception|RESOURCE_EXHAUSTED)\b", line) and "ChildFailedError" not in line]
+    if errors:
+        return errors[-1][:500]
+    if re.search(r"exitcode\s*:\s*-9\b", log_tail):
+        return "a worker was killed by SIGKILL (the host out of memory?)"
+    return None
+
+
+def _exit_description(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def worker_failure(log: str, launch_code: int) -> tuple[str, int, bool]:
+    """(one line saying which process of a failed launch died and why, the exit code the command returns, whether
+    the line is a rank's own) from the launch's log and exit code. torchrun's summary names the first rank that failed and its exit code; a
+    rank's own one-line error (`twinflash: ...`, the CLI's contract) is passed on as it is, with its exit code."""
+    root_cause = log.rpartition("Root Cause")[2]
+    rank = re.search(r"^\s*rank\s*:\s*(\d+)", root_cause, re.MULTILINE)
+    rank_code = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", root_cause, re.MULTILINE)
+    code = int(rank_code[1]) if rank and rank_code else launch_code
+    own = [line.strip() for line in log.splitlines() if line.startswith("twinflash: ")]
+    if own:
+        return own[-1].removeprefix("twinflash: "), code if code > 0 else 1, True
+    who = f"rank {rank[1]}" if rank and rank_code else "the worker process"
+    why = _exit_description(code) if code < 0 else failure_reason(log) or _exit_description(code)
+    return f"{who} died ({why})", code if code > 0 else 1, False

@@ -45,6 +45,7 @@ from pathlib import Path
 from compare.args import OneLineParser, ints, lengths, recorded_command, with_error_contract
 from compare.bench import common
 from compare.bench.common import check_parts_and_heads, previous_rows, write_json
+from compare.launch import Interrupted, interruptible, owned_process
 from weights import BadInputError
 from weights.flops import attention_flops
 
@@ -309,7 +310,7 @@ def run_part(part: str, args) -> tuple[dict, list[dict]]:
     command = [sys.executable, "-m", "compare.bench.kernel_bench", "--part", part, *_child_args(args)]
     print(f"[kernel bench] {part}: {shlex.join(command)}", file=sys.stderr, flush=True)
     meta, rows = {}, []
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as proc:
+    with owned_process(command, env=env, stdout=subprocess.PIPE, text=True) as proc, proc.stdout:
         watchdog = threading.Timer(args.part_timeout_s, proc.kill)
         watchdog.start()
         try:
@@ -321,6 +322,7 @@ def run_part(part: str, args) -> tuple[dict, list[dict]]:
                 if "row" in record:
                     rows.append(dict(record["row"], part=part))
                     print(f"[kernel bench] {_progress(rows[-1])}", file=sys.stderr, flush=True)
+            proc.wait()  # its end, not the end of its output, before the block stops what is left
         finally:
             watchdog.cancel()
     if proc.returncode:
@@ -429,10 +431,15 @@ def _main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         raise BadInputError(NO_CUDA)
     meta, rows = previous_rows(args.rows_from)
-    for part in args.parts:
-        part_meta, part_rows = run_part(part, args)
-        meta.update(part_meta)
-        rows += part_rows
+    with interruptible():
+        try:
+            for part in args.parts:
+                part_meta, part_rows = run_part(part, args)
+                meta.update(part_meta)
+                rows += part_rows
+        except Interrupted as stop:  # the part's process is stopped; nothing is written
+            print(f"twinflash: bench kernels interrupted ({stop.signal_name}); nothing written", file=sys.stderr)
+            return stop.exit_code
     report(rows, meta, argv, args.out)
     return 0
 

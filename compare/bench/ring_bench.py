@@ -34,7 +34,7 @@ from pathlib import Path
 from compare.args import OneLineParser, ints, lengths, recorded_command, with_error_contract
 from compare.bench import common
 from compare.bench.common import check_parts_and_heads, previous_rows, write_json
-from compare.launch import stop_process_group, torchrun_launcher
+from compare.launch import Interrupted, interruptible, owned_process, torchrun_launcher
 from weights import BadInputError
 from weights.attention import VARIANTS
 from weights.layout import check_split
@@ -155,13 +155,11 @@ def run_worker(worker: str, tasks: list[dict], args, workdir: Path) -> tuple[dic
         command, env = _worker_command(worker, plan_path)
         log_path = workdir / f"{worker}-{launch}.log"
         print(f"[ring bench] {worker}: {len(remaining)} tasks: {shlex.join(command)} (log {log_path})", flush=True)
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(log_path, "w") as log, owned_process(command, env=env, stdout=log, stderr=log) as proc:
             try:
                 proc.wait(timeout=args.launch_timeout_s)
                 failure = f"worker exited with {proc.returncode}" if proc.returncode else None
             except subprocess.TimeoutExpired:
-                stop_process_group(proc)
                 failure = f"worker timed out after {args.launch_timeout_s:.0f}s"
         launch_meta, launch_rows, started = read_rows_file(rows_path)
         meta.update(launch_meta)
@@ -310,14 +308,20 @@ def _main(argv: list[str]) -> int:
         raise BadInputError(f"`bench ring` needs {GPUS} CUDA GPUs; this machine has {found}")
     meta, rows = previous_rows(args.rows_from)
     tasks = plan_tasks(args)
-    with tempfile.TemporaryDirectory(prefix="ring-bench-") as tmp:
-        for worker, parts in (("torch", ("torch", "peer")), ("jax", ("jax",))):
-            worker_tasks = [t for part in parts for t in tasks.get(part, [])]
-            if worker_tasks:
-                worker_meta, worker_rows = run_worker(worker, worker_tasks, args, Path(tmp))
-                meta.update(worker_meta)
-                rows = merge_rows(rows, worker_rows)
-                save(rows, meta, argv, args.out)  # kept if a later part is cut short
+    saved = None
+    with interruptible(), tempfile.TemporaryDirectory(prefix="ring-bench-") as tmp:
+        try:
+            for worker, parts in (("torch", ("torch", "peer")), ("jax", ("jax",))):
+                worker_tasks = [t for part in parts for t in tasks.get(part, [])]
+                if worker_tasks:
+                    worker_meta, worker_rows = run_worker(worker, worker_tasks, args, Path(tmp))
+                    meta.update(worker_meta)
+                    rows = merge_rows(rows, worker_rows)
+                    saved, _ = save(rows, meta, argv, args.out)  # kept if a later part is cut short
+        except Interrupted as stop:  # the workers are stopped; what finished before this part is saved
+            print(f"twinflash: bench ring interrupted ({stop.signal_name}); "
+                  f"{f'the parts that finished are in {saved}' if saved else 'nothing written'}", file=sys.stderr)
+            return stop.exit_code
     report(rows, meta, argv, args.out)
     return 0
 

@@ -28,6 +28,10 @@ backward, halved by the mask). MFU = model FLOPs per second / (`weights.flops.PE
 Bad input (mesh not matching the device count, a sequence length the layout cannot take, a batch the fsdp axis
 cannot split, an incompatible checkpoint, outputs that exist) is refused before any process starts: one line,
 exit 2, nothing written.
+
+Interruption (`compare/launch.py`'s process model): SIGINT or SIGTERM to this command stops every process of the
+run and prints `twinflash: interrupted at step N; last checkpoint: PATH` (N: the steps done, PATH: the newest
+checkpoint in --ckpt-dir, or none), exit 130 / 143. A worker that dies ends the run with one line naming it.
 """
 
 from __future__ import annotations
@@ -37,13 +41,15 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from compare.args import SEED_MAX, OneLineParser, integer, number, with_error_contract
-from compare.launch import SETTINGS_FLAG, TORCHRUN_ENV, hand_off, host_devices_env, torchrun_launcher
+from compare.launch import (PROGRESS_ENV, SETTINGS_FLAG, TORCHRUN_ENV, Interrupted, hand_off, host_devices_env,
+                            interruptible, progress_file, torchrun_launcher)
 from weights import PRESETS, BadInputError, LlamaConfig, open_weights
 from weights.atomic import check_output_dir, write_text_atomically
 from weights.data import random_batches, text_batches
@@ -186,8 +192,10 @@ def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool
 class StepReport:
     """`on_step` of the run: computes throughput and MFU, appends OUT/train.jsonl, drives the progress display."""
 
-    def __init__(self, settings: TrainSettings, config: LlamaConfig, start_step: int, on_gpu: bool):
+    def __init__(self, settings: TrainSettings, config: LlamaConfig, start_step: int, on_gpu: bool,
+                 progress: Path | None = None):
         self.settings = settings
+        self.progress_path = progress  # the steps done, for the CLI's line if the run is interrupted
         self.devices = settings.mesh.size
         self.step_flops = settings.batch * settings.seq_len * model_flops_per_token(config, settings.seq_len)
         self.on_gpu = on_gpu
@@ -249,6 +257,8 @@ class StepReport:
             "peak_memory_bytes": list(peak_memory_bytes),
         }
         self.records.append(record)
+        if self.progress_path is not None:  # first: train.jsonl never has a line more than the count says
+            _record_progress(self.progress_path, step + 1)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
@@ -256,6 +266,10 @@ class StepReport:
         stats = (f"loss {loss:.4f} | {record['tokens_per_s']:,.0f} tok/s | {tflops:.1f} TFLOP/s/device{mfu} | "
                  f"peak {max(peak_memory_bytes) / 2**30:.2f} GiB")
         self.progress.update(self.task, completed=step + 1, stats=stats)
+
+
+def _record_progress(path: Path, steps_done: int) -> None:
+    write_text_atomically(path, json.dumps({"steps_done": steps_done}))
 
 
 def _drop_lines_from(path: Path, step: int) -> None:
@@ -279,19 +293,21 @@ def _run_torch_worker(settings: TrainSettings) -> int:
     if not rank0:
         run_training(settings, batches)
         return 0
-    with StepReport(settings, config, start, on_gpu=torch.cuda.is_available()) as report:
+    progress = Path(os.environ[PROGRESS_ENV]) if PROGRESS_ENV in os.environ else None
+    with StepReport(settings, config, start, on_gpu=torch.cuda.is_available(), progress=progress) as report:
         run_training(settings, batches, report, report.profile)
     return 0
 
 
-def _launch_torchrun(settings: TrainSettings, device_count: int) -> int:
-    """Starts one worker per device with torchrun on this host and waits for them; returns torchrun's exit code."""
-    check_run(settings, device_count)
-    return hand_off(settings, *torchrun_launcher(device_count))
+def _launch_torchrun(settings: TrainSettings, device_count: int, scratch: Path) -> int:
+    """Starts one worker per device with torchrun on this host and waits for them (`hand_off`)."""
+    _, _, start = check_run(settings, device_count)
+    _record_progress(progress_file(scratch), start)
+    return hand_off(settings, *torchrun_launcher(device_count), scratch)
 
 
-def _run_jax_here(settings: TrainSettings) -> int:
-    """A JAX run in this process, over all of JAX's devices."""
+def _run_jax_here(settings: TrainSettings, progress: Path | None = None) -> int:
+    """A JAX run in this process, over all of JAX's devices; its steps done recorded in `progress`."""
     import jax
 
     from jax_impl.train import run_training, step_memory_plan
@@ -305,26 +321,33 @@ def _run_jax_here(settings: TrainSettings) -> int:
                   f"{name} {size / 2**30:.2f} GiB" for name, size in plan.items()))
         return 0
     config, batches, start = check_run(settings, jax.device_count())
-    with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu") as report:
+    if progress is not None:
+        _record_progress(progress, start)
+    with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu", progress=progress) as report:
         run_training(settings, batches, report, on_profile=report.profile)
     return 0
 
 
-def _run_jax(settings: TrainSettings) -> int:
+def _run_jax(settings: TrainSettings, scratch: Path) -> int:
     """A JAX run over the mesh's devices: here, or on CPU when JAX here has another number of devices, in a child
     process with that many emulated host devices (JAX fixes its CPU device count when it first starts)."""
     import jax
 
     if jax.default_backend() == "cpu" and jax.device_count() != settings.mesh.size:
         # bad input refused here, before the child starts
-        (check_shape if settings.plan_memory else check_run)(settings, settings.mesh.size)
-        return hand_off(settings, [sys.executable], host_devices_env(settings.mesh.size))
-    return _run_jax_here(settings)
+        if settings.plan_memory:
+            check_shape(settings, settings.mesh.size)
+        else:
+            _record_progress(progress_file(scratch), check_run(settings, settings.mesh.size)[2])
+        return hand_off(settings, [sys.executable], host_devices_env(settings.mesh.size), scratch)
+    return _run_jax_here(settings, progress_file(scratch))
 
 
 def run_handed_off(settings: TrainSettings) -> int:
     """A process `compare.launch.hand_off` started: a torchrun worker, or the JAX child with the mesh's host devices."""
-    return _run_torch_worker(settings) if settings.backend == "torch" else _run_jax_here(settings)
+    if settings.backend == "torch":
+        return _run_torch_worker(settings)
+    return _run_jax_here(settings, Path(os.environ[PROGRESS_ENV]) if PROGRESS_ENV in os.environ else None)
 
 
 def _device_count() -> int | None:
@@ -334,17 +357,41 @@ def _device_count() -> int | None:
     return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
-def run_command(args: argparse.Namespace) -> int:
-    """`twinflash train` after argument parsing; raises BadInputError for bad input."""
-    if args.backend == "jax":
-        import jax
+def _interrupted(stop: Interrupted, settings: TrainSettings | None, scratch: Path) -> int:
+    """The one line of an interrupted run (its processes already stopped), and its exit code."""
+    if sys.stdout.isatty():  # a worker's live display, killed mid-frame, leaves the cursor hidden on its line
+        print("\x1b[?25h", flush=True)
+    progress = progress_file(scratch)
+    if settings is None or not progress.exists():
+        print(f"twinflash: interrupted ({stop.signal_name}) before training started", file=sys.stderr)
+        return stop.exit_code
+    steps_done = json.loads(progress.read_text())["steps_done"]
+    checkpoint = None
+    if settings.ckpt_dir is not None:
+        checkpoint = importlib.import_module(f"{settings.backend}_impl.checkpointing").latest_checkpoint(
+            settings.ckpt_dir)
+    print(f"twinflash: interrupted at step {steps_done}; last checkpoint: {checkpoint or 'none'}", file=sys.stderr)
+    return stop.exit_code
 
-        return _run_jax(settings_from_args(args, jax.device_count()))
-    if TORCHRUN_ENV in os.environ:
+
+def run_command(args: argparse.Namespace) -> int:
+    """`twinflash train` after argument parsing; raises BadInputError for bad input. Interruptible (the module's
+    docstring), except in a worker torchrun started by hand."""
+    if TORCHRUN_ENV in os.environ and args.backend == "torch":
         return _run_torch_worker(settings_from_args(args, int(os.environ["WORLD_SIZE"])))
-    gpus = _device_count()
-    settings = settings_from_args(args, gpus or 1)
-    return _launch_torchrun(settings, gpus or settings.mesh.size)
+    settings = None
+    with interruptible(), tempfile.TemporaryDirectory(prefix="twinflash-train-") as scratch:
+        try:
+            if args.backend == "jax":
+                import jax
+
+                settings = settings_from_args(args, jax.device_count())
+                return _run_jax(settings, Path(scratch))
+            gpus = _device_count()
+            settings = settings_from_args(args, gpus or 1)
+            return _launch_torchrun(settings, gpus or settings.mesh.size, Path(scratch))
+        except Interrupted as stop:
+            return _interrupted(stop, settings, Path(scratch))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,9 @@ Benchmark numbers, per backend x context length x device count (batch 1, the seq
                transfers, XLA collectives); comm bytes from `weights.parallel.step_comm_bytes`
   tokens/s     seq_len / step_s; TFLOP/s per device and MFU from `weights.flops` (formula in the report)
   scaling efficiency   step_s(1 device) / (devices * step_s(devices)), the same sequence on both
-Exit code: 0 when the equivalence section passes, 1 when it fails, 2 for bad input.
+Exit code: 0 when the equivalence section passes, 1 when it fails, 2 for bad input, 130 / 143 when interrupted by
+SIGINT / SIGTERM: the workers are stopped and the report of the jobs that finished is written, the rest marked
+"interrupted" (one line names it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from compare.harness import jobs as J
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.harness.launches import run_jobs
 from compare.harness.plan import check_model, gpu_count, order_for_launches, plan_jobs, plan_settings
+from compare.launch import Interrupted, interruptible
 from compare.report.data import add_scaling, benchmark_point, report_dict
 from compare.report.write import load_peers, write_report
 from weights import PRESETS, open_weights
@@ -100,6 +104,24 @@ def _summary_table(report: dict):
 
 def run_command(args: argparse.Namespace, argv: list[str]) -> int:
     """`twinflash compare` after argument parsing; raises BadInputError for bad input."""
+    with interruptible():
+        try:
+            return _run(args, argv)
+        except Interrupted as stop:  # outside the jobs' run (before it, or while the report was being written)
+            print(f"twinflash: compare interrupted ({stop.signal_name}) outside its jobs' run; no report written",
+                  file=sys.stderr)
+            return stop.exit_code
+
+
+def _record_interrupted(jobs: list[J.Job], work_dir: Path, stop: Interrupted) -> int:
+    """Marks the jobs without a result "interrupted"; returns how many."""
+    left = [job for job in jobs if J.read_result(work_dir, job.id) is None]
+    for job in left:
+        J.write_result(work_dir, job, {"status": "interrupted", "message": f"not finished: {stop.signal_name}"})
+    return len(left)
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -125,8 +147,12 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
         timing = f", step {result['step_s']:.3f} s" if result.get("step_s") else ""
         progress.console.print(f"{job.id}: {result['status']}{timing} {(result.get('message') or '')[:160]}")
 
+    interrupted, left = None, 0
     with progress:
-        run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline)
+        try:
+            run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline)
+        except Interrupted as stop:  # the launch is stopped; the report shows what finished
+            interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
 
     config = open_weights(settings["model"]).config
     results = {job.id: J.read_result(work_dir, job.id) for job in jobs}
@@ -170,6 +196,10 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
                           f"{' ...' if len(bad) > 8 else ''}[/]")
     for failure in equivalence.get("failures", []):
         console.print(f"  [red]{failure[:300]}[/]")
+    if interrupted is not None:
+        print(f"twinflash: compare interrupted ({interrupted.signal_name}); report of the {len(jobs) - left} of "
+              f"{len(jobs)} jobs that finished, the rest marked interrupted: {out / 'report.md'}", file=sys.stderr)
+        return interrupted.exit_code
     return EXIT_OK if report["passed"] else EXIT_CHECK_FAILED
 
 

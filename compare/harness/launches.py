@@ -1,21 +1,21 @@
 """Running the planned jobs of `twinflash compare`: the backend workers' launches (`worker_torch.py` under torchrun,
 one process per device; `worker_jax.py`, one process per job over all local devices, on CPU with that many emulated
 host devices), the relaunch loop after a failed launch (the job that was running is recorded as OOM, error or
-timeout from the log and the rest runs in a new launch), and the time limit.
+timeout from the log and the rest runs in a new launch), and the time limit. Launches are `compare.launch`'s owned
+processes: an `Interrupted` propagates with the launch stopped, and the command records the jobs left.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from compare.harness import jobs as J
-from compare.launch import host_devices_env, stop_process_group, torchrun_launcher
+from compare.launch import failure_reason, host_devices_env, owned_process, stop_process_tree, torchrun_launcher
+
 
 def _launcher(backend: str, devices: int, platform: str) -> tuple[list[str], dict[str, str]]:
     if backend == "torch":
@@ -23,18 +23,6 @@ def _launcher(backend: str, devices: int, platform: str) -> tuple[list[str], dic
         return [*launcher, "-m", "compare.harness.worker_torch"], env | {"PYTHONUNBUFFERED": "1"}
     env = host_devices_env(devices) if platform == "cpu" else dict(os.environ)
     return [sys.executable, "-m", "compare.harness.worker_jax"], env | {"PYTHONUNBUFFERED": "1"}
-
-
-def _failure_reason(log_tail: str) -> str | None:
-    """The last exception line of a worker's log (a rank's own error, not torchrun's summary of it)."""
-    lines = [line.partition("]: ")[2] if line.startswith("[rank") else line for line in log_tail.splitlines()]
-    errors = [line.strip() for line in lines
-              if re.match(r"\s*[\w.]*(Error|Exception|RESOURCE_EXHAUSTED)\b", line) and "ChildFailedError" not in line]
-    if errors:
-        return errors[-1][:500]
-    if re.search(r"exitcode\s*:\s*-9\b", log_tail):
-        return "a worker was killed by SIGKILL (the host out of memory?)"
-    return None
 
 
 def _record_not_run(jobs: list[J.Job], work_dir: Path, on_done) -> None:
@@ -57,9 +45,8 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
         job_file = work_dir / f"jobs-{remaining[0].id}.json"
         J.write_job_file(job_file, remaining, work_dir)
         offset = log.stat().st_size if log.exists() else 0
-        with open(log, "a") as out:
-            process = subprocess.Popen([*command, str(job_file)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
+        with open(log, "a") as out, owned_process([*command, str(job_file)], stdout=out, stderr=out,
+                                                  env=env) as process:
             timed_out, last = False, time.monotonic()
             while process.poll() is None:
                 time.sleep(0.2)
@@ -70,7 +57,7 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
                     last = time.monotonic()
                 if time.monotonic() - last > timeout_s or time.monotonic() > deadline:
                     timed_out = True
-                    stop_process_group(process)
+                    stop_process_tree(process)
         for job in [j for j in remaining if J.read_result(work_dir, j.id) is not None]:
             on_done(job)
             remaining.remove(job)
@@ -83,7 +70,7 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
         failed = running[:1] if running else list(remaining)
         status = "timeout" if timed_out else ("oom" if J.is_out_of_memory(tail) else "error")
         silent = "stopped at --time-limit-s" if time.monotonic() > deadline else f"no progress for {timeout_s:.0f} s"
-        message = (silent if timed_out else _failure_reason(tail) or
+        message = (silent if timed_out else failure_reason(tail) or
                    f"worker exited with code {process.returncode}") + f" (log: work/logs/{log.name})"
         for job in failed:
             J.write_result(work_dir, job, {"status": status, "message": message})

@@ -9,7 +9,8 @@ import math
 from typing import Any
 
 ATTENTIONS = ("ours", "vendor", "reference")
-STATUS_LABELS = {"oom": "OOM", "error": "ERROR", "timeout": "TIMEOUT", "unsupported": "UNSUPPORTED"}
+STATUS_LABELS = {"oom": "OOM", "error": "ERROR", "timeout": "TIMEOUT", "unsupported": "UNSUPPORTED",
+                 "interrupted": "INTERRUPTED"}
 
 
 def finite(value: Any) -> bool:
