@@ -129,8 +129,9 @@ def train(backend: str, settings: TrainSettings, batches: np.ndarray, monkeypatc
 
 
 def train_settings(backend: str, model, **fields) -> TrainSettings:
-    return TrainSettings(backend=backend, model=str(model), seq_len=SEQ_LEN, steps=STEPS, mesh=MeshShape(),
-                         batch=BATCH, attention_backend="reference", **fields)
+    fields = {"seq_len": SEQ_LEN, "steps": STEPS, "mesh": MeshShape(), "batch": BATCH,
+              "attention_backend": "reference", **fields}
+    return TrainSettings(backend=backend, model=str(model), **fields)
 
 
 CHECKPOINTING = {"torch": torch_checkpointing, "jax": jax_checkpointing}
