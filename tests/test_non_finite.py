@@ -25,6 +25,7 @@ from torch_impl import checkpointing as torch_checkpointing
 from torch_impl.attention import reference_attention as torch_reference_attention
 from torch_impl.train import run_training as torch_run_training
 from weights import RandomWeights, preset, write_converted_checkpoint
+from weights.checkpoint_integrity import checkpoint_problem
 from weights.parallel import MeshShape
 from weights.settings import TrainSettings
 from weights.training import NonFiniteStepError
@@ -147,8 +148,9 @@ def test_a_non_finite_step_stops_the_run_and_is_not_saved(backend, poisoned, tmp
     assert str(stopped.value) == (
         f"step {BAD_STEP}: non-finite loss nan / grad norm nan; training stopped, the step not saved (last "
         f"checkpoint: {last_good}); rerun with --skip-non-finite-steps to skip such steps")
-    names = [p.name for p in checkpointing.completed_checkpoints(tmp_path / "ckpt")]
-    assert names == [checkpointing.step_dir_name(s) for s in range(1, BAD_STEP + 1)]
+    kept = checkpointing.completed_checkpoints(tmp_path / "ckpt")
+    assert [p.name for p in kept] == [checkpointing.step_dir_name(s) for s in range(1, BAD_STEP + 1)]
+    assert [checkpoint_problem(p) for p in kept] == [None] * BAD_STEP  # sealed: a resume may read them
     # negative control: the same weights on batches without the poisoned token train to the end
     clean = train(backend, train_settings(backend, poisoned), _batches(with_poison=False), monkeypatch)
     assert [r["step"] for r in clean] == list(range(STEPS)) and all(math.isfinite(r["loss"]) for r in clean)
