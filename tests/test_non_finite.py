@@ -103,7 +103,8 @@ def poisoned(tmp_path_factory):
     return _tiny_checkpoint(tmp_path_factory.mktemp("poisoned") / "tiny", {"tok_embeddings.weight": (POISON, 0)})
 
 
-def _batches(with_poison: bool) -> np.ndarray:
+def token_batches(with_poison: bool) -> np.ndarray:
+    """[STEPS, BATCH, SEQ_LEN] tokens below POISON; `with_poison`: batch BAD_STEP holds one POISON."""
     batches = np.random.default_rng(0).integers(0, POISON, (STEPS, BATCH, SEQ_LEN))
     if with_poison:
         batches[BAD_STEP, 0, 5] = POISON
@@ -143,7 +144,7 @@ def test_a_non_finite_step_stops_the_run_and_is_not_saved(backend, poisoned, tmp
     checkpointing = CHECKPOINTING[backend]
     settings = train_settings(backend, poisoned, ckpt_dir=tmp_path / "ckpt", ckpt_every=1, keep=10)
     with pytest.raises(NonFiniteStepError) as stopped:
-        train(backend, settings, _batches(with_poison=True), monkeypatch)
+        train(backend, settings, token_batches(with_poison=True), monkeypatch)
     last_good = tmp_path / "ckpt" / checkpointing.step_dir_name(BAD_STEP)
     assert str(stopped.value) == (
         f"step {BAD_STEP}: non-finite loss nan / grad norm nan; training stopped, the step not saved (last "
@@ -152,14 +153,14 @@ def test_a_non_finite_step_stops_the_run_and_is_not_saved(backend, poisoned, tmp
     assert [p.name for p in kept] == [checkpointing.step_dir_name(s) for s in range(1, BAD_STEP + 1)]
     assert [checkpoint_problem(p) for p in kept] == [None] * BAD_STEP  # sealed: a resume may read them
     # negative control: the same weights on batches without the poisoned token train to the end
-    clean = train(backend, train_settings(backend, poisoned), _batches(with_poison=False), monkeypatch)
+    clean = train(backend, train_settings(backend, poisoned), token_batches(with_poison=False), monkeypatch)
     assert [r["step"] for r in clean] == list(range(STEPS)) and all(math.isfinite(r["loss"]) for r in clean)
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_skip_non_finite_steps_leaves_the_weights_as_they_were(backend, poisoned, monkeypatch, capfd):
     records = train(backend, train_settings(backend, poisoned, skip_non_finite_steps=True),
-                    _batches(with_poison=True), monkeypatch)
+                    token_batches(with_poison=True), monkeypatch)
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == list(range(STEPS))
     # the bad step's NaN gradients were not applied: the next step's loss is finite again (applied, they would

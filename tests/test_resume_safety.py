@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
-from test_non_finite import CHECKPOINTING, STEPS, _batches, train, train_settings
+from test_non_finite import CHECKPOINTING, STEPS, token_batches, train, train_settings
 from weights import CheckpointError, preset
 from weights.checkpoint_integrity import MANIFEST, SET_ASIDE_PREFIX, checkpoint_problem
 from weights.training import checkpoint_to_resume, run_metadata
@@ -37,7 +37,7 @@ def saved(tmp_path_factory):
 
 def _trained(backend, ckpt_dir, monkeypatch):
     settings = train_settings(backend, "tiny", ckpt_dir=ckpt_dir, ckpt_every=1, keep=10)
-    train(backend, settings, _batches(with_poison=False), monkeypatch)
+    train(backend, settings, token_batches(with_poison=False), monkeypatch)
     return ckpt_dir
 
 
@@ -147,7 +147,7 @@ def test_the_resumed_run_sets_the_damaged_checkpoint_aside_and_saves_again(backe
     newest = checkpointing.completed_checkpoints(ckpt)[-1]
     _scribble(_largest_file(newest))
     settings = train_settings(backend, "tiny", ckpt_dir=ckpt, ckpt_every=1, keep=10, resume=True)
-    records = train(backend, settings, _batches(with_poison=False), monkeypatch)
+    records = train(backend, settings, token_batches(with_poison=False), monkeypatch)
     assert [r["step"] for r in records] == [STEPS - 1] and math.isfinite(records[0]["loss"])
     assert (ckpt / f"{SET_ASIDE_PREFIX}{newest.name}").is_dir()
     assert [checkpoint_problem(p) for p in checkpointing.completed_checkpoints(ckpt)] == [None] * STEPS
