@@ -9,6 +9,10 @@ two items:
                  (LlamaConfig), "mesh", "data" (what fixes the batch stream: kind, seed, batch, seq_len, steps)}.
                  There is no RNG state: nothing in training draws random numbers (no dropout, data order fixed).
 
+A finalized step is sealed with twinflash-manifest.json (the size and SHA-256 of every file in it,
+`weights.checkpoint_integrity`) once orbax has finished writing it: before the next save starts and when the
+manager closes (`close_manager`); a resume verifies it and passes over an incomplete or corrupt checkpoint.
+
 Atomicity is orbax's: a step is written into CKPT_DIR/step_XXXXXXXX.orbax-checkpoint-tmp/ and renamed into place
 only when every item is complete; temporary directories are never listed as steps, so a crash mid-save leaves the
 latest complete checkpoint the one a resume reads (the resumed run's manager removes the leftovers). Saving is
@@ -30,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from weights import CheckpointError, ConvertedCheckpoint, LlamaConfig, RandomWeights
+from weights.checkpoint_integrity import read_manifest, write_manifest
 from weights.training import export_trained_tensors
 
 # step_XXXXXXXX directories; orbax's finder lists finalized steps only (never its temporary directories).
@@ -42,7 +47,7 @@ def step_dir_name(step: int) -> str:
 
 def open_manager(ckpt_dir: Path, keep: int) -> ocp.CheckpointManager:
     """The run's checkpoint manager (creates `ckpt_dir`, removes temporary directories a crash left behind); it
-    keeps the last `keep` steps. Close it at the end (waits for a save in flight)."""
+    keeps the last `keep` steps. Close it at the end with `close_manager`."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, step_name_format=STEP_NAMES, create=True,
                                            cleanup_tmp_directories=True)
     return ocp.CheckpointManager(Path(ckpt_dir).absolute(), options=options, item_names=("state", "meta"))
@@ -70,8 +75,26 @@ def read_metadata(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a readable jax training checkpoint: {bad}") from None
 
 
+def _seal_finished(manager: ocp.CheckpointManager) -> None:
+    """Waits for a save in flight, then writes the manifest of every finalized step that lacks one."""
+    manager.wait_until_finished()
+    for path in completed_checkpoints(Path(str(manager.directory))):
+        if read_manifest(path) is None:
+            write_manifest(path, read_metadata(path))
+
+
+def close_manager(manager: ocp.CheckpointManager) -> None:
+    """Seals the last save (waiting for it; raises if it failed) and closes `manager`."""
+    try:
+        _seal_finished(manager)
+    finally:
+        manager.close()
+
+
 def save_checkpoint(manager: ocp.CheckpointManager, step: int, state: dict, meta: dict[str, Any]) -> None:
-    """Starts saving `state` as step `step` (asynchronous; see the module docstring)."""
+    """Starts saving `state` as step `step` (asynchronous; see the module docstring), after sealing the previous
+    one (orbax waits for it before a new save anyway)."""
+    _seal_finished(manager)
     manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         meta=ocp.args.JsonSave({**meta, "step": step, "data_position": step})), force=True)

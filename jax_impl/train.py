@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -65,9 +66,10 @@ from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
+from weights.checkpoint_integrity import set_aside
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
-                              checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens, host_peak_rss_bytes,
-                              run_metadata, valid_target_count)
+                              check_step_finite, checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens,
+                              host_peak_rss_bytes, run_metadata, valid_target_count)
 
 State = dict[str, dict]
 StepCallback = Callable[..., None]
@@ -128,6 +130,8 @@ class StepSpec:
     # False: the whole compute-dtype model is gathered before the first layer even with checkpointing, the
     # structure before issue 19 (tests/test_train_memory.py's negative control); see `next_token_loss`
     gather_per_layer: bool = True
+    # a step whose loss or grad norm is not finite returns the state it was given (--skip-non-finite-steps)
+    skip_non_finite: bool = False
 
 
 def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: jax.Array, positions: jax.Array,
@@ -199,6 +203,10 @@ def train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: j
     loss, grads = jax.value_and_grad(next_token_loss)(state["model"], tokens, targets, positions, spec)
     grads, grad_norm = clip_gradients(grads, spec.optimizer.grad_clip_norm)
     params, optimizer = adamw_update(state["model"], grads, state["optimizer"], coefficients, spec.optimizer)
+    if spec.skip_non_finite:
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, optimizer = jax.tree.map(lambda new, old: jnp.where(finite, new, old), (params, optimizer),
+                                         (state["model"], state["optimizer"]))
     shardings = parameter_shardings(spec.mesh, parameter_shapes(spec.config))
     keep = functools.partial(jax.tree.map, jax.lax.with_sharding_constraint)
     return {"model": keep(params, shardings),
@@ -255,7 +263,7 @@ def _step_spec(settings, config: LlamaConfig, mesh: Mesh) -> StepSpec:
     return StepSpec(config=config, mesh=mesh, dtype=settings.dtype, remat=settings.activation_checkpointing,
                     attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
                     loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
-                    optimizer=settings.optimizer)
+                    optimizer=settings.optimizer, skip_non_finite=settings.skip_non_finite_steps)
 
 
 def step_memory_plan(settings: TrainSettings, devices: Sequence[jax.Device] | None = None) -> dict[str, int]:
@@ -299,6 +307,10 @@ def _plan_compiler_options(mesh: Mesh) -> dict[str, str]:
     return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
+def _print_to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
                  devices: Sequence[jax.Device] | None = None, on_profile: Callable[[dict], None] | None = None
                  ) -> State:
@@ -308,12 +320,16 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
     peak_memory_bytes=[per device])` after every step. Resumes from the latest checkpoint with `settings.resume`,
     saves every `settings.ckpt_every` steps and at the end of the run, exports the final weights to
     `settings.export_paths` when set. Returns the final training state. Bad input (mesh, batch shape, checkpoint)
-    raises BadInputError before anything is computed or written. With `settings.profile`, traces the last steps
-    (`weights.profiling.profiled_steps`) and calls `on_profile(breakdown)` at the end (`jax_impl/profiling.py`)."""
+    raises BadInputError before anything is computed or written. A step with a non-finite loss or grad norm stops
+    the run unsaved (NonFiniteStepError), or with `settings.skip_non_finite_steps` leaves the state unchanged.
+    With `settings.profile`, traces the last steps (`weights.profiling.profiled_steps`) and calls
+    `on_profile(breakdown)` at the end (`jax_impl/profiling.py`)."""
     check_batches(settings, batches)
     run = build_training(settings, devices)
     mesh, spec, state, meta = run.mesh, run.spec, run.state, run.meta
-    latest, start = checkpoint_to_resume(settings, meta, checkpointing.latest_checkpoint, checkpointing.read_metadata)
+    latest, start, passed_over = checkpoint_to_resume(settings, meta, checkpointing.completed_checkpoints,
+                                                      checkpointing.read_metadata, warn=_print_to_stderr)
+    set_aside(list(passed_over))  # before the manager lists the steps: the resumed run saves under their names
     manager = None if settings.ckpt_dir is None else checkpointing.open_manager(settings.ckpt_dir, settings.keep)
     try:
         if latest is not None:
@@ -331,17 +347,22 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
             loss = float(loss)  # synchronises the devices: the step's time is complete
             profiler.end(step)
             seconds = time.perf_counter() - began
+            grad_norm = float(grad_norm)
             if on_step is not None:
-                on_step(step=step, loss=loss, lr=coefficients["lr"], grad_norm=float(grad_norm), seconds=seconds,
+                on_step(step=step, loss=loss, lr=coefficients["lr"], grad_norm=grad_norm, seconds=seconds,
                         peak_memory_bytes=peak_memory_bytes(mesh))
+            skipped = check_step_finite(settings, step, loss, grad_norm, latest)  # raises unless skipping
+            if skipped is not None:
+                _print_to_stderr(skipped)
             if checkpoint_due(settings, step + 1, stop):
                 checkpointing.save_checkpoint(manager, step + 1, state, meta)
+                latest = settings.ckpt_dir / checkpointing.step_dir_name(step + 1)
         if settings.profile and on_profile is not None:  # the step compiled before: its HLO comes from the cache
             on_profile(profiler.breakdown(train_step.lower(state, tokens, targets, positions, step_scalars(
                 coefficients), spec=spec).compile().as_text()))
     finally:
         if manager is not None:
-            manager.close()  # waits for a save in flight; raises if it failed
+            checkpointing.close_manager(manager)  # waits for a save in flight; raises if it failed
     if settings.export_paths is not None:
         checkpointing.export_trained_weights(state["model"], spec.config, *settings.export_paths, run.source)
     return state

@@ -4,7 +4,8 @@ model's default attention function. Twin of `jax_impl/attention.py`.
 Shapes follow flash-attention: q [B, Sq, H, D], k and v [B, Sk, Hkv, D] with H a multiple of Hkv; GQA by
 grouping query heads over their KV head (K/V are never repeated). `causal=True` with Sq != Sk aligns the last
 query with the last key: query i sees key j iff j <= i + Sk - Sq. A query that sees no key (possible only when
-Sq > Sk) gets output 0 and log-sum-exp -inf. lse is [B, H, Sq], float32, natural log of the softmax
+Sq > Sk) gets output 0 and log-sum-exp -inf; that row is found from the mask, never by replacing NaN, so a NaN
+in q, k or v always reaches the output. lse is [B, H, Sq], float32, natural log of the softmax
 denominator of the scaled scores.
 
 The model calls an `AttentionFn`: `fn(q, k, v) -> out`, causal, default scale 1/sqrt(D), output in q's
@@ -35,6 +36,19 @@ def _grouped_scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, caus
     return scores
 
 
+def _rows_with_a_key(sq: int, sk: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """bool [Sq, 1]: the queries that see at least one key. Their softmax rows are computed as they are, so a NaN
+    in the inputs reaches the output; only the other rows are set to 0 (exp(-inf - -inf) would be NaN there)."""
+    rows = torch.arange(sq, device=device)[:, None]
+    return rows + (sk - sq) >= 0 if causal else torch.full_like(rows, sk > 0, dtype=torch.bool)
+
+
+def _softmax_from_lse(scores: torch.Tensor, lse: torch.Tensor, causal: bool) -> torch.Tensor:
+    """exp(scores - lse) over [..., Sq, Sk], 0 in the rows whose query sees no key."""
+    sees = _rows_with_a_key(scores.shape[-2], scores.shape[-1], causal, scores.device)
+    return torch.where(sees, torch.exp(scores - lse[..., None]), 0.0)
+
+
 def reference_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                                 softmax_scale: float, out_dtype: torch.dtype | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +56,7 @@ def reference_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     b, sq, h, d = q.shape
     scores = _grouped_scores(q.float(), k.float(), softmax_scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # rows with no visible key: exp(-inf - -inf)
+    probs = _softmax_from_lse(scores, lse, causal)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float()).reshape(b, sq, h, d)
     return out.to(out_dtype or q.dtype), lse.reshape(b, h, sq)
 
@@ -60,7 +74,7 @@ def reference_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.T
     g = h // hkv
     scores = _grouped_scores(q.float(), k.float(), softmax_scale, causal)
     lse_g = lse.float().reshape(b, hkv, g, sq)
-    probs = torch.exp(scores - lse_g[..., None]).nan_to_num(0.0)
+    probs = _softmax_from_lse(scores, lse_g, causal)
     dout_g = dout.float().reshape(b, sq, hkv, g, d)
     delta = (dout.float() * out.float()).sum(-1).permute(0, 2, 1).reshape(b, hkv, g, sq)
     dv = torch.einsum("bhgqk,bqhgd->bkhd", probs, dout_g)
@@ -80,7 +94,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     scores = _grouped_scores(q, k, scale, causal).float()
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0).to(q.dtype)
+    probs = _softmax_from_lse(scores, lse, causal).to(q.dtype)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(b, sq, h, d)
     if return_lse:
         return out, lse.reshape(b, h, sq)

@@ -9,10 +9,13 @@ Layout: CKPT_DIR/step-XXXXXXXX/ (XXXXXXXX = optimizer steps completed) holds
                  without torch.distributed, so a resume is checked before any process starts. There is no RNG
                  state: nothing in training draws random numbers (no dropout; the data order is fixed up front).
 
-Atomicity: a checkpoint is written into CKPT_DIR/.step-XXXXXXXX.partial, meta.json last, and renamed into place
-by rank 0 after every rank's shards are written; only directories named step-* count, so a crash mid-save never
-leaves the latest checkpoint unreadable. Older checkpoints beyond the last `keep` are renamed to .*.deleting
-before removal (a crash there leaves no half-deleted step-* directory).
+  twinflash-manifest.json  the size and SHA-256 of every file above (`weights.checkpoint_integrity`), written
+                 last: a resume verifies it and passes over an incomplete or corrupt checkpoint.
+
+Atomicity: a checkpoint is written into CKPT_DIR/.step-XXXXXXXX.partial, meta.json then the manifest last, and
+renamed into place by rank 0 after every rank's shards are written; only directories named step-* count, so a crash
+mid-save never leaves the latest checkpoint unreadable. Older checkpoints beyond the last `keep` are renamed to
+.*.deleting before removal (a crash there leaves no half-deleted step-* directory).
 
 The metadata's contents, the refusal to resume a checkpoint of another model config, mesh or data stream, and the
 writing of exported weights are the twins' shared `weights/training.py`; this module owns the files.
@@ -33,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from weights import ConvertedCheckpoint, RandomWeights
+from weights.checkpoint_integrity import write_manifest
 from weights.config import read_json
 from weights.training import export_trained_tensors
 
@@ -95,7 +99,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, llama: nn.Module, optimizer_state
     dist.barrier()
     dcp.save({"model": llama.state_dict(), "optimizer": optimizer_state}, checkpoint_id=partial)
     if _is_rank0():
-        _write_json_durably(partial / META_FILE, {**meta, "step": step, "data_position": step})
+        recorded = {**meta, "step": step, "data_position": step}
+        _write_json_durably(partial / META_FILE, recorded)
+        write_manifest(partial, recorded)
         os.replace(partial, final)
         _fsync_directory(ckpt_dir)
         for old in completed_checkpoints(ckpt_dir)[:-keep]:

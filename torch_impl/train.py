@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -46,9 +47,10 @@ from weights import ConvertedCheckpoint, RandomWeights, open_weights
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
+from weights.checkpoint_integrity import set_aside
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
-                              checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens, host_peak_rss_bytes,
-                              run_metadata, valid_target_count)
+                              check_step_finite, checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens,
+                              host_peak_rss_bytes, run_metadata, valid_target_count)
 
 
 def _chunk_cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -203,21 +205,24 @@ def init_distributed() -> torch.device:
 
 
 def launch_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tensor, targets: torch.Tensor,
-                positions: torch.Tensor, step: int, global_valid_count: int
+                positions: torch.Tensor, step: int, global_valid_count: int, skip_non_finite: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Queues one optimizer step on this rank's part of a global batch without waiting for it: (global mean loss,
-    grad norm before clipping: 0-d float32 device tensors, learning rate)."""
+    grad norm before clipping: 0-d float32 device tensors, learning rate). With `skip_non_finite` it waits for the
+    loss and grad norm, and applies no update when either is not finite (--skip-non-finite-steps)."""
     config = optimizer.config
     loss = model(tokens, positions, targets, global_valid_count)
     loss.backward()
+    global_loss = loss.detach()
+    dist.all_reduce(global_loss)  # each rank's share of the global mean
     with region("optimizer"):
         grad_norm = clip_grad_norm_(list(optimizer.parameters.values()), config.grad_clip_norm)
         coefficients = adamw_coefficients(config, step)
-        optimizer.step(coefficients, step)
+        # every rank holds the same global loss and norm, so all of them skip or none
+        if not skip_non_finite or bool(torch.isfinite(global_loss) & torch.isfinite(grad_norm)):
+            optimizer.step(coefficients, step)
     for p in optimizer.parameters.values():
         p.grad = None
-    global_loss = loss.detach()
-    dist.all_reduce(global_loss)  # each rank's share of the global mean
     return global_loss, grad_norm, coefficients["lr"]
 
 
@@ -275,6 +280,10 @@ StepCallback = Callable[..., None]
 ProfileCallback = Callable[[dict], None]
 
 
+def _print_to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
                  on_profile: ProfileCallback | None = None) -> None:
     """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches, the same on every
@@ -283,7 +292,8 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
     from the latest checkpoint with `settings.resume`, saves every `settings.ckpt_every` steps and at the end of
     the run, exports the final weights to `settings.export_paths` when set. With `settings.profile`, rank 0
     traces the last steps (`weights.profiling.profiled_steps`) and calls `on_profile(breakdown)` at the end
-    (`weights.profiling.breakdown`, plus "device")."""
+    (`weights.profiling.breakdown`, plus "device"). A step with a non-finite loss or grad norm stops the run
+    before any checkpoint holds it (NonFiniteStepError), or with `settings.skip_non_finite_steps` is not applied."""
     device = init_distributed()
     try:
         _train(settings, batches, on_step, on_profile, device)
@@ -334,7 +344,12 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
     run = build_training(settings, device)
     mesh, llama, model, optimizer, meta = run.mesh, run.llama, run.model, run.optimizer, run.meta
 
-    latest, start = checkpoint_to_resume(settings, meta, checkpointing.latest_checkpoint, checkpointing.read_metadata)
+    latest, start, passed_over = checkpoint_to_resume(
+        settings, meta, checkpointing.completed_checkpoints, checkpointing.read_metadata,
+        warn=_print_to_stderr if dist.get_rank() == 0 else None)
+    dist.barrier()  # every rank has read the checkpoints before rank 0 sets aside the ones passed over
+    if dist.get_rank() == 0:
+        set_aside(list(passed_over))
     if latest is not None:
         checkpointing.load_checkpoint(latest, llama, optimizer.state_dict())
         if dist.get_rank() == 0:
@@ -359,19 +374,25 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
             on_step(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=seconds_between(last_done, numbers.done),
                     peak_memory_bytes=peaks)
         last_done = numbers.done
+        # every rank reads the same gathered numbers, so every rank stops at the same step
+        skipped = check_step_finite(settings, step, loss, grad_norm, latest)
+        if skipped is not None and dist.get_rank() == 0:
+            _print_to_stderr(skipped)
 
     for step in range(start, stop):
         profiler.begin(step)
         loss, grad_norm, lr = launch_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
-                                          valid_count)
+                                          valid_count, settings.skip_non_finite_steps)
         numbers = StepNumbers(loss, grad_norm, device)
         if pending is not None:
             report(*pending)
         profiler.end(step)  # a traced step is waited for here
         pending = (step, numbers, lr)
         if checkpoint_due(settings, step + 1, stop):  # queued behind this step, before the next one changes it
-            checkpointing.save_checkpoint(settings.ckpt_dir, step + 1, llama, optimizer.state_dict(), meta,
-                                          keep=settings.keep)
+            report(*pending)  # a checkpoint holds only steps seen to be finite
+            pending = None
+            latest = checkpointing.save_checkpoint(settings.ckpt_dir, step + 1, llama, optimizer.state_dict(),
+                                                   meta, keep=settings.keep)
     if pending is not None:
         report(*pending)
     if traced and on_profile is not None:

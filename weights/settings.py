@@ -36,6 +36,8 @@ class TrainSettings:
     plan_memory    (JAX) print XLA's per-device memory plan of the step instead of training
     eager          torch on GPUs: no torch.compile and no fused AdamW kernel (the step as the equivalence tests
                    run it on CPU)
+    skip_non_finite_steps  a step with a non-finite loss or grad norm is skipped (its update not applied)
+                   instead of stopping the run
     profile        trace the last steps and write their time breakdown to OUT/profile.json (weights/profiling.py)
     """
 
@@ -63,6 +65,7 @@ class TrainSettings:
     plan_memory: bool = False
     eager: bool = False
     profile: bool = False
+    skip_non_finite_steps: bool = False
 
     @property
     def export_paths(self) -> tuple[Path, Path] | None:

@@ -1,9 +1,10 @@
 """What both backends' training share, framework-neutral (numpy): next-token targets and the index of a position
 without one, the checks of a run's batches against the mesh, the default loss chunk, AdamW's per-step host
-scalars, when a checkpoint is due, the run metadata a training checkpoint records and the refusal to resume an
-incompatible one, and the export of trained weights. Read by torch_impl/train.py and jax_impl/train.py (twins),
-their checkpointing.py and compare/commands/train.py; `weights.settings.TrainSettings` is the `settings` argument
-here.
+scalars, what to do with a step whose loss or grad norm is not finite, when a checkpoint is due, the run
+metadata a training checkpoint records, which checkpoint a resume reads (the integrity of the files is
+weights/checkpoint_integrity.py) and the refusal to resume an incompatible one, and the export of trained weights.
+Read by torch_impl/train.py and jax_impl/train.py (twins), their checkpointing.py and compare/commands/train.py;
+`weights.settings.TrainSettings` is the `settings` argument here.
 
 The backends keep what their frameworks force apart: the loss and optimizer arithmetic on device, the checkpoint
 files (torch.distributed.checkpoint, orbax) and how trained weights are gathered to the host.
@@ -12,15 +13,17 @@ files (torch.distributed.checkpoint, orbax) and how trained weights are gathered
 from __future__ import annotations
 
 import json
+import math
 import resource
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from weights.checkpoint import (ConvertedCheckpoint, RandomWeights, export_hf_checkpoint, kept_hf_files,
                                 write_converted_checkpoint)
+from weights.checkpoint_integrity import backends_in, newest_valid
 from weights.config import LlamaConfig
 from weights.errors import BadInputError, CheckpointError
 from weights.layout import check_split
@@ -127,7 +130,8 @@ def check_compatible(path: Path, saved: dict[str, Any], meta: dict[str, Any]) ->
     """Refuses to resume this run (`meta` from `run_metadata`) from checkpoint `path`, whose metadata is `saved`,
     when another backend, model config, mesh or data stream made it."""
     if saved.get("format") != TRAIN_FORMAT or saved.get("backend") != meta["backend"]:
-        raise CheckpointError(f"{path} is not a {meta['backend']} training checkpoint ({TRAIN_FORMAT})")
+        raise CheckpointError(f"cannot resume from {path}: it is a {saved.get('backend')} checkpoint "
+                              f"({saved.get('format')}), this run is a {meta['backend']} run ({TRAIN_FORMAT})")
     for key, what, flags in (("model", "model config", "--model"), ("mesh", "mesh", "--mesh"),
                              ("data", "data stream", "--data/--seed/--batch/--seq-len/--steps")):
         changed = _differences(saved.get(key), meta[key])
@@ -136,20 +140,76 @@ def check_compatible(path: Path, saved: dict[str, Any], meta: dict[str, Any]) ->
                                   f"({'; '.join(changed[:3])}); rerun with its {flags} or a new --ckpt-dir")
 
 
-def checkpoint_to_resume(settings, meta: dict[str, Any], latest_checkpoint: Callable[[Path], Path | None],
-                         read_metadata: Callable[[Path], dict[str, Any]]) -> tuple[Path | None, int]:
-    """(the checkpoint this run continues from, the step it continues at), (None, 0) for a fresh start, given the
-    backend's `latest_checkpoint(ckpt_dir)` and `read_metadata(path)`. Refuses a checkpoint directory that holds
-    checkpoints without `settings.resume`, and a checkpoint `check_compatible` refuses."""
-    latest = None if settings.ckpt_dir is None else latest_checkpoint(settings.ckpt_dir)
-    if latest is None:
-        return None, 0
+class Resume(NamedTuple):
+    """Where a run starts: the checkpoint it continues from (None: a fresh start), the step it continues at, and
+    the newer checkpoints passed over as incomplete or corrupt (the backend sets them aside before saving)."""
+
+    path: Path | None
+    step: int
+    passed_over: tuple[Path, ...] = ()
+
+
+def _refuse_other_backends(ckpt_dir: Path, backend: str) -> None:
+    others = {name: dirs for name, dirs in backends_in(ckpt_dir).items() if name != backend}
+    for other, dirs in others.items():
+        raise CheckpointError(f"{ckpt_dir} holds {other} training checkpoints ({dirs[-1]}), this run is a "
+                              f"{backend} run; choose another --ckpt-dir or --backend {other}")
+
+
+def checkpoint_to_resume(settings, meta: dict[str, Any], completed_checkpoints: Callable[[Path], list[Path]],
+                         read_metadata: Callable[[Path], dict[str, Any]],
+                         warn: Callable[[str], None] | None = None) -> Resume:
+    """Where this run starts, given the backend's `completed_checkpoints(ckpt_dir)` (oldest first) and
+    `read_metadata(path)`. Refuses a checkpoint directory holding the other backend's checkpoints, one holding
+    checkpoints without `settings.resume`, `settings.resume` without a checkpoint, no valid checkpoint, and a
+    checkpoint `check_compatible` refuses. A newest checkpoint that is incomplete or corrupt
+    (`weights.checkpoint_integrity`) is passed over for the newest valid one, with one line to `warn`."""
+    ckpt_dir = settings.ckpt_dir
+    if ckpt_dir is None:
+        return Resume(None, 0)
+    _refuse_other_backends(ckpt_dir, meta["backend"])
+    found = completed_checkpoints(ckpt_dir)
+    if not found:
+        if settings.resume:
+            raise CheckpointError(f"--resume: no {meta['backend']} training checkpoint in {ckpt_dir}")
+        return Resume(None, 0)
     if not settings.resume:
-        raise CheckpointError(f"{settings.ckpt_dir} holds checkpoints (latest {latest.name}); pass --resume to "
+        raise CheckpointError(f"{ckpt_dir} holds checkpoints (latest {found[-1].name}); pass --resume to "
                               "continue from it or choose an empty --ckpt-dir")
-    saved = read_metadata(latest)
-    check_compatible(latest, saved, meta)
-    return latest, int(saved["data_position"])
+    path, passed_over = newest_valid(found)
+    if path is None:
+        newest, problem = passed_over[0]
+        raise CheckpointError(f"no valid checkpoint to resume from in {ckpt_dir}: the newest, {newest.name}, is "
+                              f"{problem}" + (", and so are the older ones" if len(passed_over) > 1 else ""))
+    if passed_over and warn is not None:
+        newest, problem = passed_over[0]
+        warn(f"twinflash: warning: checkpoint {newest} is {problem}; resuming from the newest valid one, "
+             f"{path.name}" + (f" (passing over {len(passed_over)} checkpoints)" if len(passed_over) > 1 else ""))
+    saved = read_metadata(path)
+    check_compatible(path, saved, meta)
+    return Resume(path, int(saved["data_position"]), tuple(p for p, _ in passed_over))
+
+
+# --- non-finite steps -------------------------------------------------------------------------------------------
+
+class NonFiniteStepError(BadInputError):
+    """A training step whose loss or grad norm is not finite (NaN or inf weights, data, or a learning rate too
+    high): the run stops with one line, its last checkpoint the last good step."""
+
+
+def check_step_finite(settings, step: int, loss: float, grad_norm: float, last_checkpoint: Path | None
+                      ) -> str | None:
+    """None for a step with a finite loss and grad norm. Otherwise, with `settings.skip_non_finite_steps` (the
+    backend then did not apply its update), the one-line warning to print; without it, raises
+    NonFiniteStepError naming the step and the last checkpoint."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return None
+    what = f"step {step}: non-finite loss {loss} / grad norm {grad_norm}"
+    if settings.skip_non_finite_steps:
+        return f"twinflash: warning: {what}; update skipped (--skip-non-finite-steps)"
+    kept = f"last checkpoint: {last_checkpoint}" if last_checkpoint is not None else "no checkpoint saved"
+    raise NonFiniteStepError(f"{what}; training stopped, the step not saved ({kept}); "
+                             "rerun with --skip-non-finite-steps to skip such steps")
 
 
 # --- export -----------------------------------------------------------------------------------------------------

@@ -51,8 +51,8 @@ def read_tokens(path: Path, config: LlamaConfig) -> np.ndarray:
         raise BadInputError(f"cannot read {path} as a .npy array: {bad}") from None
     if not np.issubdtype(tokens.dtype, np.integer):
         raise BadInputError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
-    if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise BadInputError(f"{path}: tokens must have shape [batch, seq_len >= 2], got {list(tokens.shape)}")
+    if tokens.ndim != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 2:
+        raise BadInputError(f"{path}: tokens must have shape [batch >= 1, seq_len >= 2], got {list(tokens.shape)}")
     config.check_token_ids(tokens)
     return tokens.astype(np.int64)
 

@@ -103,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and the fused AdamW kernel")
     parser.add_argument("--profile", action="store_true", help="trace the last steps and write their time "
                         "breakdown by category to OUT/profile.json (and print it)")
+    parser.add_argument("--skip-non-finite-steps", action="store_true", help="skip a step whose loss or grad norm "
+                        "is not finite (its update not applied) instead of stopping the run")
     parser.add_argument("--export", type=Path, dest="export_dir",
                         help="write the final weights to DIR/converted (twinflash format) and DIR/hf (each must "
                         "not exist or be empty)")
@@ -129,7 +131,7 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
         ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
         ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume, stop_at=args.stop_at, out=args.out,
         export_dir=args.export_dir, plan_memory=args.plan_memory, eager=args.eager,
-        profile=args.profile)
+        profile=args.profile, skip_non_finite_steps=args.skip_non_finite_steps)
     check_attention_backend(settings)
     check_output_locations(settings)
     return settings
@@ -180,8 +182,8 @@ def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool
     checkpointing = importlib.import_module(f"{settings.backend}_impl.checkpointing")
     config = check_shape(settings, device_count)
     batches = training_batches(settings, config)
-    _, start = checkpoint_to_resume(settings, run_metadata(settings, config), checkpointing.latest_checkpoint,
-                                    checkpointing.read_metadata)
+    start = checkpoint_to_resume(settings, run_metadata(settings, config), checkpointing.completed_checkpoints,
+                                 checkpointing.read_metadata).step
     if check_outputs:
         _check_outputs(settings, start)
     return config, batches, start
