@@ -29,7 +29,8 @@ class ForwardResult:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.loss) if self.loss < 700 else math.inf
+        # exp overflows a float above ~709: inf there; a NaN loss stays NaN (no ordering holds for it)
+        return math.inf if self.loss > 700 else math.exp(self.loss)
 
 
 def _timed_twice(step):
