@@ -107,6 +107,19 @@ def test_every_checkpoint_has_a_manifest_that_catches_random_bytes(backend, save
                                              "checksum)")
 
 
+def test_without_checksums_only_sizes_are_compared(saved, tmp_path):
+    """What a torch worker checks after its launcher verified the checksums: a same-size scribble passes, a
+    truncated file does not (the full check catches both)."""
+    ckpt = _copy(saved["torch"], tmp_path / "ckpt")
+    newest = CHECKPOINTING["torch"].completed_checkpoints(ckpt)[-1]
+    shard = _largest_file(newest)
+    _scribble(shard)
+    assert checkpoint_problem(newest, checksums=False) is None
+    assert checkpoint_problem(newest).startswith("corrupt")
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert checkpoint_problem(newest, checksums=False).startswith("corrupt")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("damage", ["corrupt", "incomplete"])
 def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(backend, damage, saved, tmp_path):

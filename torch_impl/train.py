@@ -344,10 +344,12 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
     run = build_training(settings, device)
     mesh, llama, model, optimizer, meta = run.mesh, run.llama, run.model, run.optimizer, run.meta
 
-    latest, start, passed_over = checkpoint_to_resume(
-        settings, meta, checkpointing.completed_checkpoints, checkpointing.read_metadata,
-        warn=_print_to_stderr if dist.get_rank() == 0 else None)
-    dist.barrier()  # every rank has read the checkpoints before rank 0 sets aside the ones passed over
+    # Rank 0 verifies the checkpoints' checksums (one pass over the files, not one per rank) and every rank resumes
+    # from what it found.
+    resume = [checkpoint_to_resume(settings, meta, checkpointing.completed_checkpoints, checkpointing.read_metadata,
+                                   warn=_print_to_stderr) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(resume, src=0)
+    latest, start, passed_over = resume[0]
     if dist.get_rank() == 0:
         set_aside(list(passed_over))
     if latest is not None:

@@ -61,9 +61,11 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT else None
 
 
-def checkpoint_problem(directory: Path) -> str | None:
+def checkpoint_problem(directory: Path, *, checksums: bool = True) -> str | None:
     """Why checkpoint `directory` cannot be resumed from (incomplete or corrupt), or None when every file the
-    manifest lists is there with its size and checksum."""
+    manifest lists is there with its size and (with `checksums`) its checksum. Without `checksums` only sizes are
+    compared: for a process whose launcher has just verified the same checkpoint (hashing an 8B checkpoint with its
+    optimizer state reads ~100 GB)."""
     manifest = read_manifest(directory)
     if manifest is None or not manifest.get("files"):
         return f"incomplete (no readable {MANIFEST})"
@@ -71,7 +73,7 @@ def checkpoint_problem(directory: Path) -> str | None:
         path = Path(directory) / rel
         if not path.is_file():
             return f"incomplete ({rel} is missing)"
-        if path.stat().st_size != expected["bytes"] or file_sha256(path) != expected["sha256"]:
+        if path.stat().st_size != expected["bytes"] or (checksums and file_sha256(path) != expected["sha256"]):
             return f"corrupt ({rel} does not match its checksum)"
     return None
 
@@ -88,12 +90,12 @@ def backends_in(ckpt_dir: Path) -> dict[str, list[str]]:
     return found
 
 
-def newest_valid(candidates: list[Path]) -> tuple[Path | None, list[tuple[Path, str]]]:
+def newest_valid(candidates: list[Path], *, checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
     """(the newest valid checkpoint of `candidates` (oldest first), or None; the newer ones passed over, newest
-    first, with why)."""
+    first, with why); `checksums` as in `checkpoint_problem`."""
     passed_over = []
     for path in reversed(candidates):
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, checksums=checksums)
         if problem is None:
             return path, passed_over
         passed_over.append((path, problem))

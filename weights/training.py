@@ -34,7 +34,8 @@ TRAIN_FORMAT = "twinflash-train/1"  # the "format" of a training checkpoint's me
 IGNORE_INDEX = -100  # target of a position with no next token (torch's cross_entropy default ignore_index)
 LOGITS_CHUNK_ELEMENTS = 1 << 28  # default loss chunk: 256 Mi float32 logits (1 GiB) per chunk
 # ours first
-ATTENTION_BACKENDS = {"torch": ("triton", "reference", "sdpa_cudnn"), "jax": ("pallas", "reference", "cudnn", "pallas_mosaic", "pallas_triton")}
+ATTENTION_BACKENDS = {"torch": ("triton", "reference", "sdpa_cudnn", "triton_hopper", "triton_portable"),
+                      "jax": ("pallas", "reference", "cudnn", "pallas_mosaic", "pallas_triton")}
 
 
 # --- the data ---------------------------------------------------------------------------------------------------
@@ -158,12 +159,13 @@ def _refuse_other_backends(ckpt_dir: Path, backend: str) -> None:
 
 def checkpoint_to_resume(settings, meta: dict[str, Any], completed_checkpoints: Callable[[Path], list[Path]],
                          read_metadata: Callable[[Path], dict[str, Any]],
-                         warn: Callable[[str], None] | None = None) -> Resume:
+                         warn: Callable[[str], None] | None = None, checksums: bool = True) -> Resume:
     """Where this run starts, given the backend's `completed_checkpoints(ckpt_dir)` (oldest first) and
     `read_metadata(path)`. Refuses a checkpoint directory holding the other backend's checkpoints, one holding
     checkpoints without `settings.resume`, `settings.resume` without a checkpoint, no valid checkpoint, and a
     checkpoint `check_compatible` refuses. A newest checkpoint that is incomplete or corrupt
-    (`weights.checkpoint_integrity`) is passed over for the newest valid one, with one line to `warn`."""
+    (`weights.checkpoint_integrity`; `checksums=False` compares sizes only) is passed over for the newest valid one,
+    with one line to `warn`."""
     ckpt_dir = settings.ckpt_dir
     if ckpt_dir is None:
         return Resume(None, 0)
@@ -176,7 +178,7 @@ def checkpoint_to_resume(settings, meta: dict[str, Any], completed_checkpoints: 
     if not settings.resume:
         raise CheckpointError(f"{ckpt_dir} holds checkpoints (latest {found[-1].name}); pass --resume to "
                               "continue from it or choose an empty --ckpt-dir")
-    path, passed_over = newest_valid(found)
+    path, passed_over = newest_valid(found, checksums=checksums)
     if path is None:
         newest, problem = passed_over[0]
         raise CheckpointError(f"no valid checkpoint to resume from in {ckpt_dir}: the newest, {newest.name}, is "

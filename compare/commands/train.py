@@ -174,16 +174,18 @@ def check_shape(settings: TrainSettings, device_count: int) -> LlamaConfig:
     return open_weights(settings.model, settings.seed).config
 
 
-def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool = True
+def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool = True, checksums: bool = True
               ) -> tuple[LlamaConfig, np.ndarray, int]:
     """Every check of a run that needs no device work, reading checkpoints through the backend's own
     `checkpointing` (the twins share its names): (model config, batches, step to start from).
-    `check_outputs=False` skips the checks of OUT and EXPORT (a torch worker other than rank 0, which writes them)."""
+    `check_outputs=False` skips the checks of OUT and EXPORT (a torch worker other than rank 0, which writes them);
+    `checksums=False` compares the resumed checkpoint's file sizes only (a torch worker: rank 0 verifies the
+    checksums once more in `run_training`)."""
     checkpointing = importlib.import_module(f"{settings.backend}_impl.checkpointing")
     config = check_shape(settings, device_count)
     batches = training_batches(settings, config)
     start = checkpoint_to_resume(settings, run_metadata(settings, config), checkpointing.completed_checkpoints,
-                                 checkpointing.read_metadata).step
+                                 checkpointing.read_metadata, checksums=checksums).step
     if check_outputs:
         _check_outputs(settings, start)
     return config, batches, start
@@ -291,7 +293,7 @@ def _run_torch_worker(settings: TrainSettings) -> int:
     from torch_impl.train import run_training
 
     rank0 = int(os.environ["RANK"]) == 0
-    config, batches, start = check_run(settings, int(os.environ["WORLD_SIZE"]), check_outputs=rank0)
+    config, batches, start = check_run(settings, int(os.environ["WORLD_SIZE"]), check_outputs=rank0, checksums=False)
     if not rank0:
         run_training(settings, batches)
         return 0
