@@ -12,6 +12,7 @@ the same dtype (`reference_attention`: matmuls in the input dtype, softmax in fl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -25,11 +26,13 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_impl import flash_forward
+from torch_impl import flash_backward, flash_forward
 from torch_impl.attention import reference_attention
 from torch_impl.flash_attention import BACKENDS, flash_attention, flash_attention_backward, flash_attention_forward
 from torch_impl.flash_backward import DKDV_SHAPES, DQ_SHAPES, dkdv_shared_bytes, dq_shared_bytes
-from torch_impl.flash_forward import FORWARD_SHAPES, INTERPRETED, fitting, forward_shared_bytes, round_to
+from torch_impl.flash_forward import (FORWARD_SHAPES, INTERPRETED, KernelConfig, TritonConfig, fitting,
+                                      forward_shared_bytes, round_to)
+from torch_impl.flash_hopper_forward import Config as HopperConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF = (torch.bfloat16, torch.float16)
@@ -235,6 +238,61 @@ def test_autotuning_keeps_the_configs_that_fit_in_shared_memory(monkeypatch):
     assert kept(dq_shared_bytes, DQ_SHAPES, 256) == [(128, 32, 8, 3), (64, 32, 4, 4)]
     # short calls are not tuned: the first fitting config
     assert kept(dq_shared_bytes, DQ_SHAPES, 256, seq_bucket=2048) == [(128, 32, 8, 3)]
+
+
+def _recorded_grids(monkeypatch) -> dict:
+    """{kernel: grid} of the portable kernels' launches from now on, whoever launches them (autotuner or config)."""
+    grids = {}
+    for name, kernel in (("forward", flash_forward._forward_kernel), ("dkdv", flash_backward._dkdv_kernel),
+                         ("dq", flash_backward._dq_kernel)):
+        def recording(*args, grid, _name=name, _run=kernel.fn.run, **kwargs):
+            grids[_name] = grid(kwargs) if callable(grid) else grid
+            return _run(*args, grid=grid, **kwargs)
+        monkeypatch.setattr(kernel.fn, "run", recording)
+    return grids
+
+
+CUSTOM_CONFIG = TritonConfig(KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1), KernelConfig(16, 16, 4, 1))
+
+
+def test_config_is_an_argument_and_none_means_the_autotuner(monkeypatch):
+    """A TritonConfig reaches each kernel (its blocks set the grids) and computes the same attention; no config
+    launches what the autotuner picks (the interpreter's one config: forward and dQ 64 x 32, dK/dV 32 x 64)."""
+    q, k, v, dout = _inputs(1, 40, 40, 2, 1, 32, torch.float32, seed=9)
+    scale = 1 / math.sqrt(32)
+    grids = _recorded_grids(monkeypatch)
+    default = _ours(q, k, v, dout, True, scale)
+    if INTERPRETED:
+        assert grids == {"forward": (1, 2), "dkdv": (1, 1), "dq": (1, 2)}
+    custom = _with_grads(lambda *x: flash_attention(*x, causal=True, softmax_scale=scale, return_lse=True,
+                                                    config=CUSTOM_CONFIG), q, k, v, dout)
+    # 40 rows: 3 forward/dQ query blocks of 16 per (batch, head), 3 dK/dV key blocks of 16 per KV head
+    assert grids == {"forward": (3, 2), "dkdv": (3, 1), "dq": (3, 2)}
+    exact = _exact(q, k, v, dout, True, scale)
+    _assert_fp32_close(custom, exact)
+    _assert_fp32_close(default, exact)
+    grids.clear()
+    flash_attention_forward(q, k, v, causal=True, softmax_scale=None, config=CUSTOM_CONFIG)
+    assert grids == {"forward": (3, 2)}
+
+
+@pytest.mark.parametrize("backend, config, message", [
+    ("triton", KernelConfig(16, 16, 4, 1), "config must be a flash_forward.TritonConfig or None, got KernelConfig"),
+    ("triton_portable", HopperConfig(64, 64, 4, 2), "config must be a flash_forward.TritonConfig or None"),
+    ("reference", CUSTOM_CONFIG, "backend='reference' does not run them"),
+    ("triton_hopper", CUSTOM_CONFIG, "backend='triton_hopper' does not run them"),
+    ("triton", dataclasses.replace(CUSTOM_CONFIG, backward_dq=KernelConfig(24, 16, 4, 1)),
+     r"config.backward_dq = KernelConfig\(block_m=24, .*\): blocks must be powers of two"),
+    ("triton", dataclasses.replace(CUSTOM_CONFIG, forward=(16, 16, 4, 1)), "config.forward must be a .*KernelConfig"),
+])
+def test_config_of_the_wrong_kind_is_refused(backend, config, message):
+    q, k, v, dout = _good()
+    with pytest.raises(ValueError, match=message):
+        flash_attention(q, k, v, backend=backend, config=config)
+    out, lse = flash_attention_forward(q, k, v, causal=True, softmax_scale=None)
+    with pytest.raises(ValueError, match=message):
+        flash_attention_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=None, backend=backend,
+                                 config=config)
 
 
 # ------------------------------------------------------------------------------------------------ validation

@@ -19,10 +19,16 @@ Backends (`backend=`):
 Without CUDA, Triton's interpreter runs the "triton" kernels on CPU when TRITON_INTERPRET=1 was set before anything
 imported triton: the `twinflash` CLI and tests/conftest.py set it when there is no CUDA GPU; otherwise a call with
 CPU tensors raises one line naming that fix (`flash_forward.interpreter_problem`).
+
+Block sizes (`config=`, every entry point): None lets the portable kernels' autotuner pick from its space; a
+`TritonConfig` (`flash_forward.py`: one `KernelConfig` per kernel) launches them with its values instead, under
+the interpreter too. A config of another kind, or with a backend other than the portable kernels, is a
+ValueError. (The Hopper kernels take their own `Config` per direction: `hopper_forward`, `hopper_backward`.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 
@@ -30,7 +36,7 @@ import torch
 
 from torch_impl.attention import reference_attention_backward, reference_attention_forward
 from torch_impl.flash_backward import triton_backward
-from torch_impl.flash_forward import interpreter_problem, triton_forward
+from torch_impl.flash_forward import KernelConfig, TritonConfig, interpreter_problem, triton_forward
 from torch_impl.flash_hopper_backward import hopper_backward
 from torch_impl.flash_hopper_forward import hopper_forward, hopper_unsupported
 from torch_impl.remat import keep_for_backward
@@ -48,10 +54,11 @@ _FLASH_ATTN_MISSING = "backend 'flash_attn' needs the optional flash-attn packag
 
 # ----------------------------------------------------------------------------------------------- validation
 
-def _validate(q, k, v, *, causal, softmax_scale, backend) -> float:
-    """Check shapes, dtypes, devices and the backend's own limits; return the softmax scale to use."""
+def _validate(q, k, v, *, causal, softmax_scale, backend, config) -> float:
+    """Check shapes, dtypes, devices, the config and the backend's own limits; return the softmax scale to use."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}")
+    _check_config(config, backend)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -70,6 +77,23 @@ def _validate(q, k, v, *, causal, softmax_scale, backend) -> float:
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     _check_backend_limits(backend, q, (k, v), causal)
     return scale
+
+
+def _check_config(config, backend) -> None:
+    if config is None:
+        return
+    if not isinstance(config, TritonConfig):
+        raise ValueError(f"config must be a flash_forward.TritonConfig or None, got {type(config).__name__}")
+    if _triton_path(backend) != "triton_portable":
+        raise ValueError(f"config sets the portable Triton kernels' blocks; backend={backend!r} does not run them")
+    for field in dataclasses.fields(config):
+        name, entry = field.name, getattr(config, field.name)
+        if not isinstance(entry, KernelConfig):
+            raise ValueError(f"config.{name} must be a flash_forward.KernelConfig, got {type(entry).__name__}")
+        block_m, block_n, num_warps, num_stages = entry
+        if not all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n, num_warps * 16)) or num_stages < 1:
+            raise ValueError(f"config.{name} = {entry}: blocks must be powers of two >= 16, num_warps a power of "
+                             f"two, num_stages >= 1")
 
 
 def _check_backend_limits(backend, q, k_v, causal) -> None:
@@ -206,12 +230,13 @@ def _triton_path(backend) -> str:
     return "triton_portable" if backend == "triton" else backend
 
 
-def _forward(q, k, v, causal, scale, out_dtype, backend):
+def _forward(q, k, v, causal, scale, out_dtype, backend, config):
     if backend in _TRITON_BACKENDS:
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         if _triton_path(backend) == "triton_hopper":
             return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
-        return triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+        return triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype,
+                              config=None if config is None else config.forward)
     if backend == "reference":
         return reference_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
     if backend == "flash_attn":
@@ -219,13 +244,14 @@ def _forward(q, k, v, causal, scale, out_dtype, backend):
     return _sdpa_forward(q, k, v, causal, scale, out_dtype, backend)
 
 
-def _backward(dout, q, k, v, out, lse, causal, scale, backend, grad_dtype):
+def _backward(dout, q, k, v, out, lse, causal, scale, backend, config, grad_dtype):
     if backend in _TRITON_BACKENDS:
         # dout joins q, k, v as a tensor-core operand, so it takes their dtype.
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout.to(q.dtype), q, k, v, out))
         if _triton_path(backend) == "triton_hopper":
             return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
-        return triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
+        return triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype,
+                               config=config)
     if backend == "reference":
         grads = reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
     elif backend == "flash_attn":
@@ -237,24 +263,26 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, grad_dtype):
 
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend):
-        out, lse = keep_for_backward(lambda: _forward(q, k, v, causal, scale, q.dtype, backend))
+    def forward(ctx, q, k, v, causal, scale, backend, config):
+        out, lse = keep_for_backward(lambda: _forward(q, k, v, causal, scale, q.dtype, backend, config))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        ctx.causal, ctx.scale, ctx.backend, ctx.config = causal, scale, backend, config
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend, grad_dtype=q.dtype)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend, ctx.config,
+                               grad_dtype=q.dtype)
+        return dq, dk, dv, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------ public API
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    softmax_scale: float | None = None, return_lse: bool = False, backend: str = "triton"):
+                    softmax_scale: float | None = None, return_lse: bool = False, backend: str = "triton",
+                    config: TritonConfig | None = None):
     """Differentiable attention softmax(q k^T * scale) v, memory linear in the sequence length.
 
     q [B, Sq, H, D]; k, v [B, Sk, Hkv, D] with H a multiple of Hkv (grouped-query attention: query head h
@@ -262,35 +290,40 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     lse [B, H, Sq], float32 natural-log log-sum-exp of the scaled scores (no gradient flows through lse).
     `softmax_scale` defaults to 1/sqrt(D). `causal=True` with Sq != Sk aligns the LAST query with the LAST
     key (bottom-right, like flash-attn 2.1+): query i sees key j iff j <= i + Sk - Sq; a query that sees no
-    key (only possible when Sq > Sk) gets output 0, lse -inf and zero gradients.
+    key (only possible when Sq > Sk) gets output 0, lse -inf and zero gradients. `config`: the portable
+    kernels' block sizes, None to autotune (module doc).
     """
-    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
-    out, lse = _FlashAttentionFunction.apply(q, k, v, bool(causal), scale, backend)
+    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config)
+    out, lse = _FlashAttentionFunction.apply(q, k, v, bool(causal), scale, backend, config)
     return (out, lse) if return_lse else out
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                             softmax_scale: float | None, out_dtype: torch.dtype | None = None,
-                            backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+                            backend: str = "triton", config: TritonConfig | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pair-level forward, not differentiable: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq]
-    float32). A ring asks for float32 `out` so partial outputs merge by lse without rounding."""
-    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    float32). A ring asks for float32 `out` so partial outputs merge by lse without rounding. `config` as for
+    `flash_attention`."""
+    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config)
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"out_dtype must be one of bfloat16, float16, float32 or None, got {out_dtype}")
     with torch.no_grad():
-        return _forward(q, k, v, bool(causal), scale, out_dtype or q.dtype, backend)
+        return _forward(q, k, v, bool(causal), scale, out_dtype or q.dtype, backend, config)
 
 
 def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float | None,
-                             backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             backend: str = "triton", config: TritonConfig | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pair-level backward: (dq, dk, dv), float32, so a ring can accumulate them across steps.
 
     `out` and `lse` may be the GLOBAL ones (merged over all key blocks): delta = rowsum(dout * out) is then
     the global one and P = exp(S - lse) this pair's share of the global softmax, so the per-pair gradients
-    sum to the full gradient. The kernels take dout in q's dtype (a matmul operand next to q, k, v).
+    sum to the full gradient. The kernels take dout in q's dtype (a matmul operand next to q, k, v). `config` as
+    for `flash_attention`.
     """
-    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config)
     _validate_backward(dout, q, out, lse)
     with torch.no_grad():
-        return _backward(dout, q, k, v, out, lse, bool(causal), scale, backend, grad_dtype=torch.float32)
+        return _backward(dout, q, k, v, out, lse, bool(causal), scale, backend, config, grad_dtype=torch.float32)

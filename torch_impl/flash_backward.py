@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_impl.flash_forward import (INTERPRETED, LOG2E, autotuned, dot_precision, key_range, key_scores,
-                                      key_tile_pointers, load_tile, query_block_program, round_to, seq_bucket,
-                                      store_tile, visible_keys)
+from torch_impl.flash_forward import (INTERPRETED, LOG2E, TritonConfig, autotuned, dot_precision, key_range,
+                                      key_scores, key_tile_pointers, launch, load_tile, query_block_program,
+                                      round_to, seq_bucket, store_tile, visible_keys)
 
 
 @triton.jit
@@ -243,9 +243,10 @@ def row_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 
 def triton_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward kernels on validated inputs: (dq, dk, dv) in grad_dtype."""
+                    lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype,
+                    config: TritonConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels on validated inputs: (dq, dk, dv) in grad_dtype; autotuned, or with the
+    backward entries of `config` when given."""
     batch, seq_q, n_heads, head_dim = q.shape
     seq_k, n_kv_heads = k.shape[1], k.shape[2]
     block_d = triton.next_power_of_2(head_dim)
@@ -258,12 +259,13 @@ def triton_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     shared = dict(GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal,
                   EMULATE=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype))
     bucket = seq_bucket(seq_q, seq_k)
+    dkdv_config, dq_config = (None, None) if config is None else (config.backward_dkdv, config.backward_dq)
 
     def dkdv_grid(meta):
         return (triton.cdiv(seq_k, meta["BLOCK_N"]), batch * n_kv_heads)
 
-    _dkdv_kernel[dkdv_grid](
-        q, k, v, dout, lse, delta, dk, dv,
+    launch(
+        _dkdv_kernel, dkdv_grid, dkdv_config, q, k, v, dout, lse, delta, dk, dv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
@@ -272,8 +274,8 @@ def triton_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     def dq_grid(meta):
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads)
 
-    _dq_kernel[dq_grid](
-        q, k, v, dout, lse, delta, dq,
+    launch(
+        _dq_kernel, dq_grid, dq_config, q, k, v, dout, lse, delta, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),

@@ -1,5 +1,7 @@
-"""Triton FlashAttention forward kernel (FA2 algorithm) and the tile helpers the backward kernels share.
-Twin of `jax_impl/flash_forward.py` (the Pallas forward). The public API is `torch_impl.flash_attention`.
+"""Triton FlashAttention forward kernel (FA2 algorithm) and the pieces the backward kernels share: the tile
+helpers, the autotuning, and the launch configs a caller may pass instead (`KernelConfig` per kernel,
+`TritonConfig` for the three). Twin of `jax_impl/flash_forward.py` (the Pallas forward). The public API is
+`torch_impl.flash_attention`.
 
 Layout is flash-attention's: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], last dim contiguous, any other strides.
 One program computes one block of BLOCK_M query rows of one (batch, query head); its KV head is
@@ -22,6 +24,9 @@ or the interpreter is off; `torch_impl.flash_attention` raises it as one line.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -218,6 +223,36 @@ def autotune_configs(gpu_shapes, interpreter_blocks):
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu_shapes]
 
 
+class KernelConfig(NamedTuple):
+    """Launch parameters of one portable kernel. For the forward and dQ kernels a program owns `block_m` query
+    rows and steps over K/V `block_n` rows at a time; for the dK/dV kernel a program owns `block_n` key rows and
+    steps over queries `block_m` rows at a time. num_warps/num_stages only matter on the GPU."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Block sizes of the three portable kernels (the Hopper kernels take `flash_hopper_forward.Config`). Passed
+    as `config=`, it replaces the autotuner: each kernel launches with its entry as given, on the GPU and under
+    the interpreter alike."""
+    forward: KernelConfig
+    backward_dkdv: KernelConfig
+    backward_dq: KernelConfig
+
+
+def launch(kernel, grid, config: KernelConfig | None, *args, **kwargs) -> None:
+    """Launch an `autotuned` kernel: tuned over its space when `config` is None, else its jit function with
+    `config`'s blocks, warps and stages."""
+    if config is None:
+        kernel[grid](*args, **kwargs)
+    else:
+        kernel.fn[grid](*args, **kwargs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                        num_warps=config.num_warps, num_stages=config.num_stages)
+
+
 def _max_shared_memory(device_index: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
@@ -317,8 +352,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
-                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel on validated inputs: (out [B, Sq, H, D] in out_dtype, lse [B, H, Sq] fp32)."""
+                   out_dtype: torch.dtype, config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs: (out [B, Sq, H, D] in out_dtype, lse [B, H, Sq] fp32),
+    autotuned, or with `config`'s launch parameters when given."""
     batch, seq_q, n_heads, head_dim = q.shape
     seq_k, n_kv_heads = k.shape[1], k.shape[2]
     out = torch.empty((batch, seq_q, n_heads, head_dim), dtype=out_dtype, device=q.device)
@@ -327,8 +363,8 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     def grid(meta):
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads)
 
-    _forward_kernel[grid](
-        q, k, v, out, lse,
+    launch(
+        _forward_kernel, grid, config, q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         n_heads, seq_q, seq_k, softmax_scale, seq_bucket(seq_q, seq_k),
