@@ -95,7 +95,7 @@ for head_dim in (128, 64):
         if causal:
             config = gf.GluonConfig(**{**vars(config), "pingpong": not config.pingpong})
         q_layout, kv_layout = gf.shared_layouts(torch.bfloat16, head_dim, config.block_n)
-        constexprs = dict(GROUP=4, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=config.block_n,
+        constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=config.block_n,
                           NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, Q_LAYOUT=q_layout,
                           KV_LAYOUT=kv_layout, CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs)
         signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name == "Lse" else "*bf16"

@@ -254,8 +254,7 @@ def _producer(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
 def _gluon_forward_kernel(Q, K, V, Out, Lse,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                          n_heads, seq_q, seq_k, softmax_scale,
-                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                          n_heads, group, seq_q, seq_k, softmax_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
                           Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -263,7 +262,7 @@ def _gluon_forward_kernel(Q, K, V, Out, Lse,
     pid_bh = gl.program_id(1)
     batch = pid_bh // n_heads
     head = pid_bh % n_heads
-    kv_head = head // GROUP
+    kv_head = head // group  # GQA: query heads [kv_head * group, (kv_head + 1) * group) read this K/V head
     if CAUSAL:  # the last query blocks see the most keys: launched first, the grid's tail is short
         row0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
     else:
@@ -333,8 +332,7 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        n_heads, seq_q, seq_k, softmax_scale,
-        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=config.block_n,
+        n_heads, n_heads // n_kv_heads, seq_q, seq_k, softmax_scale, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
         CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
         num_warps=4, maxnreg=config.max_regs)
