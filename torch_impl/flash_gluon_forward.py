@@ -73,9 +73,14 @@ def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str 
 
 
 def forward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonConfig:
-    """The launch shape for a call class (a function of it, so a tuned table can replace the default)."""
+    """The launch shape for a call class, as measured on H200 at 16k (compare/results/kernels-gluon-2026-11-22-h200/
+    gluon-sweep.json). D=128: 128-key tiles, 2 stages (3 do not fit shared memory; 64-key tiles ran 537-543 TF/s
+    against 587-591 causal); ping-pong and not tie (587 / 591 causal, 609 / 606 full). D=64: 3 stages, no
+    ping-pong (433 against 420 causal)."""
     del causal, seq_bucket
-    return GluonConfig(num_stages=2 if head_dim == 128 else 3)
+    if head_dim == 128:
+        return GluonConfig(num_stages=2, pingpong=True)
+    return GluonConfig(num_stages=3, pingpong=False)
 
 
 @jit
