@@ -19,6 +19,7 @@ every row sees in full (no mask), and the causal diagonal / key tail (masked). C
 longest first. Tensor descriptors are made on the device per (batch, head) slice, so rows past a sequence's end
 read as zero; the output goes out with plain masked stores, since a ring asks for float32 partial outputs.
 
+Torch only, no JAX twin: JAX's sm_90 forward is the Pallas Mosaic GPU kernel (`jax_impl/flash_hopper_forward.py`).
 Gluon has no interpreter: CPU CI compiles this kernel for sm_90 (tests/test_triton_compile.py) where the installed
 Triton is the one it is written for, and GPU tests hold it to the portable kernel and cuDNN.
 """
@@ -68,7 +69,8 @@ def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str 
     if INTERPRETED:
         return "has no interpreter (Gluon kernels only compile for a GPU)"
     if not GLUON_AVAILABLE:
-        return f"is written for Triton {GLUON_TRITON_VERSION} (Gluon's API changes between releases), got {triton.__version__}"
+        return (f"is written for Triton {GLUON_TRITON_VERSION} (Gluon's API changes between releases), "
+                f"got {triton.__version__}")
     return hopper_unsupported(q, k, v)
 
 
@@ -337,8 +339,9 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        n_heads, n_heads // n_kv_heads, seq_q, seq_k, softmax_scale, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=config.block_n,
-        NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
+        n_heads, n_heads // n_kv_heads, seq_q, seq_k, softmax_scale, HEAD_DIM=head_dim, CAUSAL=causal,
+        BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, Q_LAYOUT=q_layout,
+        KV_LAYOUT=kv_layout,
         CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
         num_warps=4, maxnreg=config.max_regs)
     return out, lse

@@ -55,8 +55,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "args": vars(args) | {"out": str(args.out)},
-                                        "rows": rows}, indent=1) + "\n")
+        document = {"gpu": torch.cuda.get_device_name(), "args": vars(args) | {"out": str(args.out)}, "rows": rows}
+        args.out.write_text(json.dumps(document, indent=1) + "\n")
 
     causals = {"both": (True, False), "causal": (True,), "full": (False,)}[args.causal]
     for head_dim in (int(d) for d in args.head_dims.split(",")):
