@@ -5,7 +5,8 @@ only the compiler sees (a layout, a descriptor, a type) would reach a GPU untest
 a GPU when it is given the target, so each kernel is compiled here, ahead of time, for sm_90 at the launch configs
 the wrappers use, causal and not; nothing is launched. The compiled PTX must hold the matrix instructions the
 kernel is built around (a kernel whose dots were lost would still compile). A kernel given a block size its
-`tl.arange` cannot take must fail to compile: the negative control that the check compiles for real.
+`tl.arange` cannot take must fail to compile: the negative control that the check compiles for real. The Gluon
+forward compiles only where the installed Triton is the release it is written for (the GPU image's 3.6), else skips.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, GLUON_TRITON_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,9 +78,42 @@ for causal in (True, False):
 """
 
 
-def _compile(block_d: int) -> subprocess.CompletedProcess:
+# The Gluon forward at the launch shapes of both head dims and both schedules; its PTX must hold the warpgroup
+# matmuls, the TMA tile loads and the register hand-over between the warp-specialised partitions.
+_COMPILE_GLUON = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+import torch_impl.flash_gluon_forward as gf
+
+fn = gf._gluon_forward_kernel
+for head_dim in (128, 64):
+    for causal in (True, False):
+        config = gf.forward_config(head_dim, causal, 65536)
+        if causal:
+            config = gf.GluonConfig(**{**vars(config), "pingpong": not config.pingpong})
+        q_layout, kv_layout = gf.shared_layouts(torch.bfloat16, head_dim, config.block_n)
+        constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=config.block_n,
+                          NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, Q_LAYOUT=q_layout,
+                          KV_LAYOUT=kv_layout, CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs)
+        signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name == "Lse" else "*bf16"
+                     if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
+        source = GluonASTSource(fn=fn, signature=signature,
+                                constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "maxnreg": config.max_regs}).asm["ptx"]
+        for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"):
+            if op not in ptx:
+                sys.exit(f"gluon forward D={head_dim} causal={causal}: no {op} in its PTX")
+        print(f"compiled gluon forward D={head_dim} causal={causal} {config}", flush=True)
+"""
+
+
+def _compile(block_d: int, script: str = _COMPILE) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", _COMPILE, str(block_d)], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-c", script, str(block_d)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 
 
@@ -91,3 +127,11 @@ def test_a_kernel_the_compiler_rejects_fails_the_check():
     done = _compile(block_d=96)  # tl.arange needs a power of two: the compiler, not the interpreter, says so
     assert done.returncode != 0
     assert "compiled forward" not in done.stdout
+
+
+@pytest.mark.skipif(not GLUON_AVAILABLE, reason=f"the Gluon kernel is written for Triton {GLUON_TRITON_VERSION} "
+                                                f"(Gluon's API changes between releases)")
+def test_gluon_forward_compiles_for_sm90():
+    done = _compile(block_d=128, script=_COMPILE_GLUON)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled gluon forward") == 4

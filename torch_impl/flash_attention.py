@@ -3,9 +3,11 @@ ring attention calls, and the dispatch to the interchangeable kernel backends. T
 `jax_impl/flash_attention.py` (same names, same contract).
 
 Backends (`backend=`):
-  "triton"      ours, the default: per direction the faster of our two Triton paths as measured on H200 (today
-                the portable one both ways, see `_triton_path`); GQA native, any lengths, head dims
-                32/64/96/128/256, bf16/fp16/fp32.
+  "triton"      ours, the default: per direction the fastest of our Triton paths that runs the call, as measured
+                on H200 (`_forward_path`, `_backward_path`); GQA native, any lengths, head dims 32/64/96/128/256,
+                bf16/fp16/fp32.
+  "triton_gluon"     forces the Gluon sm_90 forward (`flash_gluon_forward.py`: warp-specialised TMA producer, two
+                ping-pong consumer warpgroups; Triton 3.6, head dims 64/128, bf16/fp16) with the portable backward.
   "triton_hopper"    forces the sm_90 path both ways (`flash_hopper_forward.py`, `flash_hopper_backward.py`: TMA
                 descriptors, one FA3-style backward kernel); head dims 64/128, bf16/fp16.
   "triton_portable"  forces the portable `tl` kernels (`flash_forward.py`, `flash_backward.py`), which the CPU
@@ -37,6 +39,7 @@ import torch
 from torch_impl.attention import reference_attention_backward, reference_attention_forward
 from torch_impl.flash_backward import triton_backward
 from torch_impl.flash_forward import KernelConfig, TritonConfig, interpreter_problem, triton_forward
+from torch_impl.flash_gluon_forward import gluon_forward, gluon_unsupported
 from torch_impl.flash_hopper_backward import hopper_backward
 from torch_impl.flash_hopper_forward import hopper_forward, hopper_unsupported
 from torch_impl.remat import keep_for_backward
@@ -44,8 +47,9 @@ from weights.attention import check_attention_shapes
 
 aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
 
-BACKENDS = ("triton", "reference", "sdpa_cudnn", "sdpa_flash", "flash_attn", "triton_hopper", "triton_portable")
-_TRITON_BACKENDS = ("triton", "triton_hopper", "triton_portable")
+BACKENDS = ("triton", "reference", "sdpa_cudnn", "sdpa_flash", "flash_attn", "triton_hopper", "triton_portable",
+            "triton_gluon")
+_TRITON_BACKENDS = ("triton", "triton_hopper", "triton_portable", "triton_gluon")
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -84,7 +88,7 @@ def _check_config(config, backend) -> None:
         return
     if not isinstance(config, TritonConfig):
         raise ValueError(f"config must be a flash_forward.TritonConfig or None, got {type(config).__name__}")
-    if _triton_path(backend) != "triton_portable":
+    if backend not in ("triton", "triton_portable"):  # a config means the portable kernels, both ways
         raise ValueError(f"config sets the portable Triton kernels' blocks; backend={backend!r} does not run them")
     for field in dataclasses.fields(config):
         name, entry = field.name, getattr(config, field.name)
@@ -106,6 +110,8 @@ def _check_backend_limits(backend, q, k_v, causal) -> None:
             raise ValueError(f"backend {backend!r} got CPU tensors but {problem}")
     if backend == "triton_hopper" and (reason := hopper_unsupported(q, *k_v)):
         raise ValueError(f"backend 'triton_hopper' {reason}; backend 'triton' falls back to the portable kernels")
+    if backend == "triton_gluon" and (reason := gluon_unsupported(q, *k_v)):
+        raise ValueError(f"backend 'triton_gluon' {reason}; backend 'triton' falls back to the portable kernels")
     if backend in ("sdpa_cudnn", "sdpa_flash", "flash_attn"):
         if backend == "flash_attn":
             _flash_attn_interface()
@@ -222,18 +228,29 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _triton_path(backend) -> str:
-    """'triton_hopper' or 'triton_portable': the forced one, or for "triton" the faster one as measured on H200
-    (compare/results/kernels-2026-11-22-h200-i13-hopper-*.json and i13-hopper-check-*): the portable kernels both
-    ways. The Hopper forward ties them at D=128 (499-520 TF/s against 498-518) and trails at D=64 (363-367 against
-    411-433); the one-kernel Hopper backward trails the two-kernel one (~310-345 TF/s against ~400)."""
-    return "triton_portable" if backend == "triton" else backend
+def _forward_path(backend, q, k, v, config) -> str:
+    """The forward kernels a Triton backend runs: the forced ones, or for "triton" the Gluon forward where it runs
+    the inputs (sm_90, Triton 3.6, D 64/128, 16-bit) and no portable `config` was given, else the portable one.
+    The tl Hopper forward is never picked: on H200 it ties the portable one at D=128 and trails at D=64
+    (compare/results/kernels-2026-11-22-h200-i13-hopper-*.json)."""
+    if backend != "triton":
+        return backend
+    return "triton_gluon" if config is None and gluon_unsupported(q, k, v) is None else "triton_portable"
+
+
+def _backward_path(backend) -> str:
+    """The backward kernels a Triton backend runs: the one-kernel Hopper backward only when forced (it trails the
+    portable two-kernel form on H200, ~310-345 TF/s against ~400), else the portable ones."""
+    return "triton_hopper" if backend == "triton_hopper" else "triton_portable"
 
 
 def _forward(q, k, v, causal, scale, out_dtype, backend, config):
     if backend in _TRITON_BACKENDS:
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        if _triton_path(backend) == "triton_hopper":
+        path = _forward_path(backend, q, k, v, config)
+        if path == "triton_gluon":
+            return gluon_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+        if path == "triton_hopper":
             return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
         return triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype,
                               config=None if config is None else config.forward)
@@ -248,7 +265,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, config, grad_dtyp
     if backend in _TRITON_BACKENDS:
         # dout joins q, k, v as a tensor-core operand, so it takes their dtype.
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout.to(q.dtype), q, k, v, out))
-        if _triton_path(backend) == "triton_hopper":
+        if _backward_path(backend) == "triton_hopper":
             return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
         return triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype,
                                config=config)

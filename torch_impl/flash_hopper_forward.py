@@ -2,7 +2,8 @@
 the tensor-memory accelerator through on-device tensor descriptors (`tl.make_tensor_descriptor`), 128-row query
 blocks and Hopper-sized configs, plus the `Config` both Hopper kernels take. Twin of
 `jax_impl/flash_hopper_forward.py`. The public API is `torch_impl.flash_attention`, backend "triton_hopper"
-("triton" runs the portable kernels, measured as fast or faster on H200: see `flash_attention._triton_path`).
+("triton" never picks this forward: the portable one measured as fast or faster on H200, see
+`flash_attention._forward_path`).
 
 A descriptor covers one (batch, head) slice [S, D] of q/k/v, so rows past the sequence read as zero and the kernel
 needs no row masks on its loads; the causal diagonal and the key tail are masked on the scores exactly as in the

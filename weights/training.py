@@ -34,7 +34,8 @@ TRAIN_FORMAT = "twinflash-train/1"  # the "format" of a training checkpoint's me
 IGNORE_INDEX = -100  # target of a position with no next token (torch's cross_entropy default ignore_index)
 LOGITS_CHUNK_ELEMENTS = 1 << 28  # default loss chunk: 256 Mi float32 logits (1 GiB) per chunk
 # ours first
-ATTENTION_BACKENDS = {"torch": ("triton", "reference", "sdpa_cudnn", "triton_hopper", "triton_portable"),
+ATTENTION_BACKENDS = {"torch": ("triton", "reference", "sdpa_cudnn", "triton_hopper", "triton_portable",
+                                "triton_gluon"),
                       "jax": ("pallas", "reference", "cudnn", "pallas_mosaic", "pallas_triton")}
 
 

@@ -5,7 +5,7 @@ Measured, bf16, batch 1, H=32, D=128 (defaults), for each S (--seq-lens), causal
               sdpa_flash  torch SDPA, FlashAttention-2 backend   } F.scaled_dot_product_attention on [B, H, S, D]
               sdpa_cudnn  torch SDPA, cuDNN backend              } under sdpa_kernel(...), enable_gqa for GQA
                           (a backend that refuses GQA is timed on K/V repeated beforehand, with a note)
-              triton_hopper, triton_portable  with --triton-paths: each of our Triton paths forced (the
+              triton_hopper, triton_portable, triton_gluon  with --triton-paths: each of our Triton paths forced (the
                           backends of those names), beside "triton", which picks among them
   jax part    pallas      ours, `jax_impl.flash_attention.flash_attention` on [B, S, H, D] (default backend)
               pallas_mosaic  ours forced to the Hopper Mosaic GPU kernels (backend="pallas_mosaic")
@@ -51,7 +51,7 @@ from weights.flops import attention_flops
 
 IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"),
          "jax": ("pallas", "pallas_mosaic", "jax_cudnn", "pallas_mha", "tokamax")}
-TRITON_PATHS = ("triton_hopper", "triton_portable")  # measured only when --triton-paths names them
+TRITON_PATHS = ("triton_hopper", "triton_portable", "triton_gluon")  # measured only when --triton-paths names them
 RATIOS = (("ours/FA2", "triton", "sdpa_flash"), ("ours/cuDNN", "triton", "sdpa_cudnn"),
           ("pallas/mha", "pallas", "pallas_mha"), ("pallas/jax-cuDNN", "pallas", "jax_cudnn"),
           ("mosaic/jax-cuDNN", "pallas_mosaic", "jax_cudnn"), ("mosaic/tokamax", "pallas_mosaic", "tokamax"))

@@ -1,0 +1,108 @@
+"""Config sweep of the Gluon sm_90 forward (`torch_impl.flash_gluon_forward`) on one GPU
+(`python -m compare.bench.gluon_sweep`), beside the portable Triton forward and SDPA cuDNN in the same process.
+
+For each head dim (--head-dims) and causal setting (--causal), bf16, B=1, S (--seq-len), H (--heads), Hkv
+(--kv-heads): the forward alone, timed with triton.testing.do_bench (median, CUDA events) as `kernel_bench` times
+it; TFLOP/s from `weights.flops.attention_flops`. Every Gluon config's output is compared with the portable
+forward's (max_abs_diff, float32 out), so a fast wrong config stands out; a config that does not fit (shared
+memory) or fails is recorded as an error row and the sweep goes on. Prints one JSON object per row, writes them all
+to --out after each row (a run cut short keeps what it measured), and a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from weights.flops import attention_flops
+
+
+def candidates(head_dim: int, causal: bool):
+    """GluonConfigs to time: the default first, then the schedule (ping-pong or not), tile width and ring depth
+    varied around it. Non-causal points time the two schedules only (to keep the sweep short)."""
+    from torch_impl.flash_gluon_forward import GluonConfig, forward_config
+
+    default = forward_config(head_dim, causal, 0)
+    space = [default, GluonConfig(**{**vars(default), "pingpong": not default.pingpong})]
+    if causal:
+        space += [GluonConfig(block_n=64, num_stages=s) for s in (3, 4)]
+        space += [GluonConfig(num_stages=2, pingpong=p) for p in (True, False)] if head_dim == 64 else []
+    return list(dict.fromkeys(space))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m compare.bench.gluon_sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=32)
+    parser.add_argument("--head-dims", default="128,64")
+    parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    from torch_impl.flash_forward import triton_forward
+    from torch_impl.flash_gluon_forward import gluon_forward
+
+    rows = []
+
+    def record(**row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        document = {"gpu": torch.cuda.get_device_name(), "args": vars(args) | {"out": str(args.out)}, "rows": rows}
+        args.out.write_text(json.dumps(document, indent=1) + "\n")
+
+    causals = {"both": (True, False), "causal": (True,), "full": (False,)}[args.causal]
+    for head_dim in (int(d) for d in args.head_dims.split(",")):
+        q = torch.randn(1, args.seq_len, args.heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, args.seq_len, args.kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        scale = head_dim ** -0.5
+        heads_major = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
+        for causal in causals:
+            flops = attention_flops(1, args.heads, args.seq_len, args.seq_len, head_dim, causal, False)
+            point = dict(S=args.seq_len, heads=args.heads, kv_heads=args.kv_heads, head_dim=head_dim, causal=causal)
+
+            def timed(name, fn, **extra):
+                try:
+                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                    record(impl=name, **point, fwd_ms=ms, fwd_tflops=flops / (ms * 1e-3) / 1e12, **extra)
+                except Exception as err:  # a config that does not fit is a result, not a crash
+                    record(impl=name, **point, error=f"{type(err).__name__}: {err}"[:300], **extra)
+
+            want, _ = triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
+            timed("triton_portable", lambda: triton_forward(q, k, v, causal=causal, softmax_scale=scale,
+                                                            out_dtype=q.dtype))
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                timed("sdpa_cudnn", lambda: F.scaled_dot_product_attention(
+                    *heads_major, is_causal=causal, enable_gqa=args.kv_heads != args.heads))
+            for config in candidates(head_dim, causal):
+                try:
+                    got, _ = gluon_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32,
+                                           config=config)
+                    diff = (got - want).abs().max().item()
+                except Exception as err:
+                    record(impl="triton_gluon", **point, config=str(config), error=f"{type(err).__name__}: {err}"[:300])
+                    continue
+                timed("triton_gluon", lambda: gluon_forward(q, k, v, causal=causal, softmax_scale=scale,
+                                                            out_dtype=q.dtype, config=config),
+                      config=str(config), max_abs_diff=diff)
+            torch.cuda.empty_cache()
+
+    print(f"{'D':>4} {'causal':>6} {'impl':<16} {'TF/s':>7} {'diff':>9}  config")
+    for row in rows:
+        tflops = f"{row['fwd_tflops']:7.1f}" if "fwd_tflops" in row else "  error"
+        diff = f"{row['max_abs_diff']:9.2e}" if "max_abs_diff" in row else " " * 9
+        print(f"{row['head_dim']:>4} {str(row['causal']):>6} {row['impl']:<16} {tflops} {diff}  "
+              f"{row.get('config', '')}{row.get('error', '')[:100]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,347 @@
+"""Hopper (sm_90) FlashAttention forward written in Gluon (`triton.experimental.gluon`, Triton 3.6): the FA3
+structure that Triton's `tl` language cannot express. The public API is `torch_impl.flash_attention`, backend
+"triton_gluon" (forced) or "triton" (picked on sm_90 where `gluon_unsupported` is None: see
+`flash_attention._forward_path`). Same contract as the portable forward (`flash_forward.py`): out [B, Sq, H, D] in
+any float dtype, lse [B, H, Sq] float32, GQA read in place, any lengths, bottom-right causal alignment, a row that
+sees no key gets out 0 and lse -inf.
+
+One program owns 128 query rows of one (batch, head) and runs three partitions (`gl.warp_specialize`):
+  - a producer warp that moves tiles with the tensor-memory accelerator: the two 64-row Q tiles once, then K and V
+    tiles into `num_stages`-deep rings, each slot guarded by a ready barrier (TMA transaction count) and an empty
+    barrier that both consumers release;
+  - two consumer warpgroups of 64 query rows each (the default partition and one worker). Each keeps its online
+    softmax in registers and overlaps its own matmuls: S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}
+    (`warpgroup_mma` async), and the softmax of S_j runs while the P V matmul is still in flight;
+  - with `pingpong`, the consumers take turns issuing their matmuls (two mbarriers passed back and forth), so that
+    one warpgroup's softmax runs while the other's matmuls occupy the tensor cores.
+Keys are walked in three parts: the first tile (always masked: it may be the only, partly visible, one), the tiles
+every row sees in full (no mask), and the causal diagonal / key tail (masked). Causal query blocks are launched
+longest first. Tensor descriptors are made on the device per (batch, head) slice, so rows past a sequence's end
+read as zero; the output goes out with plain masked stores, since a ring asks for float32 partial outputs.
+
+Torch only, no JAX twin: JAX's sm_90 forward is the Pallas Mosaic GPU kernel (`jax_impl/flash_hopper_forward.py`).
+Gluon has no interpreter: CPU CI compiles this kernel for sm_90 (tests/test_triton_compile.py) where the installed
+Triton is the one it is written for, and GPU tests hold it to the portable kernel and cuDNN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+
+from torch_impl.flash_forward import INTERPRETED, LN2, LOG2E, seq_bucket
+from torch_impl.flash_hopper_forward import HOPPER_DTYPES, HOPPER_HEAD_DIMS, hopper_unsupported, \
+    set_descriptor_allocator
+
+# Gluon's API changes between Triton releases; this kernel is written and checked against this one.
+GLUON_TRITON_VERSION = "3.6"
+GLUON_AVAILABLE = triton.__version__.startswith(GLUON_TRITON_VERSION + ".")
+if GLUON_AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    jit = gluon.jit
+else:  # the kernels below are then never compiled or launched; `gluon_unsupported` says why
+    def jit(fn):
+        return fn
+
+ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma tile height; two consumers make the 128-row query block
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonConfig:
+    """Launch shape of the Gluon forward: `block_n` keys per step, `num_stages` K/V tiles in flight, `pingpong`
+    whether the two consumers alternate their matmuls, and the register split (`consumer_regs` for the worker
+    consumer, `producer_regs` for the TMA warp; the default consumer gets what `max_regs` leaves)."""
+    block_n: int = 128
+    num_stages: int = 2
+    pingpong: bool = True
+    max_regs: int = 168
+    consumer_regs: int = 232
+    producer_regs: int = 40
+
+
+def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the Gluon forward cannot run these (validated) inputs, or None when it can."""
+    if INTERPRETED:
+        return "has no interpreter (Gluon kernels only compile for a GPU)"
+    if not GLUON_AVAILABLE:
+        return (f"is written for Triton {GLUON_TRITON_VERSION} (Gluon's API changes between releases), "
+                f"got {triton.__version__}")
+    return hopper_unsupported(q, k, v)
+
+
+def forward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonConfig:
+    """The launch shape for a call class, as measured on H200 at 16k (compare/results/kernels-gluon-2026-11-22-h200/
+    gluon-sweep.json). D=128: 128-key tiles, 2 stages (3 do not fit shared memory; 64-key tiles ran 537-543 TF/s
+    against 587-591 causal); ping-pong and not tie (587 / 591 causal, 609 / 606 full). D=64: 3 stages, no
+    ping-pong (433 against 420 causal)."""
+    del causal, seq_bucket
+    if head_dim == 128:
+        return GluonConfig(num_stages=2, pingpong=True)
+    return GluonConfig(num_stages=3, pingpong=False)
+
+
+@jit
+def _load_partition(args):
+    (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready, v_empty, turns,
+     row0, n_tiles, seq_q, seq_k, qk_scale, o_base, stride_os, lse_base) = args
+    num_stages: gl.constexpr = k_bufs.type.shape[0]
+    block_n: gl.constexpr = k_bufs.type.shape[1]
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0 + c * q_desc.block_type.shape[0], 0], q_bars.index(c),
+                                        q_bufs.index(c))
+    # K then V per step: the consumers need K_j before V_{j-1}, so K runs one tile ahead of V on the wire.
+    for j in range(n_tiles):
+        slot = j % num_stages
+        phase = (j // num_stages) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * block_n, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [j * block_n, 0], v_ready.index(slot), v_bufs.index(slot))
+
+
+@jit
+def _take_turn(turns, consumer: gl.constexpr, step, PINGPONG: gl.constexpr):
+    """Wait until the other consumer has issued its matmuls of the previous step (consumer 0 starts)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(consumer), (step & 1) ^ (1 - consumer))
+
+
+@jit
+def _pass_turn(turns, consumer: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - consumer), count=1)
+
+
+@jit
+def _softmax_step(s, l_i, m_i, start_n, rows, seq_k, diagonal, qk_scale,
+                  MASKED: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+    """One key tile's online-softmax update from raw scores `s`: (p, alpha, l_i, m_i), m_i in log2 units."""
+    if MASKED:
+        cols = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
+        visible = gl.expand_dims(cols, 0) < seq_k
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + diagonal)
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; subtracting 0 keeps its p at 0 instead of NaN.
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_shift, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_shift = m_new
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
+    alpha = gl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@jit
+def _key_steps(acc, l_i, m_i, p, q_buf, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turns, rows,
+               first, last, seq_k, diagonal, qk_scale, consumer: gl.constexpr, MASKED: gl.constexpr,
+               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Steps j in [first, last): issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, softmax S_j while the second runs,
+    then rescale O once it has landed. `p` carries P_{j-1} between steps."""
+    num_stages: gl.constexpr = k_bufs.type.shape[0]
+    block_n: gl.constexpr = k_bufs.type.shape[1]
+    block_m: gl.constexpr = q_buf.type.shape[0]
+    for j in range(first, last):
+        slot = j % num_stages
+        prev = (j - 1) % num_stages
+        mbarrier.wait(k_ready.index(slot), (j // num_stages) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // num_stages) & 1)
+        _take_turn(turns, consumer, j, PINGPONG)
+        s = warpgroup_mma(q_buf, k_bufs.index(slot).permute((1, 0)),
+                          gl.zeros([block_m, block_n], gl.float32, s_layout), use_acc=False,
+                          is_async=True)
+        acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+        _pass_turn(turns, consumer, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p_new, alpha, l_i, m_i = _softmax_step(s, l_i, m_i, j * block_n, rows, seq_k, diagonal, qk_scale, MASKED,
+                                               CAUSAL, s_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+        p = gl.convert_layout(p_new.to(v_bufs.dtype), p_layout)
+    return acc, l_i, m_i, p
+
+
+@jit
+def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready, v_empty, turns,
+     row0, n_tiles, seq_q, seq_k, qk_scale, o_base, stride_os, lse_base) = args
+    num_stages: gl.constexpr = k_bufs.type.shape[0]
+    block_n: gl.constexpr = k_bufs.type.shape[1]
+    block_m: gl.constexpr = q_bufs.type.shape[1]
+    head_dim: gl.constexpr = q_bufs.type.shape[2]
+    k_step: gl.constexpr = 256 // q_desc.dtype.primitive_bitwidth
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, block_n, k_step])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, head_dim, k_step])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // q_desc.dtype.primitive_bitwidth)
+    my_row0 = row0 + consumer * block_m
+    rows = my_row0 + gl.arange(0, block_m, layout=gl.SliceLayout(1, s_layout))
+    diagonal = seq_k - seq_q
+    q_buf = q_bufs.index(consumer)
+    mbarrier.wait(q_bars.index(consumer), 0)
+
+    # Step 0: S_0 alone (no P V before it), always masked.
+    mbarrier.wait(k_ready.index(0), 0)
+    _take_turn(turns, consumer, 0, PINGPONG)
+    s = warpgroup_mma(q_buf, k_bufs.index(0).permute((1, 0)), gl.zeros([block_m, block_n], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    _pass_turn(turns, consumer, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    m_i = gl.full([block_m], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([block_m], gl.float32, gl.SliceLayout(1, s_layout))
+    p, alpha, l_i, m_i = _softmax_step(s, l_i, m_i, 0, rows, seq_k, diagonal, qk_scale, True, CAUSAL, s_layout)
+    p = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+    acc = gl.zeros([block_m, head_dim], gl.float32, o_layout)
+
+    # Tiles [1, full) are ones this consumer's rows all see whole; the walk both consumers share ends at n_tiles.
+    if CAUSAL:  # query i sees key j iff j <= i + diagonal
+        seen_by_all = gl.minimum(my_row0 + diagonal + 1, seq_k)
+    else:
+        seen_by_all = seq_k
+    full = gl.minimum(gl.maximum(seen_by_all // block_n, 1), n_tiles)
+    acc, l_i, m_i, p = _key_steps(acc, l_i, m_i, p, q_buf, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                  turns, rows, 1, full, seq_k, diagonal, qk_scale, consumer, False, CAUSAL,
+                                  PINGPONG, s_layout, p_layout)
+    acc, l_i, m_i, p = _key_steps(acc, l_i, m_i, p, q_buf, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                  turns, rows, full, n_tiles, seq_k, diagonal, qk_scale, consumer, True, CAUSAL,
+                                  PINGPONG, s_layout, p_layout)
+
+    # Last step: O += P_{n-1} V_{n-1}.
+    last = n_tiles - 1
+    mbarrier.wait(v_ready.index(last % num_stages), (last // num_stages) & 1)
+    _take_turn(turns, consumer, n_tiles, PINGPONG)
+    acc = warpgroup_mma(p, v_bufs.index(last % num_stages), acc, is_async=True)
+    _pass_turn(turns, consumer, PINGPONG)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(last % num_stages), count=1)
+
+    sees_nothing = l_i == 0.0
+    l_safe = gl.where(sees_nothing, 1.0, l_i)
+    lse = gl.where(sees_nothing, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    out_rows = my_row0 + gl.arange(0, block_m, layout=gl.SliceLayout(1, o_layout))
+    out_cols = gl.arange(0, head_dim, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (o_base + gl.expand_dims(out_rows.to(gl.int64) * stride_os, 1) + gl.expand_dims(out_cols, 0))
+    gl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=gl.expand_dims(out_rows < seq_q, 1))
+    gl.store(lse_base + rows, lse, mask=rows < seq_q)
+
+
+@jit
+def _consumer0(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    _consume(args, 0, CAUSAL, PINGPONG)
+
+
+@jit
+def _consumer1(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    _consume(args, 1, CAUSAL, PINGPONG)
+
+
+@jit
+def _producer(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    _load_partition(args)
+
+
+@jit
+def _gluon_forward_kernel(Q, K, V, Out, Lse,
+                          stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                          stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                          n_heads, group, seq_q, seq_k, softmax_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                          Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BLOCK_M: gl.constexpr = 2 * 64
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // n_heads
+    head = pid_bh % n_heads
+    kv_head = head // group  # GQA: query heads [kv_head * group, (kv_head + 1) * group) read this K/V head
+    if CAUSAL:  # the last query blocks see the most keys: launched first, the grid's tail is short
+        row0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    else:
+        row0 = gl.program_id(0) * BLOCK_M
+    diagonal = seq_k - seq_q
+    if CAUSAL:  # the block's last row sees keys up to row0 + BLOCK_M - 1 + diagonal
+        end = gl.minimum(row0 + BLOCK_M + diagonal, seq_k)
+    else:
+        end = seq_k
+    # At least one (then fully masked) tile, so a block that sees no key still runs the same pipeline.
+    n_tiles = gl.maximum(gl.cdiv(end, BLOCK_N), 1)
+
+    q_desc = tma.make_tensor_descriptor(Q + batch.to(gl.int64) * stride_qb + head.to(gl.int64) * stride_qh,
+                                        [seq_q, HEAD_DIM], [stride_qs, 1], [64, HEAD_DIM], Q_LAYOUT)
+    k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
+                                        [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_desc = tma.make_tensor_descriptor(V + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh,
+                                        [seq_k, HEAD_DIM], [stride_vs, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 64, HEAD_DIM], Q_LAYOUT)
+    k_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_bufs = gl.allocate_shared_memory(V.dtype.element_ty, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_bars.index(c), count=1)
+        mbarrier.init(turns.index(c), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # released by both consumers
+        mbarrier.init(v_empty.index(i), count=2)
+
+    o_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+    lse_base = Lse + (batch * n_heads + head).to(gl.int64) * seq_q
+    args = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready, v_empty, turns,
+            row0, n_tiles, seq_q, seq_k, softmax_scale * LOG2E, o_base, stride_os, lse_base)
+    gl.warp_specialize([
+        (_consumer0, (args, CAUSAL, PINGPONG)),
+        (_consumer1, (args, CAUSAL, PINGPONG)),
+        (_producer, (args, CAUSAL, PINGPONG)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def shared_layouts(dtype: torch.dtype, head_dim: int, block_n: int):
+    """(Q tile, K/V tile) shared-memory layouts: the widest swizzle for a [rows, head_dim] 16-bit tile."""
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, head_dim], element),
+            gl.NVMMASharedLayout.get_default_for([block_n, head_dim], element))
+
+
+def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
+                  out_dtype: torch.dtype, config: GluonConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the Gluon forward on validated, supported inputs (`gluon_unsupported` is None):
+    (out [B, Sq, H, D] in out_dtype, lse [B, H, Sq] float32)."""
+    batch, seq_q, n_heads, head_dim = q.shape
+    seq_k, n_kv_heads = k.shape[1], k.shape[2]
+    config = config or forward_config(head_dim, causal, seq_bucket(seq_q, seq_k))
+    out = torch.empty((batch, seq_q, n_heads, head_dim), dtype=out_dtype, device=q.device)
+    lse = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=q.device)
+    q_layout, kv_layout = shared_layouts(q.dtype, head_dim, config.block_n)
+    set_descriptor_allocator(q.device)
+    _gluon_forward_kernel[(triton.cdiv(seq_q, 2 * ROWS_PER_CONSUMER), batch * n_heads)](
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        n_heads, n_heads // n_kv_heads, seq_q, seq_k, softmax_scale, HEAD_DIM=head_dim, CAUSAL=causal,
+        BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, Q_LAYOUT=q_layout,
+        KV_LAYOUT=kv_layout,
+        CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
+        num_warps=4, maxnreg=config.max_regs)
+    return out, lse
