@@ -24,6 +24,10 @@ fp32 dQ in global memory by TMA reduce-add:
     split in chunks of 64 between the warpgroups (D=64: one chunk, taken by the warpgroups in turn);
   - the fp32 chunk goes out by `copy_smem_to_gmem(..., reduction_op="add")` into a zeroed dQ that the kernel
     takes as a mutable JAX Ref (aliased in and out: `pl.kernel` with a `plgpu.Mesh`).
+Measured on an H200 (D=128, S=16k, compare/results/README.md, 2026-11-22), the one-kernel form reaches 407-441
+TFLOP/s fwd+bwd against the two-kernel form's 456-464, so "two_kernel" is the default: here each of its five
+wgmmas runs to completion before the next step (the matmul helpers wait), and every step adds a barrier between
+the two warpgroups plus an fp32 shared-memory round trip and TMA reduce-add for dQ, with nothing to overlap them.
 GPU interpreter: it has no TMA reduction (nor aliased Refs), so under interpretation (lines marked INTERPRET) each
 CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the wrapper adds the slices up
 (the slices of query blocks a causal CTA never visits are masked out there). Everything else is the same code.

@@ -61,16 +61,17 @@ class HopperConfig:
     """Block sizes of the Mosaic kernels. Forward: each compute warpgroup owns `block_q` query rows (a CTA
     2 * block_q) and steps over K/V by `block_kv` through `num_stages` shared-memory slots. Backward dK/dV: a
     warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
-    owns `bwd_block_q` query rows and steps over keys by `bwd_block_kv`. `bwd_form`: "one_kernel" (FA3: dQ
-    too comes from the dK/dV kernel, added up in fp32 by TMA reduce-add) or "two_kernel" (a separate dQ
-    kernel); see flash_hopper_backward.py."""
+    owns `bwd_block_q` query rows and steps over keys by `bwd_block_kv`. `bwd_form`: "two_kernel" (a separate dQ
+    kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in fp32 by TMA reduce-add);
+    see flash_hopper_backward.py. The two-kernel form is the default: 456-464 TFLOP/s fwd+bwd against the
+    one-kernel form's 407-441 on an H200 (D=128, S=16k; compare/results/README.md, 2026-11-22)."""
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
     bwd_block_q: int = 64
     bwd_block_kv: int = 64
     bwd_num_stages: int = 2
-    bwd_form: str = "one_kernel"
+    bwd_form: str = "two_kernel"
 
     def __post_init__(self):
         if self.bwd_form not in BACKWARD_FORMS:

@@ -7,8 +7,8 @@ set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 T0=$(date +%s)
 stamp() { echo "[gpu_call] $1 at +$(( $(date +%s) - T0 ))s"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    ../whl-tokamax/*.whl > "$OUT/pip.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$PWD/.peers-site" \
+    ../whl-tokamax/*.whl > "$OUT/pip.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:$PWD/.peers-site"
 stamp "tokamax wheels: $(tail -1 "$OUT/pip.log")"
 cp COMMIT "$OUT/commit.txt"; nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/gpu.txt"
 timeout 110 python3 -m pytest -q -m gpu -x tests/test_flash_hopper_jax.py > "$OUT/gpu-tests-mosaic.log" 2>&1
