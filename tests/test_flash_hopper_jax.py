@@ -80,7 +80,8 @@ def test_config_rejects_blocks_wgmma_cannot_tile():
     with pytest.raises(ValueError, match="bwd_form"):
         HopperConfig(bwd_form="three_kernel")
     with pytest.raises(ValueError, match="bwd_block_q == bwd_block_kv"):
-        HopperConfig(bwd_block_kv=128)
+        HopperConfig(bwd_block_kv=128, bwd_form="one_kernel")
+    HopperConfig(bwd_block_kv=128)  # the two-kernel form takes unequal backward blocks
 
 
 # ---------------------------------------------------------------------------------------------------------------
