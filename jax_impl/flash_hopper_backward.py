@@ -1,4 +1,4 @@
-"""FlashAttention backward for Hopper (sm90) as two Pallas Mosaic GPU kernels, fp32 gradients. Twin of
+"""FlashAttention backward for Hopper (sm90) as Pallas Mosaic GPU kernels, fp32 gradients. Twin of
 `torch_impl/flash_hopper_backward.py`; the config, producer loop, step ranges and interpreter switch come
 from `flash_hopper_forward.py`.
 
@@ -15,16 +15,34 @@ out) and lse in the exp2 domain (rows with lse -inf and padded rows get +inf, so
     blocks as in the forward (unmasked, then masked steps; longest tiles first). Per step (3 wgmmas):
     S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
 The softmax scale multiplies dQ and dK once at the end.
+
+`HopperConfig.bwd_form` picks the form: "two_kernel" runs both kernels above; "one_kernel" (FlashAttention-3's
+form, 5 wgmmas per step, no dQ kernel) runs the dK/dV kernel only, which also adds each step's dQ share into an
+fp32 dQ in global memory by TMA reduce-add:
+  - each compute warpgroup stores its dS^T tile (bf16) to shared memory; after a barrier between the two,
+    dQ[block] += dS K over the CTA's 2 * bwd_block_kv keys (two wgmmas, dS^T read transposed), its D columns
+    split in chunks of 64 between the warpgroups (D=64: one chunk, taken by the warpgroups in turn);
+  - the fp32 chunk goes out by `copy_smem_to_gmem(..., reduction_op="add")` into a zeroed dQ that the kernel
+    takes as a mutable JAX Ref (aliased in and out: `pl.kernel` with a `plgpu.Mesh`).
+Measured on an H200 (D=128, S=16k, compare/results/README.md, 2026-11-22), the one-kernel form reaches 407-441
+TFLOP/s fwd+bwd against the two-kernel form's 456-464, so "two_kernel" is the default: here each of its five
+wgmmas runs to completion before the next step (the matmul helpers wait), and every step adds a barrier between
+the two warpgroups plus an fp32 shared-memory round trip and TMA reduce-add for dQ, with nothing to overlap them.
+GPU interpreter: it has no TMA reduction (nor aliased Refs), so under interpretation (lines marked INTERPRET) each
+CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the wrapper adds the slices up
+(the slices of query blocks a causal CTA never visits are masked out there). Everything else is the same code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -35,6 +53,7 @@ from .flash_hopper_forward import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, PRODUC
 
 # jax 0.10's plgpu.load takes an index argument that 0.11 dropped.
 _LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
+DQ_CHUNK = 64  # dQ columns per reduce-add tile: one 128-byte-swizzle tile of K, half of D=128
 
 
 def _load_stats(ref, kind, *, interpret: bool):
@@ -45,21 +64,43 @@ def _load_stats(ref, kind, *, interpret: bool):
 
 
 def _store_fp32(results, out_smem, out_refs):
-    """Write fp32 register tiles to global memory through one shared-memory tile, one after the other."""
+    """Write fp32 register tiles [rows, D] to global memory [..., rows, ..., D] through one shared-memory tile
+    [rows, width], one column chunk of `width` after the other."""
+    width = out_smem.shape[-1]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a reduce-add of the one-kernel form may still read it
     for result, out_ref in zip(results, out_refs):
-        out_smem[...] = result
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_ref)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for first in range(0, result.shape[-1], width):
+            out_smem[...] = result[:, first:first + width] if width < result.shape[-1] else result
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[..., pl.ds(first, width)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_ref, k_smem2, v_smem2, out_smem2,
-                 q_smem, dout_smem, lse_smem, delta_smem, kv_barriers, q_barriers, dout_barriers, lse_barriers,
-                 delta_barriers, consumed, *, causal: bool, scale: float, block_q: int, block_kv: int, stages: int,
-                 group: int, offset: int, num_q_blocks: int, interpret: bool):
+def _matmul_tn_sum(pairs, *, interpret: bool):
+    """sum of a^T @ b in fp32 over (a, b) shared-memory tile pairs (wgmmas reading a transposed, one
+    accumulator)."""
+    if interpret:  # INTERPRET: plain dots (see flash_hopper_forward's docstring)
+        return sum(lax.dot_general(a[...], b[...], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                   for a, b in pairs)
+
+    def compute(acc_ref):
+        for a, b in pairs:
+            plgpu.wgmma(acc_ref, plgpu.transpose_ref(a, (1, 0)), b)
+        return acc_ref[...]
+    a, b = pairs[0]
+    return pl.run_scoped(compute, plgpu.ACC((a.shape[1], b.shape[1]), jnp.float32))
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_ref, dv_ref, k_smem2, v_smem2,
+                 out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, kv_barriers, q_barriers, dout_barriers,
+                 lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool, scale: float, block_q: int,
+                 block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int, interpret: bool):
+    """dK/dV (and with `dq_ref`, the one-kernel form, dQ by reduce-add; else dq_ref, ds_smem and ds_ready are
+    None)."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
-    cta_first = lax.axis_index("kv_tile") * (COMPUTE_WARPGROUPS * block_kv)
+    kv_tile = lax.axis_index("kv_tile")
+    cta_first = kv_tile * (COMPUTE_WARPGROUPS * block_kv)
 
     def q_range(k_first):
         """(first query block seeing any of the keys from k_first on, first query block seeing them all)."""
@@ -79,12 +120,31 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        k_smem, v_smem, out_smem = k_smem2.at[wg], v_smem2.at[wg], out_smem2.at[wg]
         k_first, rows = warpgroup_rows(cta_first, wg, block_kv, batch, kv_head)
         copy_in(((k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)), kv_barriers, 2 * wg)
         _, full_start = q_range(k_first)
         dim = k_smem.shape[-1]
         zeros = layout(jnp.zeros((block_kv, dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
+
+        def add_dq(t, parity):
+            """dQ[block t] += dS K over the CTA's keys, for the column chunks this warpgroup takes at step t."""
+            q_block, head = q_block_and_head(t)
+            rows = (batch, pl.ds(q_block * block_q, block_q), head)
+            for chunk in range(max(dim // DQ_CHUNK, 1)):
+                cols = pl.ds(chunk * DQ_CHUNK, min(DQ_CHUNK, dim))
+
+                @pl.when(lax.rem(chunk + t, COMPUTE_WARPGROUPS) == wg)
+                def _():
+                    dq = _matmul_tn_sum([(ds_smem.at[parity, w], k_smem2.at[w, :, cols])
+                                         for w in range(COMPUTE_WARPGROUPS)], interpret=interpret)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read dq_smem
+                    out_smem[...] = dq * scale
+                    plgpu.commit_smem()
+                    if interpret:  # INTERPRET: no TMA reduction; this CTA's own slice, added up by the wrapper
+                        plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[(kv_tile,) + rows + (cols,)])
+                    else:
+                        plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[rows + (cols,)], reduction_op="add")
 
         def step(t, carry, *, masked: bool):
             dk, dv = carry
@@ -101,9 +161,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_
             dv = matmul_acc(dv, probs_t.astype(dout_smem.dtype), dout_smem.at[slot], interpret=interpret)
             dprobs_t = matmul_nt(v_smem, dout_smem.at[slot], interpret=interpret)
             delta = _load_stats(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
-            dscores_t = probs_t * (dprobs_t - lax.broadcast_in_dim(delta, dprobs_t.shape, [1]))
-            dk = matmul_acc(dk, dscores_t.astype(q_smem.dtype), q_smem.at[slot], interpret=interpret)
+            dscores_t = (probs_t * (dprobs_t - lax.broadcast_in_dim(delta, dprobs_t.shape, [1]))).astype(q_smem.dtype)
+            if dq_ref is not None:
+                # dS^T tiles alternate between two buffers: a warpgroup writes buffer t % 2 again only after the
+                # ds_ready barrier of step t + 1, which the other reaches after its dQ wgmmas of step t.
+                parity = lax.rem(t - begin, 2)
+                ds_smem.at[parity, wg][...] = dscores_t
+                plgpu.commit_smem()
+            dk = matmul_acc(dk, dscores_t, q_smem.at[slot], interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
+            if dq_ref is not None:
+                plgpu.barrier_arrive(ds_ready)
+                plgpu.barrier_wait(ds_ready)
+                add_dq(t, parity)
             return dk, dv
 
         carry = (zeros, zeros)
@@ -113,7 +183,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_
                               carry)
         dk, dv = carry
         out_rows = (batch, pl.ds(k_first, block_kv), kv_head)
-        _store_fp32((dk * scale, dv), out_smem2.at[wg], (dk_ref.at[out_rows], dv_ref.at[out_rows]))
+        _store_fp32((dk * scale, dv), out_smem, (dk_ref.at[out_rows], dv_ref.at[out_rows]))
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _producer():
@@ -189,17 +259,38 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
 
 
 def _launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, interpret: bool, name: str):
-    """plgpu.kernel with named scratch buffers (allocated collectively for all warpgroups) and a named grid."""
-    names = list(scratch)
+    """A Mosaic GPU kernel over a named grid with named scratch buffers (allocated collectively for all
+    warpgroups; a None entry reaches the kernel as None). `pl.kernel` with a `plgpu.Mesh` rather than
+    `plgpu.kernel`, whose batching wrapper does not take the mutable Refs of the one-kernel form's dQ."""
+    names = [name for name, value in scratch.items() if value is not None]
 
     def entry(*refs):
-        pl.run_scoped(lambda *smem: kernel(*refs, **dict(zip(names, smem))), *scratch.values(),
-                      collective_axes="wg")
+        def body(*smem):
+            kernel(*refs, **({name: None for name in scratch} | dict(zip(names, smem))))
+        pl.run_scoped(body, *(scratch[name] for name in names), collective_axes="wg")
 
-    return plgpu.kernel(entry, out_type=out_type, grid=tuple(grid.values()), grid_names=tuple(grid),
-                        num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(approx_math=True),
-                        interpret=interpret_params(interpret), kernel_name=name)(*inputs)
+    mesh = plgpu.Mesh(grid=tuple(grid.values()), grid_names=tuple(grid), num_threads=COMPUTE_WARPGROUPS + 1,
+                      thread_name="wg", kernel_name=name)
+    # As plgpu.kernel does: inside jax.shard_map the kernel's varying-axes check cannot see through the Refs.
+    with _unchecked_vma():
+        return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True),
+                         interpret=interpret_params(interpret) or False, name=name)(*inputs)
+
+
+def _unchecked_vma():
+    check_vma = getattr(jax_config, "_check_vma", None)  # a private switch: absent, there is nothing to turn off
+    return check_vma(False) if check_vma is not None else contextlib.nullcontext()
+
+
+def _summed_dq_slices(dq_slices, *, causal: bool, keys_per_cta: int, block_q: int, offset: int):
+    """INTERPRET: dQ from the per-CTA slices [K/V tiles, B, Sq, H, D]; a causal CTA never writes the query
+    blocks before the first one that sees its keys, so those are masked out (not assumed zero)."""
+    tiles, q_len = dq_slices.shape[0], dq_slices.shape[2]
+    if causal:
+        first_block = jnp.maximum(jnp.arange(tiles) * keys_per_cta - offset, 0) // block_q
+        written = jnp.arange(q_len)[None, :] // block_q >= first_block[:, None]
+        dq_slices = jnp.where(written[:, None, :, None, None], dq_slices, 0.0)
+    return dq_slices.sum(axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "config", "interpret"))
@@ -228,39 +319,76 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     def tiles(count, rows):
         return plgpu.SMEM((count, rows, head_dim), dtype, transforms=transforms)
 
+    one_kernel = config.bwd_form == "one_kernel"
     stages = min(config.bwd_num_stages, num_q_blocks * group)
-    dk, dv = _launch(
-        functools.partial(_dkdv_kernel, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
-                          stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
-                          interpret=interpret),
+    out_width = min(DQ_CHUNK, head_dim)  # fp32 tiles leave through shared memory in column chunks
+    dq_shape = (batch, q_len, heads, head_dim)
+    dkdv_out = (output_struct(k.shape, jnp.float32, *inputs), output_struct(v.shape, jnp.float32, *inputs))
+    kv_tiles = k_len // (wgs * block_kv)
+    dkdv_inputs = inputs
+    if one_kernel and interpret:  # INTERPRET: per-CTA dQ slices instead of a reduce-add target
+        dkdv_out = (output_struct((kv_tiles,) + dq_shape, jnp.float32, *inputs),) + dkdv_out
+    elif one_kernel:
+        dkdv_inputs = inputs + (jax.new_ref(jnp.zeros(dq_shape, jnp.float32)),)
+
+    def dkdv_kernel(*refs, **smem):
+        if not one_kernel:
+            refs = refs[:len(inputs)] + (None,) + refs[len(inputs):]
+        _dkdv_kernel(*refs, **smem, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
+                     stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks, interpret=interpret)
+
+    results = _launch(
+        dkdv_kernel,
         dict(k_smem2=tiles(wgs, block_kv), v_smem2=tiles(wgs, block_kv),
-             out_smem2=plgpu.SMEM((wgs, block_kv, head_dim), jnp.float32, transforms=smem_transforms(jnp.float32)),
+             out_smem2=plgpu.SMEM((wgs, block_kv, out_width), jnp.float32, transforms=smem_transforms(jnp.float32)),
              q_smem=tiles(stages, block_q), dout_smem=tiles(stages, block_q),
              lse_smem=plgpu.SMEM((stages, block_q), jnp.float32),
              delta_smem=plgpu.SMEM((stages, block_q), jnp.float32),
+             ds_smem=plgpu.SMEM((2, wgs, block_kv, block_q), dtype, transforms=transforms) if one_kernel else None,
              kv_barriers=plgpu.Barrier(num_barriers=2 * wgs),
              q_barriers=plgpu.Barrier(num_barriers=stages), dout_barriers=plgpu.Barrier(num_barriers=stages),
              lse_barriers=plgpu.Barrier(num_barriers=stages), delta_barriers=plgpu.Barrier(num_barriers=stages),
-             consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
-        (output_struct(k.shape, jnp.float32, *inputs), output_struct(v.shape, jnp.float32, *inputs)),
-        dict(kv_heads=kv_heads, kv_tile=k_len // (wgs * block_kv), batch=batch), inputs, interpret=interpret,
-        name="twinflash_hopper_backward_dkdv")
+             consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+             ds_ready=plgpu.Barrier(num_arrivals=wgs) if one_kernel else None),
+        dkdv_out, dict(kv_heads=kv_heads, kv_tile=kv_tiles, batch=batch), dkdv_inputs, interpret=interpret,
+        name="twinflash_hopper_backward_dkdv" + ("_dq" if one_kernel else ""))
+    if one_kernel and interpret:
+        dq_slices, dk, dv = results
+        dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=wgs * block_kv, block_q=block_q, offset=offset)
+    elif one_kernel:
+        (dk, dv), dq = results, dkdv_inputs[-1][...]
+    else:
+        dk, dv = results
+        dq = _dq_call(inputs, causal=causal, scale=softmax_scale, config=config, group=group, offset=offset,
+                      seq_k=seq_k, num_kv=num_kv, out_width=out_width, dq_shape=dq_shape, interpret=interpret)
+    return dq[:, :seq_q], dk[:, :seq_k], dv[:, :seq_k]
+
+
+def _dq_call(inputs, *, causal: bool, scale: float, config: HopperConfig, group: int, offset: int, seq_k: int,
+             num_kv: int, out_width: int, dq_shape, interpret: bool):
+    """The two-kernel form's dQ kernel on the padded inputs."""
+    batch, q_len, heads, head_dim = dq_shape
+    block_q, block_kv, wgs = config.bwd_block_q, config.bwd_block_kv, COMPUTE_WARPGROUPS
+    dtype = inputs[0].dtype
+    transforms = smem_transforms(dtype)
+
+    def tiles(count, rows):
+        return plgpu.SMEM((count, rows, head_dim), dtype, transforms=transforms)
 
     stages = min(config.bwd_num_stages, num_kv)
     num_tiles = q_len // (wgs * block_q)
-    dq = _launch(
-        functools.partial(_dq_kernel, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
+    return _launch(
+        functools.partial(_dq_kernel, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
                           stages=stages, group=group, offset=offset, seq_k=seq_k, num_kv=num_kv,
                           num_tiles=num_tiles, interpret=interpret),
         dict(q_smem2=tiles(wgs, block_q), dout_smem2=tiles(wgs, block_q),
              lse_smem2=plgpu.SMEM((wgs, block_q), jnp.float32), delta_smem2=plgpu.SMEM((wgs, block_q), jnp.float32),
-             out_smem2=plgpu.SMEM((wgs, block_q, head_dim), jnp.float32, transforms=smem_transforms(jnp.float32)),
+             out_smem2=plgpu.SMEM((wgs, block_q, out_width), jnp.float32, transforms=smem_transforms(jnp.float32)),
              k_smem=tiles(stages, block_kv), v_smem=tiles(stages, block_kv),
              row_barriers=plgpu.Barrier(num_barriers=4 * wgs),
              k_barriers=plgpu.Barrier(num_barriers=stages), v_barriers=plgpu.Barrier(num_barriers=stages),
              k_consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
              v_consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
-        output_struct(q.shape, jnp.float32, *inputs),
+        output_struct(dq_shape, jnp.float32, *inputs),
         dict(heads=heads, q_tile=num_tiles, batch=batch), inputs, interpret=interpret,
         name="twinflash_hopper_backward_dq")
-    return dq[:, :seq_q], dk[:, :seq_k], dv[:, :seq_k]

@@ -48,6 +48,7 @@ except ImportError:
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_WARPGROUPS = 2  # + one TMA producer warpgroup
+BACKWARD_FORMS = ("one_kernel", "two_kernel")
 # Per-thread register caps (setmaxnreg). The SM's 64K registers allow 512 per thread summed over the CTA's
 # warpgroups (128 threads each); an increase beyond what the others released waits forever, so the compute cap
 # is what the producer leaves, split evenly, in steps of 8: (512 - 40) / 2 -> 232.
@@ -60,15 +61,25 @@ class HopperConfig:
     """Block sizes of the Mosaic kernels. Forward: each compute warpgroup owns `block_q` query rows (a CTA
     2 * block_q) and steps over K/V by `block_kv` through `num_stages` shared-memory slots. Backward dK/dV: a
     warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
-    owns `bwd_block_q` query rows and steps over keys by `bwd_block_kv`."""
+    owns `bwd_block_q` query rows and steps over keys by `bwd_block_kv`. `bwd_form`: "two_kernel" (a separate dQ
+    kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in fp32 by TMA reduce-add);
+    see flash_hopper_backward.py. The two-kernel form is the default: 456-464 TFLOP/s fwd+bwd against the
+    one-kernel form's 407-441 on an H200 (D=128, S=16k; compare/results/README.md, 2026-11-22)."""
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
     bwd_block_q: int = 64
     bwd_block_kv: int = 64
     bwd_num_stages: int = 2
+    bwd_form: str = "two_kernel"
 
     def __post_init__(self):
+        if self.bwd_form not in BACKWARD_FORMS:
+            raise ValueError(f"HopperConfig.bwd_form must be one of {BACKWARD_FORMS}, got {self.bwd_form!r}")
+        if self.bwd_form == "one_kernel" and self.bwd_block_q != self.bwd_block_kv:
+            # its dQ and dK/dV tiles leave through the same fp32 shared-memory buffer
+            raise ValueError("HopperConfig: the one-kernel backward needs bwd_block_q == bwd_block_kv, got "
+                             f"{self.bwd_block_q} and {self.bwd_block_kv}")
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
             if getattr(self, name) % 64:
                 raise ValueError(f"HopperConfig.{name} must be a multiple of 64 (wgmma tiles), got "
@@ -85,8 +96,10 @@ def default_config(head_dim: int) -> HopperConfig:
 
 
 # Candidates for `compare` sweeps: each is a full config, timed as one.
-AUTOTUNE_SPACE = tuple(HopperConfig(block_q=64, block_kv=kv, num_stages=st, bwd_block_q=64, bwd_block_kv=bkv)
-                       for kv in (64, 128) for st in (2, 3) for bkv in (64, 128))
+AUTOTUNE_SPACE = tuple(HopperConfig(block_q=64, block_kv=kv, num_stages=st, bwd_block_q=64, bwd_block_kv=bkv,
+                                    bwd_form=form)
+                       for kv in (64, 128) for st in (2, 3) for bkv in (64, 128) for form in BACKWARD_FORMS
+                       if form == "two_kernel" or bkv == 64)
 
 
 def supports(q, head_dim: int) -> str | None:

@@ -32,17 +32,21 @@ on_hopper = pytest.mark.skipif(
     jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
     reason="needs an sm90 (Hopper) GPU")
 
-# (Sq, Sk, H, Hkv, D, causal): odd tails on both sides; GQA 3:1 and 2:1; Sq > Sk causal has rows that see no key;
-# D 64 (the interpreter's cost grows with D, and D 128 runs the same code at the GPU tests' sizes).
-INTERPRET_CASES = [(77, 141, 3, 1, 64, True), (141, 77, 2, 1, 64, True), (100, 150, 2, 2, 64, False)]
+# (Sq, Sk, H, Hkv, D, causal, backward form): odd tails on both sides; GQA 3:1 and 2:1; Sq > Sk causal has rows
+# that see no key; D 64 (the interpreter's cost grows with D, and D 128 runs the same code at the GPU tests' sizes).
+# The default (two-kernel) backward takes every case; the one-kernel form, whose dQ takes an interpreter-only path
+# (per-CTA slices, masked and summed), the case with rows that see no key and CTAs that skip query blocks.
+INTERPRET_CASES = [(77, 141, 3, 1, 64, True, "two_kernel"), (141, 77, 2, 1, 64, True, "two_kernel"),
+                   (100, 150, 2, 2, 64, False, "two_kernel"), (141, 77, 2, 1, 64, True, "one_kernel")]
 
 
-@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal", INTERPRET_CASES,
-                         ids=[f"q{a}-k{b}-h{c}:{d}-d{e}-{'causal' if f else 'full'}" for a, b, c, d, e, f
+@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal,bwd_form", INTERPRET_CASES,
+                         ids=[f"q{a}-k{b}-h{c}:{d}-d{e}-{'causal' if f else 'full'}-{g}" for a, b, c, d, e, f, g
                               in INTERPRET_CASES])
-def test_mosaic_flash_rule_against_float64(seq_q, seq_k, heads, kv_heads, head_dim, causal):
+def test_mosaic_flash_rule_against_float64(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form):
     q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16)
-    flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_mosaic")
+    flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_mosaic",
+                                    config=HopperConfig(bwd_form=bwd_form))
     exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
     assert flash[0].dtype == jnp.bfloat16 and flash[1].dtype == jnp.float32
     assert not _flash_rule_violations(flash, naive, exact)
@@ -73,6 +77,11 @@ def test_backend_names_and_forced_mosaic_errors():
 def test_config_rejects_blocks_wgmma_cannot_tile():
     with pytest.raises(ValueError, match="multiple of 64"):
         HopperConfig(block_kv=96)
+    with pytest.raises(ValueError, match="bwd_form"):
+        HopperConfig(bwd_form="three_kernel")
+    with pytest.raises(ValueError, match="bwd_block_q == bwd_block_kv"):
+        HopperConfig(bwd_block_kv=128, bwd_form="one_kernel")
+    HopperConfig(bwd_block_kv=128)  # the two-kernel form takes unequal backward blocks
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """CPU tests of `twinflash bench ring`'s plumbing (compare/bench/ring_bench.py): the plan, the worker relaunch protocol
 (with stand-in workers that crash or hang), the derived columns on synthetic rows, the table, the JSON, and the
-one-line exit without 4 GPUs. The measurements themselves need 4 GPUs (see the module's docstring)."""
+one-line exit without the GPUs asked for, and --gpus (default: the GPUs present). The measurements themselves need
+GPUs (see the module's docstring)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from weights.flops import attention_flops
 
 
 def _args(*argv):
-    args = ring_bench.build_parser().parse_args(list(argv))
+    argv = list(argv) if "--gpus" in argv else [*argv, "--gpus", "4"]
+    args = ring_bench.build_parser().parse_args(argv)
     ring_bench._check_args(args)
     return args
 
@@ -79,7 +81,7 @@ def test_table_shows_ratios_and_errors():
 
 def test_report_writes_json(tmp_path, capsys):
     meta = {"gpu": "NVIDIA H200", "torch": "2.11.0"}
-    path = ring_bench.report(SYNTHETIC, meta, ["--quick"], tmp_path / "r.json")
+    path = ring_bench.report(SYNTHETIC, meta, ["--quick"], tmp_path / "r.json", 4)
     document = json.loads(path.read_text())
     assert document["command"] == "twinflash bench ring --quick"
     assert document["versions"] == meta and document["gpus"] == 4 and "exposed_comm_ms" in document["method"]
@@ -116,7 +118,7 @@ def test_worker_crash_and_hang_cost_only_their_task(tmp_path, monkeypatch):
     script = tmp_path / "worker.py"
     script.write_text(STAND_IN_WORKER)
     monkeypatch.setattr(ring_bench, "_worker_command",
-                        lambda part, plan_path: ([sys.executable, str(script), str(plan_path)], {}))
+                        lambda part, plan_path, gpus: ([sys.executable, str(script), str(plan_path)], {}))
     tasks = [dict(id=name) for name in ("a", "crash", "b", "hang", "c")]
     args = _args("--launch-timeout-s", "5")
     meta, rows = ring_bench.run_worker("torch", tasks, args, tmp_path)
@@ -127,16 +129,31 @@ def test_worker_crash_and_hang_cost_only_their_task(tmp_path, monkeypatch):
     assert by_id["hang"]["error"].startswith("worker timed out after 5s")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() >= 4, reason="this machine has 4 GPUs")
-def test_without_four_gpus_one_line_and_exit_2(capsys):
-    assert ring_bench.main(["--quick"]) == 2
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs")
+@pytest.mark.parametrize("argv, needed", [(["--quick"], "at least 2"), (["--quick", "--gpus", "4"], "4")])
+def test_without_the_gpus_one_line_and_exit_2(argv, needed, capsys):
+    assert ring_bench.main(argv) == 2
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0
-    assert err.startswith("twinflash: error: `bench ring` needs 4 CUDA GPUs; this machine has ")
+    assert err.startswith(f"twinflash: error: `bench ring` needs {needed} CUDA GPUs; this machine has ")
+
+
+def test_gpus_default_to_those_present_and_size_the_ring_rows():
+    args = ring_bench.build_parser().parse_args(["--seq-lens", "32k"])
+    ring_bench._check_args(args)
+    ring_bench.use_gpus_present(args, 2)
+    assert args.gpus == 2
+    tasks = ring_bench.plan_tasks(args)
+    assert {t["gpus"] for part in tasks.values() for t in part} == {1, 2}
+    assert "--nproc-per-node=2" in ring_bench._worker_command("torch", Path("plan.json"), 2)[0]
+    explicit = _args("--seq-lens", "32k", "--gpus", "2")
+    ring_bench.use_gpus_present(explicit, 8)  # fewer than present: the ring rows use 2
+    assert explicit.gpus == 2 and {t["gpus"] for t in ring_bench.plan_tasks(explicit)["jax"]} == {1, 2}
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--seq-lens", "1004"], "sequence length 1004 does not split into the zigzag layout over 4 devices"),
+    (["--seq-lens", "1004", "--gpus", "4"], "sequence length 1004 does not split into the zigzag layout over 4 devices"),
+    (["--gpus", "1"], "--gpus: a ring needs at least 2 GPUs, got 1"),
     (["--seq-lens", "32q"], "'32q' is not a length like 32768 or 32k"),
     (["--kv-heads", "5"], "--kv-heads: 5 does not divide --heads 32"),
     (["--parts", "torch,tpu"], "--parts: unknown tpu"),

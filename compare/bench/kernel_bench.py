@@ -1,6 +1,7 @@
 """`twinflash bench kernels`: single-GPU attention kernel throughput, our kernels against the peers, in one table.
 
-Measured, bf16, batch 1, H=32, D=128 (defaults), for each S (--seq-lens), causal and not, Hkv in --kv-heads:
+Measured, bf16, batch 1, H=32 (defaults), for each S (--seq-lens), causal and not, Hkv in --kv-heads, D in --head-dim
+(128 by default; e.g. 128,64), every implementation of the parts or those --impls names:
   torch part  triton      ours, `torch_impl.flash_attention.flash_attention` on [B, S, H, D] (GQA native)
               sdpa_flash  torch SDPA, FlashAttention-2 backend   } F.scaled_dot_product_attention on [B, H, S, D]
               sdpa_cudnn  torch SDPA, cuDNN backend              } under sdpa_kernel(...), enable_gqa for GQA
@@ -9,6 +10,8 @@ Measured, bf16, batch 1, H=32, D=128 (defaults), for each S (--seq-lens), causal
                           backends of those names), beside "triton", which picks among them
   jax part    pallas      ours, `jax_impl.flash_attention.flash_attention` on [B, S, H, D] (default backend)
               pallas_mosaic  ours forced to the Hopper Mosaic GPU kernels (backend="pallas_mosaic")
+              pallas_mosaic_one_kernel  the same with the one-kernel (FA3) backward (HopperConfig(bwd_form=
+                          "one_kernel")); measured only when --impls names it
               jax_cudnn   jax.nn.dot_product_attention(implementation="cudnn") (GQA native)
               pallas_mha  JAX's shipped Pallas kernel, jax.experimental.pallas.ops.gpu.attention.mha
                           (K/V repeated to H heads outside the timed call, it has no GQA)
@@ -16,7 +19,7 @@ Measured, bf16, batch 1, H=32, D=128 (defaults), for each S (--seq-lens), causal
                           pip install -e ".[peers]"; an error row with that command when absent)
 Timing as the peers' anchor scripts (torch_kernels.py, jax_kernels.py) time them: torch with
 triton.testing.do_bench (median, CUDA events); JAX with block_until_ready, median of repeated calls after two
-warm-up calls. TFLOP/s from `weights.flops.attention_flops` for every implementation (so ratios are time ratios).
+warm-up calls (--jax-repeats). TFLOP/s from `weights.flops.attention_flops` for every implementation (so ratios are time ratios).
 
 Roles of `python -m compare.bench.kernel_bench`: the plain invocation is the parent; it runs the torch part, then the
 JAX part (XLA_PYTHON_CLIENT_PREALLOCATE=false), each as a subprocess `--part torch|jax` that prints one JSON
@@ -52,9 +55,11 @@ from weights.flops import attention_flops
 IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"),
          "jax": ("pallas", "pallas_mosaic", "jax_cudnn", "pallas_mha", "tokamax")}
 TRITON_PATHS = ("triton_hopper", "triton_portable", "triton_gluon")  # measured only when --triton-paths names them
+EXTRA_IMPLS = {"jax": ("pallas_mosaic_one_kernel",)}  # measured only when --impls names them
 RATIOS = (("ours/FA2", "triton", "sdpa_flash"), ("ours/cuDNN", "triton", "sdpa_cudnn"),
           ("pallas/mha", "pallas", "pallas_mha"), ("pallas/jax-cuDNN", "pallas", "jax_cudnn"),
-          ("mosaic/jax-cuDNN", "pallas_mosaic", "jax_cudnn"), ("mosaic/tokamax", "pallas_mosaic", "tokamax"))
+          ("mosaic/jax-cuDNN", "pallas_mosaic", "jax_cudnn"), ("mosaic/tokamax", "pallas_mosaic", "tokamax"),
+          ("mosaic/one-kernel", "pallas_mosaic", "pallas_mosaic_one_kernel"))
 PEERS_INSTALL = 'pip install -e ".[peers]"'
 
 
@@ -115,13 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-lens", type=lengths, default=(4096, 16384, 65536), help="e.g. 4k,16k,64k")
     parser.add_argument("--kv-heads", type=ints, default=(32, 8), help="Hkv values (H=32: MHA and GQA)")
     parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim", type=ints, default=(128,), help="head dims, e.g. 128,64")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
     parser.add_argument("--parts", default="torch,jax",
                         help="subset of torch,jax; empty (--parts=) only merges the --rows-from files into one table")
     parser.add_argument("--triton-paths", type=_triton_paths, default=(),
                         help=f"also time our forced Triton paths, a subset of {','.join(TRITON_PATHS)}")
+    parser.add_argument("--impls", type=_impls, help="only these implementations (default: every one of the parts; "
+                        f"also {', '.join(i for extra in EXTRA_IMPLS.values() for i in extra)})")
+    parser.add_argument("--jax-repeats", type=int, help="timed calls per JAX measurement (default 20, --quick 5)")
     parser.add_argument("--quick", action="store_true", help="smoke run: S=4k only, fewer repetitions")
     parser.add_argument("--part-timeout-s", type=float, default=1800.0, help="kill a part that runs longer")
     parser.add_argument("--rows-from", type=Path, action="append", default=[],
@@ -140,23 +148,43 @@ def _triton_paths(text: str) -> tuple[str, ...]:
     return paths
 
 
+def _impls(text: str) -> tuple[str, ...]:
+    known = [i for part in IMPLS for i in (*IMPLS[part], *EXTRA_IMPLS.get(part, ()))]
+    impls = tuple(i for i in text.split(",") if i)
+    unknown = [i for i in impls if i not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown implementation(s) {', '.join(unknown)}; choose from "
+                                         f"{', '.join(known)}")
+    return impls
+
+
 def _check_args(args) -> None:
     if args.quick:
         args.seq_lens = (4096,)
+    if args.jax_repeats is not None and args.jax_repeats < 1:
+        raise BadInputError(f"--jax-repeats: at least 1, got {args.jax_repeats}")
     check_parts_and_heads(args, tuple(IMPLS))
 
 
+def _part_impls(args, part: str) -> tuple[str, ...]:
+    """The implementations a part measures: its own, or those of --impls that are its."""
+    if args.impls is None:
+        return IMPLS[part]
+    return tuple(i for i in (*IMPLS[part], *EXTRA_IMPLS.get(part, ())) if i in args.impls)
+
+
 def _points(args):
+    """(S, causal, Hkv, D) points, in the order they are measured."""
     causals = {"both": (True, False), "causal": (True,), "full": (False,)}[args.causal]
-    return [(s, c, kv) for s in args.seq_lens for c in causals for kv in args.kv_heads]
+    return [(s, c, kv, d) for d in args.head_dim for s in args.seq_lens for c in causals for kv in args.kv_heads]
 
 
-def _result(args, impl, seq_len, causal, kv_heads, fwd_ms=None, fwdbwd_ms=None, **extra) -> dict:
-    row = dict(impl=impl, S=seq_len, causal=causal, kv_heads=kv_heads, heads=args.heads, head_dim=args.head_dim,
+def _result(args, impl, seq_len, causal, kv_heads, head_dim, fwd_ms=None, fwdbwd_ms=None, **extra) -> dict:
+    row = dict(impl=impl, S=seq_len, causal=causal, kv_heads=kv_heads, heads=args.heads, head_dim=head_dim,
                batch=args.batch, **{k: v for k, v in extra.items() if v is not None})
     for key, ms, backward in (("fwd", fwd_ms, False), ("fwdbwd", fwdbwd_ms, True)):
         if ms is not None:
-            flops = attention_flops(args.batch, args.heads, seq_len, seq_len, args.head_dim, causal, backward)
+            flops = attention_flops(args.batch, args.heads, seq_len, seq_len, head_dim, causal, backward)
             row[f"{key}_ms"], row[f"{key}_tflops"] = ms, flops / (ms * 1e-3) / 1e12
     return row
 
@@ -188,17 +216,17 @@ def _torch_part(args) -> None:
                              grad_to_none=list(inputs))
         return fwd_ms, fwdbwd_ms
 
-    def measure(impl, seq_len, causal, kv_heads) -> dict:
+    def measure(impl, seq_len, causal, kv_heads, head_dim) -> dict:
         """One implementation at one point, on its own inputs (freed on return)."""
         def leaf(*shape):
             return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
-        point = (args, impl, seq_len, causal, kv_heads)
+        point = (args, impl, seq_len, causal, kv_heads, head_dim)
         if impl == "triton" or impl in TRITON_PATHS:
             def ours(q, k, v):
                 return flash_attention(q, k, v, causal=causal, backend=impl)
 
-            inputs = tuple(leaf(args.batch, seq_len, h, args.head_dim) for h in (args.heads, kv_heads, kv_heads))
+            inputs = tuple(leaf(args.batch, seq_len, h, head_dim) for h in (args.heads, kv_heads, kv_heads))
             return _result(*point, *timings(ours, inputs, torch.randn_like(inputs[0])))
 
         def sdpa(q, k, v, gqa=kv_heads != args.heads):
@@ -206,7 +234,7 @@ def _torch_part(args) -> None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
         # SDPA on [B, H, S, D] tensors, as the anchors measured it.
-        inputs = tuple(leaf(args.batch, h, seq_len, args.head_dim) for h in (args.heads, kv_heads, kv_heads))
+        inputs = tuple(leaf(args.batch, h, seq_len, head_dim) for h in (args.heads, kv_heads, kv_heads))
         dout = torch.randn_like(inputs[0])
         try:
             return _result(*point, *timings(sdpa, inputs, dout))
@@ -219,12 +247,12 @@ def _torch_part(args) -> None:
         return _result(*point, *timings(functools.partial(sdpa, gqa=False), repeated, dout),
                        note="no GQA in this backend: K/V repeated to H heads before the timed call")
 
-    for seq_len, causal, kv_heads in _points(args):
-        for impl in (*IMPLS["torch"], *args.triton_paths):
+    for point in _points(args):
+        for impl in (*_part_impls(args, "torch"), *args.triton_paths):
             try:
-                row = measure(impl, seq_len, causal, kv_heads)
+                row = measure(impl, *point)
             except Exception as err:  # a peer's failure (OOM, unsupported shape) is a result, not a crash
-                row = _result(args, impl, seq_len, causal, kv_heads, error=f"{type(err).__name__}: {err}"[:300])
+                row = _result(args, impl, *point, error=f"{type(err).__name__}: {err}"[:300])
             _emit({"row": row})
             torch.cuda.empty_cache()
 
@@ -237,23 +265,27 @@ def _jax_part(args) -> None:
     import jax.numpy as jnp
 
     _emit({"meta": {"jax": jax.__version__, "jax_devices": [str(d) for d in jax.devices()]}})
-    repeats = 5 if args.quick else 20
+    repeats = args.jax_repeats or (5 if args.quick else 20)
     impls, import_errors = {}, {}
     try:
         from jax_impl.flash_attention import flash_attention
+        from jax_impl.flash_hopper_forward import HopperConfig
 
         impls["pallas"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal)
         impls["pallas_mosaic"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
                                                                          backend="pallas_mosaic")
+        one_kernel = HopperConfig(bwd_form="one_kernel")
+        impls["pallas_mosaic_one_kernel"] = lambda q, k, v, causal: flash_attention(
+            q, k, v, causal=causal, backend="pallas_mosaic", config=one_kernel)
     except Exception as err:
-        import_errors["pallas"] = import_errors["pallas_mosaic"] = f"import: {type(err).__name__}: {err}"[:300]
+        error = f"import: {type(err).__name__}: {err}"[:300]
+        import_errors.update(pallas=error, pallas_mosaic=error, pallas_mosaic_one_kernel=error)
     impls["jax_cudnn"] = lambda q, k, v, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                               implementation="cudnn")
     try:
         from jax.experimental.pallas.ops.gpu import attention as shipped
 
-        impls["pallas_mha"] = lambda q, k, v, causal: shipped.mha(q, k, v, None,
-                                                                  sm_scale=1 / math.sqrt(args.head_dim),
+        impls["pallas_mha"] = lambda q, k, v, causal: shipped.mha(q, k, v, None, sm_scale=1 / math.sqrt(q.shape[-1]),
                                                                   causal=causal)
     except Exception as err:
         import_errors["pallas_mha"] = f"import: {type(err).__name__}: {err}"[:300]
@@ -264,11 +296,11 @@ def _jax_part(args) -> None:
     except ImportError as err:
         import_errors["tokamax"] = f"skipped: {err} (optional peer: {PEERS_INSTALL})"[:300]
 
-    def measure(impl, seq_len, causal, kv_heads) -> dict:
+    def measure(impl, seq_len, causal, kv_heads, head_dim) -> dict:
         """One implementation at one point, on its own inputs (freed on return)."""
         attend = impls[impl]
         keys = jax.random.split(jax.random.key(0), 4)
-        shapes = [(args.batch, seq_len, h, args.head_dim) for h in (args.heads, kv_heads, kv_heads, args.heads)]
+        shapes = [(args.batch, seq_len, h, head_dim) for h in (args.heads, kv_heads, kv_heads, args.heads)]
         q, k, v, dout = (jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes))
         if impl == "pallas_mha":  # no GQA: K/V repeated to H heads outside the timed call
             k, v = (jnp.repeat(x, args.heads // kv_heads, axis=2) for x in (k, v))
@@ -278,18 +310,17 @@ def _jax_part(args) -> None:
 
         fwd_ms = jax_median_ms(jax.jit(lambda q, k, v: attend(q, k, v, causal)), q, k, v, repeats=repeats)
         fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=repeats)
-        return _result(args, impl, seq_len, causal, kv_heads, fwd_ms, fwdbwd_ms)
+        return _result(args, impl, seq_len, causal, kv_heads, head_dim, fwd_ms, fwdbwd_ms)
 
-    for seq_len, causal, kv_heads in _points(args):
-        for impl in IMPLS["jax"]:
+    for point in _points(args):
+        for impl in _part_impls(args, "jax"):
             if impl in import_errors:
-                row = _result(args, impl, seq_len, causal, kv_heads, error=import_errors[impl])
+                row = _result(args, impl, *point, error=import_errors[impl])
             else:
                 try:
-                    row = measure(impl, seq_len, causal, kv_heads)
+                    row = measure(impl, *point)
                 except Exception as err:  # a peer's failure (OOM, unsupported shape) is a result, not a crash
-                    row = _result(args, impl, seq_len, causal, kv_heads,
-                                  error=f"{type(err).__name__}: {err}"[:300])
+                    row = _result(args, impl, *point, error=f"{type(err).__name__}: {err}"[:300])
             _emit({"row": row})
 
 
@@ -297,9 +328,11 @@ def _jax_part(args) -> None:
 
 def _child_args(args) -> list[str]:
     return ["--seq-lens", ",".join(map(str, args.seq_lens)), "--kv-heads", ",".join(map(str, args.kv_heads)),
-            "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--batch", str(args.batch),
+            "--heads", str(args.heads), "--head-dim", ",".join(map(str, args.head_dim)), "--batch", str(args.batch),
             "--causal", args.causal] + (["--quick"] if args.quick else []) + (
-                ["--triton-paths", ",".join(args.triton_paths)] if args.triton_paths else [])
+                ["--triton-paths", ",".join(args.triton_paths)] if args.triton_paths else []) + (
+                ["--impls", ",".join(args.impls)] if args.impls is not None else []) + (
+                ["--jax-repeats", str(args.jax_repeats)] if args.jax_repeats else [])
 
 
 def run_part(part: str, args) -> tuple[dict, list[dict]]:
@@ -333,29 +366,30 @@ def run_part(part: str, args) -> tuple[dict, list[dict]]:
 
 
 def _progress(row: dict) -> str:
-    where = f"{row['impl']} S={row['S']} causal={row['causal']} Hkv={row['kv_heads']}"
+    where = f"{row['impl']} D={row.get('head_dim')} S={row['S']} causal={row['causal']} Hkv={row['kv_heads']}"
     if row.get("error"):
         return f"{where}: {row['error'][:120]}"
     return f"{where}: fwd {row['fwd_tflops']:.0f} TF/s, fwd+bwd {row['fwdbwd_tflops']:.0f} TF/s"
 
 
 def _table_impls(rows: list[dict]) -> list[str]:
-    """IMPLS, then the forced Triton paths that some row measured."""
+    """IMPLS, then the forced Triton paths and extra implementations that some row measured."""
     measured = {r.get("impl") for r in rows}
-    return [i for part in IMPLS.values() for i in part] + [p for p in TRITON_PATHS if p in measured]
+    extras = (*TRITON_PATHS, *(i for part in EXTRA_IMPLS.values() for i in part))
+    return [i for part in IMPLS.values() for i in part] + [p for p in extras if p in measured]
 
 
 def merge_rows(rows: list[dict]) -> list[dict]:
-    """One table row per (S, causal, Hkv, pass): TFLOP/s of every implementation ("error: ..." where it
+    """One table row per (D, S, causal, Hkv, pass): TFLOP/s of every implementation ("error: ..." where it
     failed) and the ratios of RATIOS where both sides were measured."""
-    points = sorted({(r["S"], r["causal"], r["kv_heads"]) for r in rows if "S" in r},
-                    key=lambda p: (p[0], not p[1], -p[2]))
+    points = sorted({(r.get("head_dim", 128), r["S"], r["causal"], r["kv_heads"]) for r in rows if "S" in r},
+                    key=lambda p: (-p[0], p[1], not p[2], -p[3]))
     table = []
-    for seq_len, causal, kv_heads in points:
-        at_point = {r["impl"]: r for r in rows if (r.get("S"), r.get("causal"), r.get("kv_heads"))
-                    == (seq_len, causal, kv_heads)}
+    for head_dim, seq_len, causal, kv_heads in points:
+        at_point = {r["impl"]: r for r in rows if (r.get("head_dim", 128), r.get("S"), r.get("causal"),
+                                                   r.get("kv_heads")) == (head_dim, seq_len, causal, kv_heads)}
         for pass_name, key in PASSES:
-            entry = {"S": seq_len, "causal": causal, "kv_heads": kv_heads, "pass": pass_name}
+            entry = {"D": head_dim, "S": seq_len, "causal": causal, "kv_heads": kv_heads, "pass": pass_name}
             for impl in _table_impls(rows):
                 row = at_point.get(impl)
                 if row is not None:
@@ -374,10 +408,10 @@ def render_table(table: list[dict]):
     title = "Attention kernels, bf16, one GPU: TFLOP/s (weights.flops.attention_flops) and ratios"
     rich_table = Table(title=title)
     impls = _table_impls([{"impl": impl} for entry in table for impl in entry])
-    for name in ("S", "causal", "Hkv", "pass", *impls, *(r[0] for r in RATIOS)):
+    for name in ("D", "S", "causal", "Hkv", "pass", *impls, *(r[0] for r in RATIOS)):
         rich_table.add_column(name, justify="right")
     for entry in table:
-        cells = [f"{entry['S'] // 1024}k" if entry["S"] % 1024 == 0 else str(entry["S"]),
+        cells = [str(entry.get("D", "")), f"{entry['S'] // 1024}k" if entry["S"] % 1024 == 0 else str(entry["S"]),
                  "yes" if entry["causal"] else "no", str(entry["kv_heads"]), entry["pass"]]
         for impl in impls:
             value = entry.get(impl)
@@ -401,7 +435,7 @@ def report(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> P
     for row in rows:
         if row.get("error") or row.get("note"):
             kind = "error" if row.get("error") else "note"
-            print(f"[kernel bench] {kind}: {row.get('impl')} S={row.get('S')} causal={row.get('causal')} "
+            print(f"[kernel bench] {kind}: {row.get('impl')} D={row.get('head_dim')} S={row.get('S')} causal={row.get('causal')} "
                   f"Hkv={row.get('kv_heads')}: {row.get('error') or row['note']}", file=sys.stderr)
     path = out or default_out_path(meta, datetime.date.today())
     write_json(path, {"command": recorded_command(["twinflash", "bench", "kernels", *argv]),

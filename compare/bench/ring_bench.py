@@ -1,9 +1,10 @@
-"""`twinflash bench ring`: sequence-parallel attention on 4 GPUs, our torch ring and JAX ring against one GPU and
+"""`twinflash bench ring`: sequence-parallel attention on N GPUs (--gpus, default every GPU present, at least 2), our
+torch ring and JAX ring against one GPU and
 against the peer, PyTorch's context parallelism on cuDNN SDPA. This module plans the sweep, launches the workers
 (`compare/bench/ring_bench_workers.py` says what is measured and how), merges their rows and reports a table and JSON.
 
 Roles of `python -m compare.bench.ring_bench`:
-  plain invocation  the parent: launches `torchrun --nproc_per_node=4 -m compare.bench.ring_bench --worker torch` (our
+  plain invocation  the parent: launches `torchrun --nproc_per_node=N -m compare.bench.ring_bench --worker torch` (our
                     torch kernels and ring, and the peer), then `python -m compare.bench.ring_bench --worker jax` (with
                     XLA_PYTHON_CLIENT_PREALLOCATE=false), each with a JSON plan; a worker that crashes or hangs
                     (per-launch timeout) costs the task it was on, which is recorded as an error, and is relaunched
@@ -11,11 +12,11 @@ Roles of `python -m compare.bench.ring_bench`:
                     what it measured); at the end the table is printed. `--rows-from` merges an earlier run's
                     rows (a point measured again replaces its earlier row), so parts can run as separate commands.
   under torchrun    without --worker (e.g. `torchrun --nproc_per_node=4 -m compare.bench.ring_bench --quick`): the torch
-                    and peer parts only, reported by rank 0.
+                    and peer parts only, on WORLD_SIZE GPUs, reported by rank 0.
 
 Sweep: for each S_total (--seq-lens) and Hkv (--kv-heads): causal, H=32, D=128, bf16, batch 1, fwd+bwd, zigzag.
 Derived per row: TFLOP/s per GPU from `weights.flops.attention_flops` (the same count for every implementation,
-so ratios are time ratios), efficiency t1 / (4 t4) against the same framework's one-GPU row, and `vs peer`: per-GPU
+so ratios are time ratios), efficiency t1 / (N tN) against the same framework's one-GPU row, and `vs peer`: per-GPU
 TFLOP/s over the best context-parallel cuDNN row of the point (one-GPU rows: over cuDNN SDPA on one GPU).
 """
 
@@ -39,7 +40,6 @@ from weights import BadInputError
 from weights.attention import VARIANTS
 from weights.layout import check_split
 
-GPUS = 4
 LAYOUT = "zigzag"
 ONE_GPU_KIND = {"torch": "flash-1gpu", "peer": "cudnn-1gpu", "jax": "jax-flash-1gpu"}
 PARTS = ("torch", "peer", "jax")
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--gpus", type=int, help="GPUs of the ring rows (default: every GPU present, at least 2)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=5)
@@ -85,8 +86,25 @@ def _check_args(args) -> None:
     if args.quick:
         args.seq_lens, args.kv_heads, args.warmup, args.iters, args.budget_s = (16384,), (8,), 1, 1, 1.0
     check_parts_and_heads(args, PARTS)
+    if args.gpus is not None:
+        _check_gpus(args)
+
+
+def _check_gpus(args) -> None:
+    if args.gpus < 2:
+        raise BadInputError(f"--gpus: a ring needs at least 2 GPUs, got {args.gpus}")
     for seq_len in args.seq_lens:
-        check_split(seq_len, GPUS, LAYOUT)
+        check_split(seq_len, args.gpus, LAYOUT)
+
+
+def use_gpus_present(args, found: int) -> None:
+    """Checks --gpus against the `found` GPUs of this machine; without --gpus, takes them all."""
+    if found < (args.gpus or 2):
+        needed = args.gpus or "at least 2"
+        raise BadInputError(f"`bench ring` needs {needed} CUDA GPUs; this machine has {found}")
+    if args.gpus is None:
+        args.gpus = found
+        _check_gpus(args)
 
 
 def plan_tasks(args) -> dict[str, list[dict]]:
@@ -107,11 +125,11 @@ def plan_tasks(args) -> dict[str, list[dict]]:
             add("peer", "cudnn-1gpu", "cuDNN SDPA, 1 GPU", 1)
             add("jax", "jax-flash-1gpu", "flash (pallas), 1 GPU", 1)
             for variant in VARIANTS:
-                add("torch", "ring", f"torch ring, {variant}", GPUS, variant)
+                add("torch", "ring", f"torch ring, {variant}", args.gpus, variant)
             for rotation in PEER_ROTATIONS:
-                add("peer", "cp-cudnn", f"context parallel cuDNN, {rotation}", GPUS, rotation)
+                add("peer", "cp-cudnn", f"context parallel cuDNN, {rotation}", args.gpus, rotation)
             for variant in VARIANTS:
-                add("jax", "jax-ring", f"jax ring, {variant}", GPUS, variant)
+                add("jax", "jax-ring", f"jax ring, {variant}", args.gpus, variant)
     return tasks
 
 
@@ -133,12 +151,12 @@ def read_rows_file(path: Path) -> tuple[dict, list[dict], list[str]]:
     return meta, rows, started
 
 
-def _worker_command(part: str, plan_path: Path) -> tuple[list[str], dict]:
+def _worker_command(part: str, plan_path: Path, gpus: int) -> tuple[list[str], dict]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if part == "jax":
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         return [sys.executable, "-m", "compare.bench.ring_bench", "--worker", "jax", "--plan", str(plan_path)], env
-    launcher, torchrun_env = torchrun_launcher(GPUS)
+    launcher, torchrun_env = torchrun_launcher(gpus)
     return [*launcher, "-m", "compare.bench.ring_bench", "--worker", "torch", "--plan", str(plan_path)], \
         torchrun_env | {"PYTHONUNBUFFERED": "1"}
 
@@ -150,9 +168,9 @@ def run_worker(worker: str, tasks: list[dict], args, workdir: Path) -> tuple[dic
         launch += 1
         rows_path, plan_path = workdir / f"{worker}-{launch}.jsonl", workdir / f"{worker}-{launch}.plan.json"
         plan_path.write_text(json.dumps(dict(tasks=remaining, rows_path=str(rows_path), warmup=args.warmup,
-                                             iters=args.iters, budget_s=args.budget_s, gpus=GPUS,
+                                             iters=args.iters, budget_s=args.budget_s, gpus=args.gpus,
                                              collective_timeout_s=300)))
-        command, env = _worker_command(worker, plan_path)
+        command, env = _worker_command(worker, plan_path, args.gpus)
         log_path = workdir / f"{worker}-{launch}.log"
         print(f"[ring bench] {worker}: {len(remaining)} tasks: {shlex.join(command)} (log {log_path})", flush=True)
         with open(log_path, "w") as log, owned_process(command, env=env, stdout=log, stderr=log) as proc:
@@ -221,7 +239,8 @@ def _fmt(value, spec: str) -> str:
 def render_table(rows: list[dict]):
     from rich.table import Table
 
-    table = Table(title="Ring attention, causal, bf16, fwd+bwd (zigzag on 4 GPUs)")
+    gpus = max((row["gpus"] for row in rows), default=1)
+    table = Table(title=f"Ring attention, causal, bf16, fwd+bwd (zigzag on {gpus} GPUs)")
     for name in ("S", "Hkv", "implementation", "GPUs", "ms", "TFLOP/s/GPU", "eff.", "exposed comm ms", "wire GB/s",
                  "vs peer", "note"):
         table.add_column(name, justify="left" if name in ("implementation", "note") else "right")
@@ -239,21 +258,21 @@ def default_out_path(meta: dict, today: datetime.date) -> Path:
     return common.default_out_path("ring", meta, today)
 
 
-def save(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> tuple[Path, list[dict]]:
+def save(rows: list[dict], meta: dict, argv: list[str], out: Path | None, gpus: int) -> tuple[Path, list[dict]]:
     """Writes the JSON document (rows with the derived columns); returns its path and those rows."""
     rows = summarize(rows)
     path = out or default_out_path(meta, datetime.date.today())
     write_json(path, {"command": recorded_command(["twinflash", "bench", "ring", *argv]),
-                      "date": datetime.datetime.now().isoformat(timespec="seconds"), "gpus": GPUS,
+                      "date": datetime.datetime.now().isoformat(timespec="seconds"), "gpus": gpus,
                       "versions": meta, "method": METHOD, "rows": rows})
     return path, rows
 
 
-def report(rows: list[dict], meta: dict, argv: list[str], out: Path | None) -> Path:
+def report(rows: list[dict], meta: dict, argv: list[str], out: Path | None, gpus: int) -> Path:
     """Writes the JSON and prints the table."""
     from rich.console import Console
 
-    path, rows = save(rows, meta, argv, out)
+    path, rows = save(rows, meta, argv, out, gpus)
     Console(width=200).print(render_table(rows))
     print(f"[ring bench] wrote {path}")
     return path
@@ -279,10 +298,10 @@ def _run_under_torchrun(args, argv) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows_path = Path(tmp) / "rows.jsonl"
         run_torch(dict(tasks=tasks, rows_path=str(rows_path), warmup=args.warmup, iters=args.iters,
-                       budget_s=args.budget_s, gpus=GPUS, collective_timeout_s=300))
+                       budget_s=args.budget_s, gpus=args.gpus, collective_timeout_s=300))
         if int(os.environ.get("RANK", "0")) == 0:
             meta, rows, _ = read_rows_file(rows_path)
-            report(rows, meta, argv, args.out)
+            report(rows, meta, argv, args.out, args.gpus)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,13 +318,12 @@ def _main(argv: list[str]) -> int:
         return 0
     _check_args(args)
     if "LOCAL_RANK" in os.environ:
+        use_gpus_present(args, int(os.environ["WORLD_SIZE"]))  # one process per GPU
         _run_under_torchrun(args, argv)
         return 0
     import torch
 
-    found = torch.cuda.device_count()
-    if found < GPUS:
-        raise BadInputError(f"`bench ring` needs {GPUS} CUDA GPUs; this machine has {found}")
+    use_gpus_present(args, torch.cuda.device_count())
     meta, rows = previous_rows(args.rows_from)
     tasks = plan_tasks(args)
     saved = None
@@ -317,12 +335,12 @@ def _main(argv: list[str]) -> int:
                     worker_meta, worker_rows = run_worker(worker, worker_tasks, args, Path(tmp))
                     meta.update(worker_meta)
                     rows = merge_rows(rows, worker_rows)
-                    saved, _ = save(rows, meta, argv, args.out)  # kept if a later part is cut short
+                    saved, _ = save(rows, meta, argv, args.out, args.gpus)  # kept if a later part is cut short
         except Interrupted as stop:  # the workers are stopped; what finished before this part is saved
             print(f"twinflash: bench ring interrupted ({stop.signal_name}); "
                   f"{f'the parts that finished are in {saved}' if saved else 'nothing written'}", file=sys.stderr)
             return stop.exit_code
-    report(rows, meta, argv, args.out)
+    report(rows, meta, argv, args.out, args.gpus)
     return 0
 
 

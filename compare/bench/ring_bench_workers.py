@@ -5,7 +5,7 @@
                    (`torch.distributed.tensor.experimental.context_parallel`) on cuDNN SDPA, plus cuDNN SDPA on one
                    GPU. The peer is measured as the project's anchor script (cp_cudnn.py) measured it: [B, H, S, D]
                    buffers sharded by `context_parallel`, `set_rotate_method("allgather" | "alltoall")`, fwd + `.backward`.
-  run_jax(plan)    one process over the 4 GPUs: our JAX flash kernel on one GPU and `jax_impl.ring_attention` in
+  run_jax(plan)    one process over the plan's GPUs: our JAX flash kernel on one GPU and `jax_impl.ring_attention` in
                    `jax.shard_map` over a 4-device mesh.
 
 Every measurement is fwd+bwd, causal, random bf16 inputs; timed like the anchors: warm-up calls, then a timed run of
@@ -241,7 +241,7 @@ def _context_parallel(task, plan, device, world, timing, *, gqa_native):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# JAX (one process, 4 devices)
+# JAX (one process, all the ring's devices)
 # ---------------------------------------------------------------------------------------------------------------
 
 def run_jax(plan: dict) -> None:
