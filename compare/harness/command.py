@@ -206,9 +206,9 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
                          peers=load_peers(), argv=argv, jobs=[job_timing(job, results[job.id]) for job in jobs])
     write_report(report, out)
     _remove_bulk(work_dir)
-    # a log file gets the whole table; a terminal the columns that fit its width
-    width = console.width if console.is_terminal else 200
-    console.print(_summary_table(report, width), width=width)
+    if not console.is_terminal:  # a log file gets the whole table; a terminal the columns that fit its width
+        console.width = 200
+    console.print(_summary_table(report, console.width))
     verdict = "[green]PASSED[/]" if report["passed"] else "[red]FAILED[/]"
     console.print(f"equivalence {verdict}; report: {out / 'report.md'} (also report.html, report.json)",
                   soft_wrap=True)

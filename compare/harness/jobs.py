@@ -4,9 +4,10 @@ directory (`<id>.started` before it runs, rewritten with its progress as it goes
 equivalence check `<id>.safetensors` after), the inputs both backends build the same way (`job_batches`,
 `Job.settings`), the setup clock of a job (`SetupClock`: launch, weights, compile, beside the measured time), and
 the time arithmetic of profiler traces: the communication's busy time is the union of its events' intervals on
-device 0 (the time the links were busy, overlap with compute not subtracted: what the bandwidth divides); the
-exposed communication is the part of that union during which device 0 computed nothing (`exposed_seconds`), the
-communication that costs step time, never more than the profiled step.
+device 0 in the profiled step (the time the links were busy, overlap with compute not subtracted: what the
+bandwidth divides); the exposed communication is the part of that union during which device 0 computed nothing
+(`exposed_seconds`), the communication that costs step time: never more than the busy time, and reported as at
+most the median step (the profiled step runs a little slower under the profiler).
 
 Workers: `compare/harness/worker_torch.py` (one process per device, under torchrun) and
 `compare/harness/worker_jax.py` (one process, all devices), twins that run a job file's jobs in order. A job that raises in the torch worker ends its
@@ -136,12 +137,13 @@ class SetupClock:
     def weights_loaded(self) -> None:
         self.weights_s = time.time() - self.began
 
-    def result(self, first_step_s: float, steady_step_s: float) -> dict:
-        """The "setup" entry of a job's result, at the job's end."""
-        compile_s = max(0.0, first_step_s - steady_step_s)
+    def result(self, first_step_s: float | None = None, steady_step_s: float | None = None) -> dict:
+        """The "setup" entry of a job's result, at the job's end (no compile time for a job without a warm-up
+        step: an equivalence check measures all of its steps)."""
+        compile_s = None if first_step_s is None else max(0.0, first_step_s - steady_step_s)
         total = time.time() - self.began
         return {"launch_s": self.launch_s, "weights_s": self.weights_s, "compile_s": compile_s,
-                "measured_s": max(0.0, total - self.weights_s - compile_s)}
+                "measured_s": max(0.0, total - self.weights_s - (compile_s or 0.0))}
 
 
 def launched_at() -> float | None:

@@ -95,7 +95,7 @@ def equivalence(job: Job, work_dir: Path, device: torch.device, clock: SetupCloc
     if rank0:
         save_file({"logits": logits, **grads}, str(work_dir / f"{job.id}.safetensors"))
         write_result(work_dir, job, {"status": "ok", "loss": loss, "loss_curve": curve, "weight_sums": sums,
-                                     "setup": clock.result(0.0, 0.0)})
+                                     "setup": clock.result()})
 
 
 def _synchronize(device: torch.device) -> None:
@@ -158,16 +158,13 @@ def bench(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     progress(units - 1, "profiled step")
     with profile(activities=activities) as prof:
-        began = time.perf_counter()
         step(0)
         _synchronize(device)
-        profiled_s = time.perf_counter() - began
     comm_s = exposed_s = None
     if job.devices > 1:
         communication, compute = _activity_intervals(prof, device)
         comm_s = union_seconds(communication)
-        # the share of the profiled step that communicated with nothing computed, as a part of the median step
-        exposed_s = step_s * min(1.0, exposed_seconds(communication, compute) / profiled_s)
+        exposed_s = min(exposed_seconds(communication, compute), step_s)  # measured in the profiled step
     peaks = all_ranks(peak_memory_bytes(device), device)
     if not rank0:
         return
