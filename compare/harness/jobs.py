@@ -75,10 +75,13 @@ class Job:
         """The training description of this job: batch 1, the sequence split over all `devices` (fsdp=1)."""
         steps = max(self.steps, 1)
         optimizer = OptimizerConfig(lr=EQUIVALENCE_LR, warmup_steps=0, total_steps=steps)
+        # an equivalence check runs its few steps eagerly (torch on GPUs): compiling them would cost more than they
+        # take, and the reference it is held against is eager too
         return TrainSettings(backend=self.backend, model=self.model, seq_len=self.seq_len, steps=steps,
                              mesh=MeshShape(sp=self.devices), batch=1, dtype=self.dtype, seed=self.seed,
                              data="text" if self.kind == "equivalence" else "random", optimizer=optimizer,
-                             activation_checkpointing=self.remat, attention_backend=self.attention_backend)
+                             activation_checkpointing=self.remat, attention_backend=self.attention_backend,
+                             eager=self.kind == "equivalence")
 
 
 def job_batches(job: Job) -> np.ndarray:

@@ -69,7 +69,7 @@ class RunProgress:
             status = result["status"]
             step = f", step {result['step_s']:.3g} s" if result.get("step_s") else ""
             setup = result.get("setup")
-            timing = (f", setup {sum(setup[k] for k in ('launch_s', 'weights_s', 'compile_s')):.3g} s, measured "
+            timing = (f", setup {sum(setup[k] or 0.0 for k in ('launch_s', 'weights_s', 'compile_s')):.3g} s, measured "
                       f"{setup['measured_s']:.3g} s" if setup else "")
             if line is not None:
                 self.progress.update(line.task, phase=f"{status}{step}{timing}", left="")
