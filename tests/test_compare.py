@@ -60,8 +60,9 @@ def test_embedded_default_writes_a_passing_full_report(tmp_path):
     assert "PASS" in md and (out / "report.html").exists()
     assert not list((out / "work").glob("*.safetensors"))  # the big arrays are summarised, then removed
     # exposed communication: its own number, never more than the step, beside the kernels' busy time
-    assert all(p["comm_exposed_s"] is not None and 0 <= p["comm_exposed_s"] <= p["step_s"]
-               for p in ours if p["devices"] > 1)
+    assert all(0 <= p["comm_exposed_s"] <= p["step_s"] for p in points if p["comm_exposed_s"] is not None)
+    assert all(p["comm_exposed_s"] is not None for p in ours if p["devices"] > 1 and p["backend"] == "jax")
+    # (torch on CPU: not measured, Triton's interpreter leaves no profiler event for the compute that hides it)
     # the CPU caveat at the top; nothing ranked; no small value printed as 0.0
     assert "CPU run: not a benchmark." in md.split("## Setup")[0]
     assert all(p["scaling_efficiency"] is None for p in points) and "speed-up" not in md

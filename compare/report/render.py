@@ -193,7 +193,9 @@ def _benchmark(report: dict) -> list[tuple]:
             "(at most the median step): the communication that costs time. Comm kernels "
             "busy: the union of the communication's own intervals on device 0 in the profiled step (NCCL kernels, "
             "gloo transfers, XLA collectives), hidden or not, which the bandwidth divides; it can exceed the step "
-            "where transfers overlap compute or the profiler slows the step.")
+            "where transfers overlap compute or the profiler slows the step." + (
+                " Torch on CPU: exposed comm not measured (Triton's interpreter leaves no profiler event for the "
+                "compute that hides a transfer)." if on_cpu(report) else ""))
     doc = [("h", 2, "Benchmark"), ("p", [f"Median {what}; one row per point."]), ("p", [comm]),
            ("table", headers, rows) if rows else ("p", ["No benchmark points."])]
     doc += [("p", ["Notes:"]), ("list", notes)] if notes else []
