@@ -65,7 +65,7 @@ def test_embedded_default_writes_a_passing_full_report(tmp_path):
     # (torch on CPU: not measured, Triton's interpreter leaves no profiler event for the compute that hides it)
     # the CPU caveat at the top; nothing ranked; no small value printed as 0.0
     assert "CPU run: not a benchmark." in md.split("## Setup")[0]
-    assert all(p["scaling_efficiency"] is None for p in points) and "speed-up" not in md
+    assert all(p["scaling_efficiency"] is None for p in points) and "speed-up vs vendor" not in md
     assert not re.search(r"(?<![\d.,])0\.0+(?![\d])", md)
     # the weights were made once, before any job, and every job's process read them from the run's directory
     made = json.loads((out / "work" / "weights.json").read_text())

@@ -295,3 +295,19 @@ def test_the_peers_are_kept_and_cited_inside_the_project():
         assert "../" not in peer["source"] and "shared" not in peer["source"]
     md = render_markdown({**make_report(), "plots": []})
     assert PEERS_CITATION in md and "../" not in md
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_the_console_summary_fits_the_terminal(width):
+    import io
+
+    from rich.console import Console
+
+    from compare.harness.command import _summary_table
+
+    out = io.StringIO()
+    Console(file=out, width=width).print(_summary_table({**make_report(), "plots": []}, width))
+    lines = out.getvalue().splitlines()
+    assert lines and max(len(line) for line in lines) <= width
+    assert not any("…" in line for line in lines)  # no cell cut short
+    assert all(header in out.getvalue() for header in ("backend", "attn", "status", "step"))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14's GPU acceptance: the bare `twinflash compare --model MODEL` (default llama3.2-1b) on the GPUs of this host
 # (the device tool's nvidia-h200-x2), run from the repository root with the image's python3 (the checkout on
-# PYTHONPATH). The command runs under `timeout ${COMPARE_TIMEOUT_S:-590}` (SIGTERM: it stops its workers and writes
+# PYTHONPATH). The command runs under `timeout ${COMPARE_TIMEOUT_S:-570}` (SIGTERM: it stops its workers and writes
 # the report of the jobs that finished, the rest marked interrupted), so the whole call takes at most ~10 minutes.
 #   bash compare/bench/gpu_compare.sh [MODEL] [extra compare arguments...]
 # Lands in $OUT (default ./out): compare-MODEL/ (report.md, report.html, report.json, plots/, work/ with every job's
@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 'triton', triton.__version__, 'jax', jax.__version__, 'gpus', torch.cuda.device_count())"
   echo "commit $(git rev-parse HEAD 2>/dev/null || echo 'unknown: the device copy has no git')"; } > "$OUT/env.txt" 2>&1
 began=$(date +%s)
-timeout "${COMPARE_TIMEOUT_S:-590}" python3 -m compare.cli compare --model "$model" "$@" --out "$run" \
+timeout "${COMPARE_TIMEOUT_S:-570}" python3 -m compare.cli compare --model "$model" "$@" --out "$run" \
     > "$OUT/compare.log" 2>&1
 status=$?
 echo "exit $status after $(( $(date +%s) - began )) s: twinflash compare --model $model $*" | tee -a "$OUT/compare.log"

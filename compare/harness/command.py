@@ -4,14 +4,18 @@ is `plan.py`'s (which jobs run where), the launches of the backend workers and t
 `launches.py`'s, the verdicts `equivalence.py`'s, the benchmark arithmetic and the report `compare/report/`'s.
 
 Without GPUs and with no arguments it runs the embedded default: the tiny preset, 4 emulated CPU devices (gloo
-processes; XLA host devices; interpreted Triton and Pallas kernels), in a few minutes.
+processes; XLA host devices; interpreted Triton and Pallas kernels), in a few minutes. A run pays its setup once
+(`plan.prepare_weights`: the weights made once; `launches`: one launch per backend and device count, shared
+compilation caches) and reports every job's setup beside its measured time; `progress.py` shows it live.
 
 Benchmark numbers, per backend x context length x device count (batch 1, the sequence split over all devices):
   step_s       median over `--steps` steps after a warm-up step: forward + backward + AdamW (train mode) or the
                forward loss (forward mode)
   forward_s    median forward loss pass; backward_s = step_s - forward_s (backward and optimizer update)
   comm_s       time during which device 0 was communicating, from a profiler trace of one step (NCCL kernels, gloo
-               transfers, XLA collectives); comm bytes from `weights.parallel.step_comm_bytes`
+               transfers, XLA collectives), overlap with compute included; comm bytes from
+               `weights.parallel.step_comm_bytes`
+  comm_exposed_s   the part of that time during which device 0 computed nothing (at most step_s)
   tokens/s     seq_len / step_s; TFLOP/s per device and MFU from `weights.flops` (formula in the report)
   scaling efficiency   step_s(1 device) / (devices * step_s(devices)), the same sequence on both
 Exit code: 0 when the equivalence section passes, 1 when it fails, 2 for bad input, 130 / 143 when interrupted by

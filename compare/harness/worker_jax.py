@@ -167,18 +167,19 @@ def bench(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
     step_s = statistics.median(step_times)
     peak, peak_source = _job_peak(run, peak_before, (run.state, *inputs[0], step_scalars(
         adamw_coefficients(run.spec.optimizer, 0))), job.mode)
-    mark_progress(work_dir, job, units - 1, units, "profiled step")
     trace_dir = job.trace_dir and str(Path(job.trace_dir) / job.id)
-    with tempfile.TemporaryDirectory() as scratch:
-        log_dir = trace_dir or scratch
-        with jax.profiler.trace(log_dir):
-            step(0)
-        platform = jax.default_backend()
-        comm_s = exposed_s = None
-        if job.devices > 1:
-            communication, compute = activity_intervals(log_dir, platform)
-            comm_s = union_seconds(communication)
-            exposed_s = min(exposed_seconds(communication, compute), step_s)  # measured in the profiled step
+    platform = jax.default_backend()
+    comm_s = exposed_s = None
+    if job.devices > 1 or trace_dir:  # one device: no communication to find, no trace asked for
+        mark_progress(work_dir, job, units - 1, units, "profiled step")
+        with tempfile.TemporaryDirectory() as scratch:
+            log_dir = trace_dir or scratch
+            with jax.profiler.trace(log_dir):
+                step(0)
+            if job.devices > 1:
+                communication, compute = activity_intervals(log_dir, platform)
+                comm_s = union_seconds(communication)
+                exposed_s = min(exposed_seconds(communication, compute), step_s)  # measured in the profiled step
     return {"status": "ok", "step_s": step_s, "first_step_s": first_s, "forward_s": forward_s, "comm_s": comm_s,
             "comm_exposed_s": exposed_s, "peak_memory_bytes": peak, "peak_memory_source": peak_source,
             "trace": trace_dir, "platform": platform, "setup": clock.result(first_s, step_s)}

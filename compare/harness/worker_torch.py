@@ -155,12 +155,13 @@ def bench(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> 
     step_times = [timed(step, i, f"step {i}/{job.steps}", 1 + i) for i in range(1, len(inputs))]
     forward_s = statistics.median(timed(forward, i, "forward", 2 + job.steps + i) for i in range(min(2, len(inputs))))
     step_s = statistics.median(step_times)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    progress(units - 1, "profiled step")
-    with profile(activities=activities) as prof:
-        step(0)
-        _synchronize(device)
-    comm_s = exposed_s = None
+    comm_s = exposed_s = prof = None
+    if job.devices > 1 or job.trace_dir is not None:  # one device: no communication to find, no trace asked for
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        progress(units - 1, "profiled step")
+        with profile(activities=activities) as prof:
+            step(0)
+            _synchronize(device)
     if job.devices > 1:
         communication, compute = _activity_intervals(prof, device)
         comm_s = union_seconds(communication)
