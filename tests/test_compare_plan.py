@@ -107,3 +107,29 @@ def test_exposed_communication_is_the_part_no_compute_hides():
     assert J.exposed_seconds(comm, []) == pytest.approx(J.union_seconds(comm))
     assert J.exposed_seconds(comm, [(-1.0, 10.0)]) == pytest.approx(0.0)
     assert J.exposed_seconds([], compute) == 0.0
+
+
+def test_the_live_view_has_a_line_per_started_job_with_an_estimate(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from compare.harness.progress import RunProgress
+
+    jobs = [J.Job(id=f"torch-s64-d1-{name}", kind="bench", backend="torch", model="tiny", seq_len=64, devices=1,
+                  attention=name, attention_backend=name, dtype="fp32", mode="train", steps=4)
+            for name in ("ours", "reference")]
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    view = RunProgress(jobs, tmp_path, console)
+    with view.shown():
+        J.mark_progress(tmp_path, jobs[0], 2, J.bench_units(4), "step 1/4")
+        view._poll()
+        J.mark_progress(tmp_path, jobs[0], 4, J.bench_units(4), "step 3/4")
+        view._poll()
+        line = view.lines[jobs[0].id]
+        assert jobs[1].id not in view.lines  # not started: no line yet
+        assert line.left({"done": 4, "total": 9}) is not None  # an estimate once timed units went by
+        view.done(jobs[0], {"status": "ok", "step_s": 0.5, "setup": {"launch_s": 1.0, "weights_s": 0.5,
+                                                                     "compile_s": None, "measured_s": 2.0}})
+    shown = console.file.getvalue()
+    assert jobs[0].id in shown and "1/2 jobs" in shown and "ok, step 0.5 s" in shown
