@@ -55,14 +55,14 @@ from weights.parallel import REMAT_MODES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
     parser.add_argument("--seq-lens", type=lengths, help="context lengths, e.g. 8k,32k,128k (default: 128,256 on "
-                        "CPU, 8k,32k,128k on GPUs)")
+                        "CPU; on GPUs those of 8k,32k,128k that fit the model on the most devices)")
     parser.add_argument("--devices", type=integer(1),
                         help="devices to use (default: all GPUs, or 4 emulated CPU devices)")
-    parser.add_argument("--device-counts", type=ints, help="benchmark device counts, e.g. 1,2,4 (default: powers "
-                        "of two up to --devices)")
+    parser.add_argument("--device-counts", type=ints, help="benchmark device counts, e.g. 1,2,4 (default: 1, 2, "
+                        "4, ... up to --devices)")
     parser.add_argument("--mode", choices=("forward", "train"), default="train")
     parser.add_argument("--steps", type=integer(1),
-                        help="timed steps per point and loss-curve steps (default 2 CPU, 4 GPU)")
+                        help="timed steps per point and loss-curve steps (default 2 CPU, 3 GPU)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="benchmark dtype (default fp32 CPU, bf16 GPU); "
                         "the equivalence check is always fp32")
     parser.add_argument("--backends", type=names(("torch", "jax")), default="torch,jax",
