@@ -6,6 +6,7 @@ parameter), bad input (one line, exit 2, nothing written), and the launch loop's
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -55,8 +56,30 @@ def test_embedded_default_writes_a_passing_full_report(tmp_path):
         assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0  # not a blank image
     traces = [p["trace"] for p in points if p["trace"]]
     assert traces and all((out / t).exists() for t in traces)
-    assert "PASS" in (out / "report.md").read_text() and (out / "report.html").exists()
+    md = (out / "report.md").read_text()
+    assert "PASS" in md and (out / "report.html").exists()
     assert not list((out / "work").glob("*.safetensors"))  # the big arrays are summarised, then removed
+    # exposed communication: its own number, never more than the step, beside the kernels' busy time
+    assert all(0 <= p["comm_exposed_s"] <= p["step_s"] for p in points if p["comm_exposed_s"] is not None)
+    assert all(p["comm_exposed_s"] is not None for p in ours if p["devices"] > 1 and p["backend"] == "jax")
+    # (torch on CPU: not measured, Triton's interpreter leaves no profiler event for the compute that hides it)
+    # the CPU caveat at the top; nothing ranked; no small value printed as 0.0
+    assert "CPU run: not a benchmark." in md.split("## Setup")[0]
+    assert all(p["scaling_efficiency"] is None for p in points) and "speed-up vs vendor" not in md
+    assert not re.search(r"(?<![\d.,])0\.0+(?![\d])", md)
+    # the weights were made once, before any job, and every job's process read them from the run's directory
+    made = json.loads((out / "work" / "weights.json").read_text())
+    assert made["model"] == "tiny" and made["directory"] == "weights"
+    for job_file in (out / "work").glob("jobs-*.json"):
+        assert {job["model"] for job in json.loads(job_file.read_text())["jobs"]} == {str(out / "work" / "weights")}
+    assert not (out / "work" / "weights").exists() and not (out / "work" / "cache").exists()  # removed after
+    # one launch per backend and device count, and every job's setup beside its measured time
+    assert sorted(p.name for p in (out / "work" / "logs").iterdir()) == sorted(
+        f"{b}-{d}.log" for b in ("torch", "jax") for d in (1, 2, 4))
+    timed = [j for j in report["jobs"] if j["status"] == "ok"]
+    assert len(timed) == len(report["jobs"]) - 4  # the vendor kernels are unsupported here
+    assert all(j["weights_s"] >= 0 and j["measured_s"] > 0 for j in timed)
+    assert sum(j["launch_s"] > 0 for j in timed) == 6  # the first job of each launch pays its start
 
 
 @pytest.mark.slow

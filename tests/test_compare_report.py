@@ -1,20 +1,30 @@
-"""compare/report/: the report of `twinflash compare` from a synthetic report dict (train mode, torch and jax,
+"""compare/report/: the report of `twinflash compare` from a synthetic report dict (GPU, train mode, torch and jax,
 two context lengths, 1 and 4 devices, an attention ablation with an OOM and an unsupported point, one failing
 equivalence comparison): every file written, the schema kept, the verdict / OOM / failing parameter / tolerance
-reasons in both renderings, HTML escaped, and invalid reports refused before anything is written."""
+reasons in both renderings, HTML escaped, invalid reports refused before anything is written; small values never
+printed as 0.0, the CPU caveat on a CPU run (which ranks nothing) and not on a GPU run, exposed communication at
+most the step, the peers' numbers kept and cited inside the project."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
+from pathlib import Path
 
 import jsonschema
 import matplotlib.image
 import numpy as np
 import pytest
 
+from compare.harness import jobs as J
+from compare.harness.plan import CompareSettings
+from compare.report.data import benchmark_point
 from compare.report.render import render_html, render_markdown
-from compare.report.write import SCHEMA_PATH, load_peers, validate_report, write_report
+from compare.report.write import PEERS_CITATION, PEERS_PATH, SCHEMA_PATH, load_peers, validate_report, write_report
+from weights import PRESETS
+
+ROOT = Path(__file__).resolve().parent.parent
 
 WHY_LOGITS = "fp32 logits; the ring changes the summation order only"
 WHY_GRAD = "Triton vs XLA reduction order, amplified by 2 layers of backward"
@@ -27,7 +37,7 @@ def _point(backend, seq_len, devices, attention="ours", status="ok", message=Non
               "reference": "reference"}[attention]
     point = {"backend": backend, "seq_len": seq_len, "devices": devices, "attention": attention, "kernel": kernel,
              "status": status, "message": message, "trace": None}
-    keys = ("step_s", "forward_s", "backward_s", "comm_s", "comm_bytes", "comm_bandwidth_gbps", "tokens_per_s",
+    keys = ("step_s", "forward_s", "backward_s", "comm_s", "comm_exposed_s", "comm_bytes", "comm_bandwidth_gbps", "tokens_per_s",
             "tflops_per_device", "mfu", "peak_memory_bytes", "scaling_efficiency", "time_to_tokens_s")
     point.update(dict.fromkeys(keys))
     if status != "ok":
@@ -40,7 +50,8 @@ def _point(backend, seq_len, devices, attention="ours", status="ok", message=Non
                  peak_memory_bytes=int(2**20 * seq_len / devices + 3 * 2**30), time_to_tokens_s=1e9 / tokens,
                  scaling_efficiency=1 / devices**0.1, trace=f"traces/{backend}-{seq_len}-{devices}.json")
     if devices > 1:
-        point.update(comm_s=step / 10, comm_bytes=4.0 * 2**20 * seq_len, comm_bandwidth_gbps=4e-3 * seq_len / step)
+        point.update(comm_s=step / 10, comm_exposed_s=step / 40, comm_bytes=4.0 * 2**20 * seq_len,
+                     comm_bandwidth_gbps=4e-3 * seq_len / step)
     return point
 
 
@@ -73,13 +84,13 @@ def make_report() -> dict:
         "settings": {"model": "tiny", "mode": "train", "seq_lens": seq_lens, "device_counts": [1, 4], "devices": 4,
                      "steps": 6, "dtype": "fp32", "backends": backends,
                      "attention_ablation": ["ours", "vendor", "reference"], "time_to_tokens": 1_000_000_000},
-        "environment": {"platform": "cpu", "devices": ["cpu (4 emulated)"], "driver": None, "python": "3.11.9",
+        "environment": {"platform": "gpu", "devices": ["NVIDIA H200"] * 4, "driver": "580.0", "python": "3.11.9",
                         "libraries": {"torch": "2.13.0", "triton": None, "jax": "0.11.2", "jaxlib": "0.11.2",
                                       "flax": "0.12.0", "numpy": "2.3.0"},
                         "git_commit": "9f24d5f", "hostname": "ci", "cpu_count": 16},
         "model": {"name": "tiny", "num_params": 123_456, "layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2,
                   "head_dim": 32, "vocab": 256},
-        "flops": {"formula": "6 * N * S + 12 * layers * heads * head_dim * S^2 / 2", "peak_flops_per_device": None},
+        "flops": {"formula": "6 * N * S + 12 * layers * heads * head_dim * S^2 / 2", "peak_flops_per_device": 989e12},
         "equivalence": {"seq_len": 256, "devices": 4, "layers": 2, "dtype": "fp32",
                         "reference": "plain-math attention in torch, 1 device", "passed": False,
                         "comparisons": [_comparison("torch vs reference", True), _comparison("jax vs reference", True),
@@ -221,3 +232,82 @@ def test_complete_report_validates_and_plots_key_is_required():
     validate_report({**report, "plots": ["plots/throughput.png"]})
     with pytest.raises(ValueError, match="'plots' is a required property"):
         validate_report(report)
+
+
+TINY = {"tflops_per_device": 3.62e-05, "comm_bandwidth_gbps": 0.00118, "mfu": 4e-8, "comm_exposed_s": 2.5e-5,
+        "comm_bytes": 900.0, "scaling_efficiency": 0.0004}
+ALL_ZEROS = re.compile(r"(?<![\d.,])0\.0+(?![\d])")  # a number written as 0.0, 0.00, ...
+
+
+def test_small_values_keep_significant_digits():
+    report = {**make_report(), "plots": []}
+    report["benchmark"]["points"][1].update(TINY)
+    md = render_markdown(report)
+    assert ALL_ZEROS.search(f"| {3.62e-05:,.1f} |")  # the negative control: the old one-decimal format
+    assert not ALL_ZEROS.search(md), ALL_ZEROS.search(md)
+    assert "3.62e-05" in md and "0.00118" in md and "900 B" in md
+
+
+def test_a_cpu_run_says_so_at_the_top_and_ranks_nothing(tmp_path):
+    gpu = {**make_report(), "plots": []}
+    assert "CPU run" not in render_markdown(gpu)  # negative control
+    assert "ours speed-up vs vendor" in render_markdown(gpu) and "the best point" in render_markdown(gpu)
+    report = make_report()
+    report["environment"].update(platform="cpu", devices=["cpu (4 emulated devices)"], driver=None)
+    report["flops"]["peak_flops_per_device"] = None
+    for p in report["benchmark"]["points"]:
+        p.update(mfu=None, scaling_efficiency=None)
+    write_report(report, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    head = md.split("## Setup")[0]
+    assert "CPU run: not a benchmark." in head and "interpreter" in head and "emulated devices" in head
+    assert "CPU run: not a benchmark." in (tmp_path / "report.html").read_text()
+    for ranking in ("scaling efficiency |", "speed-up vs vendor", "the best point", "ours vs peer"):
+        assert ranking not in md
+    assert "plots/scaling.png" not in json.loads((tmp_path / "report.json").read_text())["plots"]
+
+
+def test_exposed_communication_is_at_most_the_step():
+    config = PRESETS["tiny"]
+    job = J.Job(id="torch-s256-d4-ours", kind="bench", backend="torch", model="tiny", seq_len=256, devices=4,
+                attention="ours", attention_backend="triton", dtype="fp32", mode="train", steps=2)
+    settings = CompareSettings(model="tiny", mode="train", seq_lens=(256,), device_counts=(4,), devices=4, steps=2,
+                               dtype="fp32", backends=("torch",), attention_ablation=("ours",),
+                               activation_checkpointing="off", check_seq_len=256, check_layers=2, bench=True,
+                               platform="cpu")
+    result = {"status": "ok", "step_s": 0.5, "forward_s": 0.2, "comm_s": 0.9, "comm_exposed_s": 0.7,
+              "peak_memory_bytes": 1 << 20}
+    point = benchmark_point(job, result, config, settings)
+    assert point["comm_exposed_s"] == 0.5 and point["comm_s"] == 0.9  # busy time may exceed the step
+    assert benchmark_point(job, {**result, "comm_exposed_s": 0.1}, config, settings)["comm_exposed_s"] == 0.1
+    md = render_markdown({**make_report(), "plots": []})
+    assert "exposed comm (≤ step)" in md and "comm kernels busy" in md
+
+
+def test_the_peers_are_kept_and_cited_inside_the_project():
+    assert PEERS_PATH.resolve().is_relative_to(ROOT) and (ROOT / PEERS_CITATION) == PEERS_PATH
+    kept = json.loads(PEERS_PATH.read_text())
+    assert kept["machine"] and "H200" in kept["machine"] and kept["measured"]
+    for path in (kept["raw"], kept["scripts"]):
+        assert (ROOT / path).exists() and not Path(path).is_absolute() and ".." not in Path(path).parts
+    for peer in load_peers():
+        assert peer["source"].startswith(PEERS_CITATION) and peer["command"] and peer["machine"]
+        assert "../" not in peer["source"] and "shared" not in peer["source"]
+    md = render_markdown({**make_report(), "plots": []})
+    assert PEERS_CITATION in md and "../" not in md
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_the_console_summary_fits_the_terminal(width):
+    import io
+
+    from rich.console import Console
+
+    from compare.harness.command import _summary_table
+
+    out = io.StringIO()
+    Console(file=out, width=width).print(_summary_table({**make_report(), "plots": []}, width))
+    lines = out.getvalue().splitlines()
+    assert lines and max(len(line) for line in lines) <= width
+    assert not any("…" in line for line in lines)  # no cell cut short
+    assert all(header in out.getvalue() for header in ("backend", "attn", "status", "step"))

@@ -4,14 +4,18 @@ is `plan.py`'s (which jobs run where), the launches of the backend workers and t
 `launches.py`'s, the verdicts `equivalence.py`'s, the benchmark arithmetic and the report `compare/report/`'s.
 
 Without GPUs and with no arguments it runs the embedded default: the tiny preset, 4 emulated CPU devices (gloo
-processes; XLA host devices; interpreted Triton and Pallas kernels), in a few minutes.
+processes; XLA host devices; interpreted Triton and Pallas kernels), in a few minutes. A run pays its setup once
+(`plan.prepare_weights`: the weights made once; `launches`: one launch per backend and device count, shared
+compilation caches) and reports every job's setup beside its measured time; `progress.py` shows it live.
 
 Benchmark numbers, per backend x context length x device count (batch 1, the sequence split over all devices):
   step_s       median over `--steps` steps after a warm-up step: forward + backward + AdamW (train mode) or the
                forward loss (forward mode)
   forward_s    median forward loss pass; backward_s = step_s - forward_s (backward and optimizer update)
   comm_s       time during which device 0 was communicating, from a profiler trace of one step (NCCL kernels, gloo
-               transfers, XLA collectives); comm bytes from `weights.parallel.step_comm_bytes`
+               transfers, XLA collectives), overlap with compute included; comm bytes from
+               `weights.parallel.step_comm_bytes`
+  comm_exposed_s   the part of that time during which device 0 computed nothing (at most step_s)
   tokens/s     seq_len / step_s; TFLOP/s per device and MFU from `weights.flops` (formula in the report)
   scaling efficiency   step_s(1 device) / (devices * step_s(devices)), the same sequence on both
 Exit code: 0 when the equivalence section passes, 1 when it fails, 2 for bad input, 130 / 143 when interrupted by
@@ -22,8 +26,11 @@ SIGINT / SIGTERM: the workers are stopped and the report of the jobs that finish
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,10 +38,13 @@ from pathlib import Path
 from compare.args import integer, ints, lengths, names, number
 from compare.harness import jobs as J
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
-from compare.harness.launches import run_jobs
-from compare.harness.plan import check_model, gpu_count, order_for_launches, plan_jobs, plan_settings
+from compare.harness.launches import CACHE_DIR, run_jobs
+from compare.harness.plan import (WEIGHTS_DIR, check_model, gpu_count, gpu_memory_bytes, plan_jobs, plan_settings,
+                                  prepare_weights)
+from compare.harness.progress import RunProgress
 from compare.launch import Interrupted, interruptible
-from compare.report.data import add_scaling, benchmark_point, report_dict
+from compare.report.data import add_scaling, benchmark_point, job_timing, report_dict
+from compare.report.fields import fmt_seq
 from compare.report.write import load_peers, write_report
 from weights import PRESETS, open_weights
 from weights.atomic import check_output_dir
@@ -45,14 +55,14 @@ from weights.parallel import REMAT_MODES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
     parser.add_argument("--seq-lens", type=lengths, help="context lengths, e.g. 8k,32k,128k (default: 128,256 on "
-                        "CPU, 8k,32k,128k on GPUs)")
+                        "CPU; on GPUs those of 8k,32k,128k that fit the model on the most devices)")
     parser.add_argument("--devices", type=integer(1),
                         help="devices to use (default: all GPUs, or 4 emulated CPU devices)")
-    parser.add_argument("--device-counts", type=ints, help="benchmark device counts, e.g. 1,2,4 (default: powers "
-                        "of two up to --devices)")
+    parser.add_argument("--device-counts", type=ints, help="benchmark device counts, e.g. 1,2,4 (default: 1, 2, "
+                        "4, ... up to --devices)")
     parser.add_argument("--mode", choices=("forward", "train"), default="train")
     parser.add_argument("--steps", type=integer(1),
-                        help="timed steps per point and loss-curve steps (default 2 CPU, 4 GPU)")
+                        help="timed steps per point and loss-curve steps (default 2 CPU, 3 GPU)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="benchmark dtype (default fp32 CPU, bf16 GPU); "
                         "the equivalence check is always fp32")
     parser.add_argument("--backends", type=names(("torch", "jax")), default="torch,jax",
@@ -82,24 +92,48 @@ def _default_out(model: str) -> Path:
     return Path("out") / f"compare-{Path(model).name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
 
 
-def _summary_table(report: dict):
+def _sig(value, scale: float = 1.0, suffix: str = "") -> str:
+    """Three significant digits, never a 0.0 for a value that is not zero; a dash for none."""
+    if value is None:
+        return "-"
+    value *= scale
+    return f"{value:,.0f}{suffix}" if abs(value) >= 1000 else f"{value:.3g}{suffix}"
+
+
+# (header, cell, priority): the columns that fit the console's width are kept, the highest priority number dropped
+# first
+_SUMMARY_COLUMNS = (
+    ("backend", lambda p: p["backend"], 0), ("attn", lambda p: p["attention"], 0),
+    ("S", lambda p: fmt_seq(p["seq_len"]), 0), ("dev", lambda p: str(p["devices"]), 0),
+    ("status", lambda p: p["status"], 0), ("step", lambda p: _sig(p["step_s"], 1e3, " ms"), 1),
+    ("tok/s", lambda p: _sig(p["tokens_per_s"]), 2), ("MFU", lambda p: _sig(p["mfu"], 100, "%"), 3),
+    ("exp. comm", lambda p: _sig(p["comm_exposed_s"], 1e3, " ms"), 4),
+    ("peak GiB", lambda p: _sig(p["peak_memory_bytes"], 2**-30), 5),
+    ("TF/s/dev", lambda p: _sig(p["tflops_per_device"]), 6),
+)
+
+
+def _summary_table(report: dict, width: int):
+    """The closing table, with as many columns as fit `width` (the lowest-priority ones dropped first)."""
+    import io
+
+    from rich import box
+    from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"twinflash compare: {report['model']['name']}, {report['settings']['mode']}")
-    for column in ("backend", "S", "devices", "attention", "status", "tokens/s", "TFLOP/s/dev", "MFU", "peak GiB",
-                   "scaling"):
-        table.add_column(column, justify="right")
-
-    def show(value, fmt):
-        return "-" if value is None else fmt.format(value)
-
-    for p in report["benchmark"]["points"]:
-        table.add_row(p["backend"], str(p["seq_len"]), str(p["devices"]), p["attention"], p["status"],
-                      show(p["tokens_per_s"], "{:,.0f}"), show(p["tflops_per_device"], "{:.3g}"),
-                      show(p["mfu"] and 100 * p["mfu"], "{:.1f}%"),
-                      show(p["peak_memory_bytes"] and p["peak_memory_bytes"] / 2**30, "{:.2f}"),
-                      show(p["scaling_efficiency"], "{:.2f}"))
-    return table
+    points = report["benchmark"]["points"]
+    columns = [c for c in _SUMMARY_COLUMNS if c[0] != "MFU" or any(p["mfu"] is not None for p in points)]
+    measure = Console(width=10_000, file=io.StringIO())
+    while True:
+        table = Table(title=f"twinflash compare: {report['model']['name']}, {report['settings']['mode']}",
+                      box=box.SIMPLE_HEAD, pad_edge=False)
+        for header, _, _ in columns:
+            table.add_column(header, justify="right", no_wrap=True)
+        for p in points:
+            table.add_row(*(cell(p) for _, cell, _ in columns))
+        if measure.measure(table).maximum <= width or max(c[2] for c in columns) == 0:
+            return table
+        columns.remove(max(columns, key=lambda c: c[2]))
 
 
 def run_command(args: argparse.Namespace, argv: list[str]) -> int:
@@ -123,38 +157,36 @@ def _record_interrupted(jobs: list[J.Job], work_dir: Path, stop: Interrupted) ->
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     out = (args.out or _default_out(args.model)).resolve()
     check_output_dir(out, "--out", empty=True)
-    settings = plan_settings(args, gpu_count())
+    gpus = gpu_count()
+    settings = plan_settings(args, gpus, gpu_memory_bytes() if gpus else None)
     deadline = math.inf if args.time_limit_s is None else time.monotonic() + args.time_limit_s
-    settings["out"] = out
     work_dir, trace_dir = out / "work", out / "traces"
     work_dir.mkdir(parents=True, exist_ok=True)
     trace_dir.mkdir(exist_ok=True)
     console = Console(stderr=True)
-    for note in settings["notes"]:
+    for note in settings.notes:
         console.print(f"[yellow]note:[/] {note}")
-    jobs = order_for_launches(plan_jobs(settings, check_model(settings, work_dir), trace_dir))
-    progress = Progress(TextColumn("[bold]compare[/]"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console)
-    task = progress.add_task("jobs", total=len(jobs), last="")
+    began = time.perf_counter()
+    settings = prepare_weights(dataclasses.replace(settings, out=out), work_dir)
+    console.print(f"weights: {settings.model} -> {os.path.relpath(settings.weights, out)} in "
+                  f"{time.perf_counter() - began:.3g} s, read by every job", highlight=False, soft_wrap=True)
+    jobs = plan_jobs(settings, check_model(settings, work_dir), trace_dir)
+    view = RunProgress(jobs, work_dir, console)
 
     def on_done(job: J.Job) -> None:
-        result = J.read_result(work_dir, job.id)
-        progress.update(task, advance=1, last=f"{job.id}: {result['status']}")
-        timing = f", step {result['step_s']:.3f} s" if result.get("step_s") else ""
-        progress.console.print(f"{job.id}: {result['status']}{timing} {(result.get('message') or '')[:160]}")
+        view.done(job, J.read_result(work_dir, job.id))
 
     interrupted, left = None, 0
-    with progress:
+    with view.shown():
         try:
             run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline)
         except Interrupted as stop:  # the launch is stopped; the report shows what finished
             interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
 
-    config = open_weights(settings["model"]).config
+    config = open_weights(settings.weights).config
     results = {job.id: J.read_result(work_dir, job.id) for job in jobs}
     loaded = {}
     failures = []
@@ -166,22 +198,24 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
             else:
                 failures.append(f"{job.id}: {results[job.id]['status']}: {results[job.id].get('message')}")
     if failures:
-        equivalence = {"seq_len": settings["check_seq_len"], "devices": settings["devices"],
-                       "layers": settings["check_layers"], "dtype": "fp32", "reference": REFERENCE, "passed": False,
+        equivalence = {"seq_len": settings.check_seq_len, "devices": settings.devices,
+                       "layers": settings.check_layers, "dtype": "fp32", "reference": REFERENCE, "passed": False,
                        "comparisons": [], "loss_curves": {}, "failures": failures}
     else:
-        equivalence = equivalence_section(loaded, seq_len=settings["check_seq_len"], devices=settings["devices"],
-                                          layers=settings["check_layers"], reference_description=REFERENCE)
+        equivalence = equivalence_section(loaded, seq_len=settings.check_seq_len, devices=settings.devices,
+                                          layers=settings.check_layers, reference_description=REFERENCE)
     points = [benchmark_point(job, results[job.id], config, settings) for job in jobs if job.kind == "bench"]
-    add_scaling(points)
+    add_scaling(points, settings.platform)
     report = report_dict(settings=settings, config=config, equivalence=equivalence, points=points,
-                         peers=load_peers(), argv=argv)
+                         peers=load_peers(), argv=argv, jobs=[job_timing(job, results[job.id]) for job in jobs])
     write_report(report, out)
-    for tensors in work_dir.glob("*.safetensors"):  # logits and gradients: large, and summarised in the report
-        tensors.unlink()
-    console.print(_summary_table(report))
+    _remove_bulk(work_dir)
+    if not console.is_terminal:  # a log file gets the whole table; a terminal the columns that fit its width
+        console.width = 200
+    console.print(_summary_table(report, console.width))
     verdict = "[green]PASSED[/]" if report["passed"] else "[red]FAILED[/]"
-    console.print(f"equivalence {verdict}; report: {out / 'report.md'} (also report.html, report.json)")
+    console.print(f"equivalence {verdict}; report: {out / 'report.md'} (also report.html, report.json)",
+                  soft_wrap=True)
     for comparison in equivalence["comparisons"]:
         for check in comparison["checks"]:
             if not check["passed"]:
@@ -201,6 +235,15 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
               f"{len(jobs)} jobs that finished, the rest marked interrupted: {out / 'report.md'}", file=sys.stderr)
         return interrupted.exit_code
     return EXIT_OK if report["passed"] else EXIT_CHECK_FAILED
+
+
+def _remove_bulk(work_dir: Path) -> None:
+    """What the report summarises or the run can remake: the equivalence jobs' logits and gradients, the run's
+    weights and compilation caches (gigabytes for a real model)."""
+    for tensors in work_dir.glob("*.safetensors"):
+        tensors.unlink()
+    for directory in (WEIGHTS_DIR, "check-model", CACHE_DIR):
+        shutil.rmtree(work_dir / directory, ignore_errors=True)
 
 
 REFERENCE = ("torch_impl's Llama on one device in float32 with plain attention math (torch_impl/attention.py), "

@@ -1,9 +1,13 @@
 """The work `twinflash compare` hands to its backend processes, and what they hand back. Owns `Job` (one
 equivalence check or one benchmark point), the job file a launch reads, the files a job leaves in the work
-directory (`<id>.started` before it runs, `<id>.json` and for an equivalence check `<id>.safetensors` after), the
-inputs both backends build the same way (`job_batches`, `Job.settings`), and the time arithmetic of profiler
-traces (`union_seconds`: the communication time of a step is the union of its communication events' intervals on
-device 0 — the time the links were busy, overlap with compute not subtracted, what the bandwidth divides).
+directory (`<id>.started` before it runs, rewritten with its progress as it goes, `<id>.json` and for an
+equivalence check `<id>.safetensors` after), the inputs both backends build the same way (`job_batches`,
+`Job.settings`), the setup clock of a job (`SetupClock`: launch, weights, compile, beside the measured time), and
+the time arithmetic of profiler traces: the communication's busy time is the union of its events' intervals on
+device 0 in the profiled step (the time the links were busy, overlap with compute not subtracted: what the
+bandwidth divides); the exposed communication is the part of that union during which device 0 computed nothing
+(`exposed_seconds`), the communication that costs step time: never more than the busy time, and reported as at
+most the median step (the profiled step runs a little slower under the profiler).
 
 Workers: `compare/harness/worker_torch.py` (one process per device, under torchrun) and
 `compare/harness/worker_jax.py` (one process, all devices), twins that run a job file's jobs in order. A job that raises in the torch worker ends its
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,6 +41,7 @@ from weights.parallel import MeshShape
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
 
+LAUNCHED_AT_ENV = "TWINFLASH_LAUNCHED_AT"  # time.time() when the harness started a worker process
 PERTURBATION = 1e-2  # --perturb multiplies one parameter by 1 + this in one backend (a real, small mismatch)
 EQUIVALENCE_LR = 1e-3  # train-mode loss curves: large enough that the curve moves, small enough to stay smooth
 # XLA's collective op names, as HLO spells them (all-gather) or as JAX names the op (all_gather, ppermute, psum).
@@ -62,15 +69,19 @@ class Job:
     remat: str = "off"  # a weights.parallel.REMAT_MODES key
     perturb: str | None = None
     trace_dir: str | None = None
+    skip: str | None = None  # why the point is not attempted (decided up front by the plan), recorded as its result
 
     def settings(self) -> TrainSettings:
         """The training description of this job: batch 1, the sequence split over all `devices` (fsdp=1)."""
         steps = max(self.steps, 1)
         optimizer = OptimizerConfig(lr=EQUIVALENCE_LR, warmup_steps=0, total_steps=steps)
+        # an equivalence check runs its few steps eagerly (torch on GPUs): compiling them would cost more than they
+        # take, and the reference it is held against is eager too
         return TrainSettings(backend=self.backend, model=self.model, seq_len=self.seq_len, steps=steps,
                              mesh=MeshShape(sp=self.devices), batch=1, dtype=self.dtype, seed=self.seed,
                              data="text" if self.kind == "equivalence" else "random", optimizer=optimizer,
-                             activation_checkpointing=self.remat, attention_backend=self.attention_backend)
+                             activation_checkpointing=self.remat, attention_backend=self.attention_backend,
+                             eager=self.kind == "equivalence")
 
 
 def job_batches(job: Job) -> np.ndarray:
@@ -93,6 +104,81 @@ def read_job_file(path: Path) -> tuple[list[Job], Path]:
 
 def mark_started(work_dir: Path, job: Job) -> None:
     (work_dir / f"{job.id}.started").touch()
+
+
+def mark_progress(work_dir: Path, job: Job, done: int, total: int, phase: str) -> None:
+    """What a running job has done, for the harness's progress line: `done` of `total` units, now `phase`."""
+    write_text_atomically(work_dir / f"{job.id}.started", json.dumps({"done": done, "total": total, "phase": phase}))
+
+
+def read_progress(work_dir: Path, job_id: str) -> dict | None:
+    """The last `mark_progress` of a started job ({} before its first), None if it has not started."""
+    path = work_dir / f"{job_id}.started"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return json.loads(text) if text else {}
+
+
+def bench_units(steps: int) -> int:
+    """Progress units of a benchmark job: setup, warm-up step, timed steps, forward passes, profiled step."""
+    return steps + 5
+
+
+class SetupClock:
+    """A job's setup time beside its measured time, as the report shows them: `launch_s` (the process's start
+    until its first job began: interpreter, imports, device and process-group initialisation; 0 for the later jobs
+    of a process), `weights_s` (model built and weights read), `compile_s` (the first step's time beyond a
+    steady step: compilation, autotuning, allocator warm-up), `measured_s` (everything after the first step)."""
+
+    def __init__(self, launched_at: float | None):
+        self.began = time.time()
+        self.launch_s = max(0.0, self.began - launched_at) if launched_at is not None else 0.0
+        self.weights_s = 0.0
+
+    def weights_loaded(self) -> None:
+        self.weights_s = time.time() - self.began
+
+    def result(self, first_step_s: float | None = None, steady_step_s: float | None = None) -> dict:
+        """The "setup" entry of a job's result, at the job's end (no compile time for a job without a warm-up
+        step: an equivalence check measures all of its steps)."""
+        compile_s = None if first_step_s is None else max(0.0, first_step_s - steady_step_s)
+        total = time.time() - self.began
+        return {"launch_s": self.launch_s, "weights_s": self.weights_s, "compile_s": compile_s,
+                "measured_s": max(0.0, total - self.weights_s - (compile_s or 0.0))}
+
+
+def launched_at() -> float | None:
+    """When the harness started this job's process (time.time(), from LAUNCHED_AT_ENV), None outside one."""
+    value = os.environ.get(LAUNCHED_AT_ENV)
+    return float(value) if value else None
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif end > start:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def exposed_seconds(communication: Iterable[tuple[float, float]], compute: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of `communication` minus its overlap with the union of `compute`: the time device 0
+    communicated and computed nothing. Never more than the union of `communication`, nor than the span of all the
+    events given."""
+    comm, busy = _union(communication), _union(compute)
+    overlap, j = 0.0, 0
+    for start, end in comm:
+        while j < len(busy) and busy[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(busy) and busy[k][0] < end:
+            overlap += min(end, busy[k][1]) - max(start, busy[k][0])
+            k += 1
+    return sum(b - a for a, b in comm) - overlap
 
 
 def write_result(work_dir: Path, job: Job, result: dict) -> None:

@@ -1,8 +1,11 @@
-"""Running the planned jobs of `twinflash compare`: the backend workers' launches (`worker_torch.py` under torchrun,
-one process per device; `worker_jax.py`, one process per job over all local devices, on CPU with that many emulated
-host devices), the relaunch loop after a failed launch (the job that was running is recorded as OOM, error or
-timeout from the log and the rest runs in a new launch), and the time limit. Launches are `compare.launch`'s owned
-processes: an `Interrupted` propagates with the launch stopped, and the command records the jobs left.
+"""Running the planned jobs of `twinflash compare`: the backend workers' launches, one per backend and device count
+serving all of its jobs (`worker_torch.py` under torchrun, one process per device; `worker_jax.py`, one process
+over that many devices: on CPU that many emulated host devices, on GPUs the first that many visible GPUs), the
+caches every launch of a run shares (JAX's persistent compilation cache, Triton's kernel and autotuning caches,
+inductor's; directories under the run's work directory), the relaunch loop after a failed launch (the job that
+was running is recorded as OOM, error or timeout from the log and the rest runs in a new launch), the points the
+plan skipped (recorded with their reason, never launched), and the time limit. Launches are `compare.launch`'s
+owned processes: an `Interrupted` propagates with the launch stopped, and the command records the jobs left.
 """
 
 from __future__ import annotations
@@ -14,15 +17,42 @@ import time
 from pathlib import Path
 
 from compare.harness import jobs as J
+from compare.harness.plan import CompareSettings, group_launches
 from compare.launch import failure_reason, host_devices_env, owned_process, stop_process_tree, torchrun_launcher
 
+CACHE_DIR = "cache"  # under the run's work directory
 
-def _launcher(backend: str, devices: int, platform: str) -> tuple[list[str], dict[str, str]]:
+
+def cache_env(work_dir: Path) -> dict[str, str]:
+    """The compilation caches every launch of a run shares (a variable the user set is kept): JAX's persistent
+    compilation cache for every compiled function however quick, Triton's kernels and autotuning results,
+    inductor's graphs."""
+    cache = work_dir / CACHE_DIR
+    wanted = {"JAX_COMPILATION_CACHE_DIR": str(cache / "jax"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "TRITON_CACHE_DIR": str(cache / "triton"),
+              "TRITON_CACHE_AUTOTUNING": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    return {name: os.environ.get(name, value) for name, value in wanted.items()}
+
+
+def _first_gpus(devices: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a JAX process on `devices` GPUs: the first of those this process sees (JAX
+    reserves memory on every GPU it sees)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(devices)]
+    return ",".join(ids[:devices])
+
+
+def _launcher(backend: str, devices: int, platform: str, work_dir: Path) -> tuple[list[str], dict[str, str]]:
+    shared = cache_env(work_dir) | {"PYTHONUNBUFFERED": "1"}
     if backend == "torch":
         launcher, env = torchrun_launcher(devices)
-        return [*launcher, "-m", "compare.harness.worker_torch"], env | {"PYTHONUNBUFFERED": "1"}
-    env = host_devices_env(devices) if platform == "cpu" else dict(os.environ)
-    return [sys.executable, "-m", "compare.harness.worker_jax"], env | {"PYTHONUNBUFFERED": "1"}
+        return [*launcher, "-m", "compare.harness.worker_torch"], env | shared
+    if platform == "cpu":
+        env = host_devices_env(devices)
+    else:  # the whole GPU for one process's jobs (JAX's default reserves 75 %), unless the user said otherwise
+        env = dict(os.environ) | {"CUDA_VISIBLE_DEVICES": _first_gpus(devices)}
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    return [sys.executable, "-m", "compare.harness.worker_jax"], env | shared
 
 
 def _record_not_run(jobs: list[J.Job], work_dir: Path, on_done) -> None:
@@ -45,8 +75,9 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
         job_file = work_dir / f"jobs-{remaining[0].id}.json"
         J.write_job_file(job_file, remaining, work_dir)
         offset = log.stat().st_size if log.exists() else 0
+        launch_env = env | {J.LAUNCHED_AT_ENV: repr(time.time())}
         with open(log, "a") as out, owned_process([*command, str(job_file)], stdout=out, stderr=out,
-                                                  env=env) as process:
+                                                  env=launch_env) as process:
             timed_out, last = False, time.monotonic()
             while process.poll() is None:
                 time.sleep(0.2)
@@ -78,27 +109,20 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
             remaining.remove(job)
 
 
-def run_jobs(jobs: list[J.Job], settings: dict, work_dir: Path, timeout_s: float, on_done,
+def run_jobs(jobs: list[J.Job], settings: CompareSettings, work_dir: Path, timeout_s: float, on_done,
              deadline: float = math.inf) -> None:
-    """Vendor kernels off-GPU are recorded as unsupported; torch jobs run in one launch per device count (ranks
-    = devices), JAX jobs in one process each (its peak-memory counter cannot be reset between jobs)."""
+    """The points the plan skipped are recorded (vendor kernels off-GPU as unsupported, points beyond the device's
+    memory as skipped); the rest run in one launch per backend and device count (`plan.group_launches`)."""
     logs = work_dir / "logs"
     logs.mkdir(exist_ok=True)
     runnable = []
     for job in jobs:
-        if job.attention == "vendor" and settings["platform"] == "cpu":
-            J.write_result(work_dir, job, {"status": "unsupported",
-                                           "message": f"{job.attention_backend} needs a CUDA GPU"})
+        if job.skip is not None:
+            status = "unsupported" if job.attention == "vendor" and settings.platform == "cpu" else "skipped"
+            J.write_result(work_dir, job, {"status": status, "message": job.skip})
             on_done(job)
         else:
             runnable.append(job)
-    groups: list[tuple[str, int, list[J.Job]]] = []
-    for job in runnable:
-        if job.backend == "torch" and groups and groups[-1][0] == "torch" and groups[-1][1] == job.devices:
-            groups[-1][2].append(job)
-        else:
-            groups.append((job.backend, job.devices, [job]))
-    for backend, devices, group in groups:
-        launch_devices = devices if backend == "torch" else settings["devices"]
-        command, env = _launcher(backend, launch_devices, settings["platform"])
+    for backend, devices, group in group_launches(runnable):
+        command, env = _launcher(backend, devices, settings.platform, work_dir)
         run_launch(group, command, env, work_dir, logs / f"{backend}-{devices}.log", timeout_s, on_done, deadline)

@@ -1,6 +1,9 @@
-"""The plan of `twinflash compare`: the run's settings from the arguments (validated), the model the equivalence
-jobs load, and the jobs themselves (equivalence first, then every backend x context length x device count, and the
-attention ablation) in the order they launch.
+"""The plan of `twinflash compare`: the run's settings from the arguments (validated, one typed `CompareSettings`),
+the default sweep that fits the machine (device counts 1, 2, 4, ... up to the devices present; on GPUs the context
+lengths whose points fit the device's memory), the weights every job reads (generated or referenced once per run),
+the up-front memory estimate that skips a point which cannot fit (recorded with its reason, not run), and the jobs
+themselves grouped into launches: one torchrun launch and one JAX process per backend and device count, each
+serving all of its points (equivalence first, then ours and vendor by growing length, the plain reference last).
 """
 
 from __future__ import annotations
@@ -8,10 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
+import time
 from pathlib import Path
 
 from compare.harness import jobs as J
-from weights import BadInputError, open_weights, parameter_shapes, write_converted_checkpoint
+from weights import BadInputError, LlamaConfig, open_weights, parameter_shapes, write_converted_checkpoint
+from weights.checkpoint import RandomWeights
 from weights.layout import check_split
 from weights.parallel import RING_LAYOUT
 
@@ -20,15 +26,98 @@ KERNELS = {"torch": {"ours": "triton", "vendor": "sdpa_cudnn", "reference": "ref
 INSTALL_HINT = {"torch": "pip install 'torch>=2.11' triton (or reinstall twinflash: pip install -e .)",
                 "jax": "pip install 'jax>=0.10' flax orbax-checkpoint (or reinstall twinflash: pip install -e .)"}
 CPU_DEFAULTS = {"seq_lens": (128, 256), "devices": 4, "steps": 2, "dtype": "fp32"}
-GPU_DEFAULTS = {"seq_lens": (8192, 32768, 131072), "steps": 4, "dtype": "bf16"}
+# 3 timed steps: the median of three; a 1B training step at 128k on 2 GPUs takes ~7 s, and every step more costs
+# ~15 s per such point over a sweep that must fit 10 minutes
+GPU_DEFAULTS = {"seq_lens": (8192, 32768, 131072), "steps": 3, "dtype": "bf16"}
 LARGE_MODEL_PARAMS = 2e9  # above: the equivalence check keeps 2 layers and the benchmark checkpoints activations
 TIME_TO_TOKENS = 1e9
+# A point whose estimated peak exceeds the device's memory by this factor is skipped up front: the estimate tracks
+# measured peaks within ~5 % (`estimated_peak_bytes`), so only points clearly out of reach are not attempted;
+# the rest run and a real OOM is recorded as such.
+SKIP_FACTOR = 1.1
+WEIGHTS_DIR = "weights"  # under the run's work directory: the converted weights every job reads
+WEIGHTS_LOG = "weights.json"  # beside it: how the weights were made (the harness writes it once per run)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareSettings:
+    """Everything a `twinflash compare` run was asked for and decided, validated. `model` is what the user named
+    (a preset or a directory); `weights` the converted checkpoint every job reads (set by `prepare_weights`)."""
+
+    model: str
+    mode: str
+    seq_lens: tuple[int, ...]
+    device_counts: tuple[int, ...]
+    devices: int
+    steps: int
+    dtype: str
+    backends: tuple[str, ...]
+    attention_ablation: tuple[str, ...]
+    activation_checkpointing: str
+    check_seq_len: int
+    check_layers: int
+    bench: bool
+    platform: str  # "gpu" or "cpu"
+    notes: tuple[str, ...] = ()
+    perturb: tuple[str, str] | None = None
+    device_memory_bytes: int | None = None  # per GPU; None on CPU (nothing skipped up front)
+    time_to_tokens: float = TIME_TO_TOKENS
+    out: Path | None = None
+    weights: str | None = None
+
+    def public(self) -> dict:
+        """The report's "settings" (compare/report/schema.json)."""
+        return {"model": self.model, "mode": self.mode, "seq_lens": list(self.seq_lens),
+                "device_counts": list(self.device_counts), "devices": self.devices, "steps": self.steps,
+                "dtype": self.dtype, "backends": list(self.backends),
+                "attention_ablation": list(self.attention_ablation), "time_to_tokens": self.time_to_tokens}
 
 
 def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_memory_bytes() -> int | None:
+    """The first GPU's memory (all GPUs of a host are alike here), None without GPUs."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if gpu_count() else None
+
+
+def estimated_peak_bytes(config: LlamaConfig, *, seq_len: int, devices: int, attention: str, dtype: str, mode: str,
+                         remat: str) -> float:
+    """Per device, one step of batch 1 over `devices` (fsdp=1, sp=devices): the float32 state (weights, and in
+    training their gradients and AdamW's two moments) sharded over the devices, the activations the backward keeps
+    for the device's tokens, and for the plain reference attention its score matrices. Calibrated on the
+    Llama-3.2-1B shape on H200 (compare/results/compare-llama3.2-1b-2026-11-21-h200x4: measured 21.0 / 62.5 GiB
+    at 32k / 128k on 4 GPUs, estimated 20.1 / 60.6); a decision aid, not a measurement."""
+    compute = 2 if dtype == "bf16" else 4
+    train = mode == "train"
+    local = seq_len / devices
+    state = config.num_params * (16 if train else 4) / devices
+    per_token_layer = compute * (11 * config.hidden_size + 4 * config.intermediate_size)  # fitted, see above
+    kept_layers = config.num_layers if train and remat == "off" else 1
+    activations = local * per_token_layer * kept_layers
+    if train and remat != "off":
+        activations += local * config.num_layers * config.hidden_size * compute  # the layers' inputs
+    if attention == "reference":  # scores in the compute dtype and their float32 softmax, for every key
+        activations += config.num_heads * local * seq_len * (compute + 4) * kept_layers
+    return state + activations + 2 * 2**30  # CUDA context, workspaces, the loss's chunk of logits
+
+
+def skip_reason(config: LlamaConfig, settings: CompareSettings, *, seq_len: int, devices: int,
+                attention: str) -> str | None:
+    """Why a benchmark point is not attempted (its estimated peak clearly exceeds the device), or None."""
+    if settings.device_memory_bytes is None:
+        return None
+    need = estimated_peak_bytes(config, seq_len=seq_len, devices=devices, attention=attention,
+                                dtype=settings.dtype, mode=settings.mode, remat=settings.activation_checkpointing)
+    if need <= SKIP_FACTOR * settings.device_memory_bytes:
+        return None
+    return (f"not run: estimated peak {need / 2**30:,.0f} GiB per device > {settings.device_memory_bytes / 2**30:.0f}"
+            f" GiB (compare.harness.plan.estimated_peak_bytes)")
 
 
 def _parsed_list(text: str, choices: tuple[str, ...], flag: str) -> list[str]:
@@ -42,34 +131,46 @@ def _parsed_list(text: str, choices: tuple[str, ...], flag: str) -> list[str]:
 def _available_backends(asked: list[str], explicit: bool) -> tuple[list[str], list[str]]:
     """(backends to run, notes on those skipped). A backend asked for by name that is not installed is bad input;
     one missing from the default pair is skipped with a note in the report."""
-    modules = {"torch": "torch", "jax": "jax"}
-    missing = [b for b in asked if importlib.util.find_spec(modules[b]) is None]
+    missing = [b for b in asked if importlib.util.find_spec(b) is None]
     if missing and explicit:
         raise BadInputError(f"the {missing[0]} backend is not installed: {INSTALL_HINT[missing[0]]}")
     return [b for b in asked if b not in missing], [f"{b} not installed: {INSTALL_HINT[b]}" for b in missing]
 
 
-def plan_settings(args: argparse.Namespace, gpus: int) -> dict:
-    """The run's settings (validated): what the report's "settings" records, plus the check model's details."""
+def default_device_counts(devices: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to `devices`, and `devices` itself."""
+    return tuple(sorted({2 ** i for i in range(devices.bit_length()) if 2 ** i <= devices} | {devices}))
+
+
+def plan_settings(args: argparse.Namespace, gpus: int, device_memory_bytes: int | None = None) -> CompareSettings:
+    """The run's settings (validated). `gpus`: the GPUs present (0: CPU, emulated devices); `device_memory_bytes`:
+    each GPU's memory, which bounds the default context lengths and skips the points that cannot fit."""
     defaults = GPU_DEFAULTS if gpus else CPU_DEFAULTS
     devices = args.devices if args.devices is not None else (gpus or CPU_DEFAULTS["devices"])
     if devices < 1:
         raise BadInputError(f"--devices must be >= 1, got {devices}")
     if gpus and devices > gpus:
         raise BadInputError(f"asked for {devices} devices, but this machine has {gpus} GPUs")
-    counts = sorted(set(args.device_counts)) if args.device_counts else \
-        sorted({2 ** i for i in range(devices.bit_length()) if 2 ** i <= devices} | {devices})
+    counts = tuple(sorted(set(args.device_counts))) if args.device_counts else default_device_counts(devices)
     if any(c < 1 or c > devices for c in counts):
         raise BadInputError(f"--device-counts must lie in 1..{devices}, got {args.device_counts}")
+    config = open_weights(args.model).config
+    large = config.num_params > LARGE_MODEL_PARAMS
+    remat = args.activation_checkpointing if args.activation_checkpointing != "auto" else ("full" if large else "off")
+    dtype = args.dtype or defaults["dtype"]
     seq_lens = tuple(args.seq_lens or defaults["seq_lens"])
+    memory = device_memory_bytes if gpus else None
+    if not args.seq_lens and memory is not None:  # the default lengths whose points fit the largest device count
+        fitting = tuple(s for s in seq_lens if estimated_peak_bytes(
+            config, seq_len=s, devices=max(counts), attention="ours", dtype=dtype, mode=args.mode,
+            remat=remat) <= SKIP_FACTOR * memory)
+        seq_lens = fitting or seq_lens[:1]
     for seq_len in seq_lens:
         for count in counts:
             check_split(seq_len, count, RING_LAYOUT)
     steps = args.steps if args.steps is not None else defaults["steps"]
     if steps < 1:
         raise BadInputError(f"--steps must be >= 1, got {steps}")
-    config = open_weights(args.model).config
-    large = config.num_params > LARGE_MODEL_PARAMS
     check_layers = args.check_layers or (min(2, config.num_layers) if large else config.num_layers)
     if not 1 <= check_layers <= config.num_layers:
         raise BadInputError(f"--check-layers must lie in 1..{config.num_layers}, got {check_layers}")
@@ -86,57 +187,88 @@ def plan_settings(args: argparse.Namespace, gpus: int) -> dict:
             raise BadInputError(f"--perturb takes BACKEND:PARAM with a backend of {backends} and a parameter of "
                                 f"the model (e.g. torch:layers.0.attention.wq.weight), got {args.perturb!r}")
         perturb = (backend, name)
-    remat = args.activation_checkpointing if args.activation_checkpointing != "auto" else ("full" if large else "off")
-    return {"model": args.model, "mode": args.mode, "seq_lens": list(seq_lens), "device_counts": counts,
-            "devices": devices, "steps": steps, "dtype": args.dtype or defaults["dtype"], "backends": backends,
-            "attention_ablation": _parsed_list(args.ablation, ("ours", "vendor", "reference"), "--ablation"),
-            "time_to_tokens": TIME_TO_TOKENS, "activation_checkpointing": remat, "check_seq_len": check_seq_len,
-            "check_layers": check_layers, "bench": args.bench, "notes": notes, "perturb": perturb,
-            "platform": "gpu" if gpus else "cpu"}
+    return CompareSettings(
+        model=args.model, mode=args.mode, seq_lens=seq_lens, device_counts=counts, devices=devices, steps=steps,
+        dtype=dtype, backends=tuple(backends),
+        attention_ablation=tuple(_parsed_list(args.ablation, ("ours", "vendor", "reference"), "--ablation")),
+        activation_checkpointing=remat, check_seq_len=check_seq_len, check_layers=check_layers, bench=args.bench,
+        platform="gpu" if gpus else "cpu", notes=tuple(notes), perturb=perturb, device_memory_bytes=memory)
 
 
-def check_model(settings: dict, work_dir: Path) -> str:
-    """The model the equivalence jobs load: the model itself, or its first `check_layers` layers written as a
-    converted checkpoint (the same tensors: random preset weights are drawn per tensor name)."""
-    source = open_weights(settings["model"])
-    if settings["check_layers"] == source.config.num_layers:
-        return settings["model"]
-    config = dataclasses.replace(source.config, num_layers=settings["check_layers"])
+def prepare_weights(settings: CompareSettings, work_dir: Path) -> CompareSettings:
+    """The weights every job of the run reads, made once: a preset's random weights generated into
+    work_dir/weights as a converted checkpoint (safetensors, which each process memory-maps), a converted directory
+    used where it is. work_dir/weights.json records what was done and how long it took; a second call finds the
+    weights there and makes nothing. Returns `settings` with `weights` set."""
+    log = work_dir / WEIGHTS_LOG
+    directory = work_dir / WEIGHTS_DIR
+    if Path(settings.model).is_dir():
+        return dataclasses.replace(settings, weights=str(Path(settings.model).resolve()))
+    if not log.exists():
+        began = time.perf_counter()
+        source = open_weights(settings.model)
+        if not isinstance(source, RandomWeights):
+            raise BadInputError(f"--model {settings.model}: neither a converted directory nor a preset")
+        write_converted_checkpoint(dict(source), source.config, directory)
+        log.write_text(json.dumps({"model": settings.model, "generated_s": time.perf_counter() - began,
+                                   "directory": WEIGHTS_DIR}))
+    return dataclasses.replace(settings, weights=str(directory))
+
+
+def check_model(settings: CompareSettings, work_dir: Path) -> str:
+    """The model the equivalence jobs load: the run's weights, or their first `check_layers` layers written as a
+    converted checkpoint (the same tensors)."""
+    source = open_weights(settings.weights)
+    if settings.check_layers == source.config.num_layers:
+        return settings.weights
+    config = dataclasses.replace(source.config, num_layers=settings.check_layers)
     directory = work_dir / "check-model"
     write_converted_checkpoint({name: source.tensor(name) for name in parameter_shapes(config)}, config, directory)
     return str(directory)
 
 
-def plan_jobs(settings: dict, check_model_path: str, trace_dir: Path) -> list[J.Job]:
+def plan_jobs(settings: CompareSettings, check_model_path: str, trace_dir: Path) -> list[J.Job]:
     """Equivalence jobs (the torch float32 reference on one device first), then benchmark points: every backend x
-    context length x device count with our kernels, and the ablation at the largest device count."""
-    devices, mode, steps = settings["devices"], settings["mode"], settings["steps"]
-    eq = {"kind": "equivalence", "model": check_model_path, "seq_len": settings["check_seq_len"], "dtype": "fp32",
+    context length x device count with our kernels, and the ablation at the largest device count. A point that
+    cannot run here carries its reason in `skip` (vendor kernels off-GPU; a peak estimated beyond the device)."""
+    devices, mode, steps = settings.devices, settings.mode, settings.steps
+    eq = {"kind": "equivalence", "model": check_model_path, "seq_len": settings.check_seq_len, "dtype": "fp32",
           "mode": mode, "steps": steps}
     jobs = [J.Job(id="reference-equivalence", backend="torch", devices=1, attention="reference",
                   attention_backend="reference", **eq)]
-    perturb_backend, perturb_name = settings["perturb"] or (None, None)
-    for backend in settings["backends"]:
+    perturb_backend, perturb_name = settings.perturb or (None, None)
+    for backend in settings.backends:
         jobs.append(J.Job(id=f"{backend}-equivalence", backend=backend, devices=devices, attention="ours",
                           attention_backend=KERNELS[backend]["ours"],
                           perturb=perturb_name if backend == perturb_backend else None, **eq))
-    if not settings["bench"]:
+    if not settings.bench:
         return jobs
-    for backend in settings["backends"]:
-        for seq_len in settings["seq_lens"]:
-            points = [(count, "ours") for count in settings["device_counts"]]
-            points += [(devices, a) for a in settings["attention_ablation"] if a != "ours"]
+    config = open_weights(settings.weights).config
+    for backend in settings.backends:
+        for seq_len in settings.seq_lens:
+            points = [(count, "ours") for count in settings.device_counts]
+            points += [(devices, a) for a in settings.attention_ablation if a != "ours"]
             for count, attention in points:
                 traced = count == devices and attention == "ours"
+                kernel = KERNELS[backend][attention]
+                skip = (f"{kernel} needs a CUDA GPU" if attention == "vendor" and settings.platform == "cpu" else
+                        skip_reason(config, settings, seq_len=seq_len, devices=count, attention=attention))
                 jobs.append(J.Job(id=f"{backend}-s{seq_len}-d{count}-{attention}", kind="bench", backend=backend,
-                                  model=settings["model"], seq_len=seq_len, devices=count, attention=attention,
-                                  attention_backend=KERNELS[backend][attention], dtype=settings["dtype"], mode=mode,
-                                  steps=steps, remat=settings["activation_checkpointing"],
-                                  trace_dir=str(trace_dir) if traced else None))
+                                  model=settings.weights, seq_len=seq_len, devices=count, attention=attention,
+                                  attention_backend=kernel, dtype=settings.dtype, mode=mode, steps=steps,
+                                  remat=settings.activation_checkpointing,
+                                  trace_dir=str(trace_dir) if traced else None, skip=skip))
     return jobs
 
 
-def order_for_launches(jobs: list[J.Job]) -> list[J.Job]:
-    """The reference first, then the rest with torch jobs grouped by device count (one launch each)."""
-    return sorted(jobs, key=lambda j: (j.id != "reference-equivalence", j.kind != "equivalence",
-                                       j.backend != "torch", j.devices if j.backend == "torch" else 0))
+def group_launches(jobs: list[J.Job]) -> list[tuple[str, int, list[J.Job]]]:
+    """[(backend, devices, jobs)]: one launch per backend and device count, in the order the first job of each
+    appears; inside a launch the equivalence job first, then our and the vendor's kernels by growing length, the
+    plain reference last (the largest, and the likeliest to run out of memory: a torch launch ends on an OOM)."""
+    groups: dict[tuple[str, int], list[J.Job]] = {}
+    for job in jobs:
+        groups.setdefault((job.backend, job.devices), []).append(job)
+    order = {"equivalence": 0, "ours": 1, "vendor": 1, "reference": 2}
+    return [(backend, devices, sorted(group, key=lambda j: (j.kind != "equivalence", order[j.attention],
+                                                            j.seq_len, j.attention == "vendor")))
+            for (backend, devices), group in groups.items()]

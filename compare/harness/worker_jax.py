@@ -4,7 +4,14 @@ process, each job over the first `devices` of JAX's devices (fsdp=1, sp=devices)
 `jax_impl.train.build_training` exactly as `twinflash train` builds them.
 
 `python -m compare.harness.worker_jax JOBFILE` (on CPU with XLA_FLAGS asking for the host devices, which the harness
-sets). An out-of-memory or other error of a job is recorded as its result and the next job runs.
+sets). One process serves every job of its device count (their compiled functions stay cached between jobs, and
+the run's persistent compilation cache serves a relaunch). An out-of-memory or other error of a job is recorded as
+its result and the next job runs.
+
+Peak memory on GPUs: the allocator's peak cannot be reset between the jobs of a process, so a job's peak is that
+counter where it rose during the job, else (an earlier job of the process peaked higher) the bytes in use when its
+step started plus the compiled step's temporary buffers from XLA's memory analysis (`peak_memory_source`:
+"measured" or "XLA plan"). On CPU it is the process's peak host RSS so far.
 
 Equivalence jobs run with float32 matmuls at full precision (`jax.default_matmul_precision("highest")`): on GPUs
 XLA's default for float32 dots is TF32, which torch does not use (torch.backends.cuda.matmul.allow_tf32 is off).
@@ -24,8 +31,9 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from compare.harness.jobs import (PERTURBATION, Job, union_seconds, is_collective_op, is_out_of_memory, job_batches,
-                          mark_started, read_job_file, write_result)
+from compare.harness.jobs import (PERTURBATION, Job, SetupClock, bench_units, exposed_seconds, is_collective_op,
+                                  is_out_of_memory, job_batches, launched_at, mark_progress, mark_started,
+                                  read_job_file, union_seconds, write_result)
 from jax_impl.parallel import sharded_batch
 from jax_impl.train import Training, build_training, next_token_loss, peak_memory_bytes, step_scalars, train_step
 from weights.layout import inverse_order, layout_order
@@ -61,11 +69,12 @@ def _train_steps(run: Training, batches: np.ndarray, steps: range) -> list[float
     return losses
 
 
-def equivalence(job: Job, work_dir: Path, devices: list) -> dict:
+def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
     settings = job.settings()
     batches = job_batches(job)
     with jax.default_matmul_precision("highest"):
         run = build_training(settings, devices)
+        clock.weights_loaded()
         _perturb(run, job.perturb)
         sums = _weight_sums(run)
         tokens, targets, positions = sharded_batch(batches[0], run.mesh)
@@ -76,29 +85,67 @@ def equivalence(job: Job, work_dir: Path, devices: list) -> dict:
         arrays.update({f"grad/{name}": np.asarray(g) for name, g in grads.items()})
         curve = _train_steps(run, batches, range(settings.steps)) if job.mode == "train" else []
     save_file(arrays, str(work_dir / f"{job.id}.safetensors"))
-    return {"status": "ok", "loss": float(loss), "loss_curve": curve, "weight_sums": sums}
+    return {"status": "ok", "loss": float(loss), "loss_curve": curve, "weight_sums": sums,
+            "setup": clock.result()}
 
 
-def communication_intervals(trace_dir: str, platform: str) -> list[tuple[float, float]]:
-    """(start, end) seconds of device 0's communication in a profile: NCCL kernels on GPU 0, the XLA collectives'
-    events on the host threads that run the CPU devices."""
+_SPAN_LINES = ("XLA Modules", "Steps", "XLA TraceMe")  # lines whose events span whole steps, not kernels
+
+
+def _leaves(events: list) -> list:
+    """The events of one timeline line that contain no other event of it (nested ones: a loop around its body)."""
+    ordered = sorted(events, key=lambda e: (e.start_ns, -e.end_ns))
+    return [e for e, after in zip(ordered, ordered[1:] + [None])
+            if after is None or after.start_ns >= e.end_ns]
+
+
+def activity_intervals(trace_dir: str, platform: str) -> tuple[list, list]:
+    """(communication, compute) (start, end) seconds of device 0 in a profile: on GPU 0, NCCL kernels and every
+    other kernel; on CPU, the XLA collectives' events and the other innermost events of the host threads that run
+    the CPU devices."""
     (xplane,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    intervals = []
+    communication, compute = [], []
     for plane in jax.profiler.ProfileData.from_file(xplane).planes:
         on_gpu0 = plane.name == "/device:GPU:0"
         if not (on_gpu0 if platform == "gpu" else plane.name.startswith("/host:CPU")):
             continue
         for line in plane.lines:
-            for event in line.events:
+            if any(span in line.name for span in _SPAN_LINES):
+                continue
+            events = list(line.events)
+            for event in events:
                 if ("nccl" in event.name.lower()) if on_gpu0 else is_collective_op(event.name):
-                    intervals.append((event.start_ns / 1e9, event.end_ns / 1e9))
-    return intervals
+                    communication.append((event.start_ns / 1e9, event.end_ns / 1e9))
+            compute += [(e.start_ns / 1e9, e.end_ns / 1e9) for e in _leaves(events)
+                        if "nccl" not in e.name.lower() and not is_collective_op(e.name)]
+    return communication, compute
 
 
-def bench(job: Job, work_dir: Path, devices: list) -> dict:
+def _job_peak(run: Training, before: int, step_args: tuple, mode: str) -> tuple[int | None, str]:
+    """(this job's peak bytes per device, how it was found): see the module docstring."""
+    peaks = peak_memory_bytes(run.mesh)
+    after = max(peaks)
+    on_gpu = all((d.memory_stats() or {}).get("peak_bytes_in_use") is not None for d in run.mesh.devices.flat)
+    if after > before or not on_gpu:
+        return after, "measured" if on_gpu else "host peak RSS"
+    if mode != "train":
+        return None, "unknown"
+    try:
+        compiled = train_step.lower(*step_args, spec=run.spec).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+    except Exception:  # an XLA build without the analysis: no number rather than a wrong one
+        return None, "unknown"
+    in_use = max((d.memory_stats() or {}).get("bytes_in_use", 0) for d in run.mesh.devices.flat)
+    return int(in_use + temp), "XLA plan"
+
+
+def bench(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
     settings = job.settings()
     batches = job_batches(job)
+    units = bench_units(job.steps)
     run = build_training(settings, devices)
+    clock.weights_loaded()
+    peak_before = max(peak_memory_bytes(run.mesh))
     inputs = [sharded_batch(batch, run.mesh) for batch in batches]
 
     def forward(i: int) -> float:
@@ -107,39 +154,52 @@ def bench(job: Job, work_dir: Path, devices: list) -> dict:
     def step(i: int) -> float:
         return _train_steps(run, batches, range(i, i + 1))[0] if job.mode == "train" else forward(i)
 
-    def timed(fn, i: int) -> float:
+    def timed(fn, i: int, phase: str, done: int) -> float:
+        mark_progress(work_dir, job, done, units, phase)
         began = time.perf_counter()
         fn(i)  # both end in a host read of the loss, which waits for the step
         return time.perf_counter() - began
 
-    first_s = timed(step, 0)  # compilation and allocator warm-up
-    step_times = [timed(step, i) for i in range(1, len(inputs))]
+    first_s = timed(step, 0, "warm-up step", 1)  # compilation and allocator warm-up
+    step_times = [timed(step, i, f"step {i}/{job.steps}", 1 + i) for i in range(1, len(inputs))]
     forward(0)  # compiles the forward alone
-    forward_s = statistics.median(timed(forward, i) for i in range(min(2, len(inputs))))
+    forward_s = statistics.median(timed(forward, i, "forward", 2 + job.steps + i) for i in range(min(2, len(inputs))))
+    step_s = statistics.median(step_times)
+    peak, peak_source = _job_peak(run, peak_before, (run.state, *inputs[0], step_scalars(
+        adamw_coefficients(run.spec.optimizer, 0))), job.mode)
     trace_dir = job.trace_dir and str(Path(job.trace_dir) / job.id)
-    with tempfile.TemporaryDirectory() as scratch:
-        log_dir = trace_dir or scratch
-        with jax.profiler.trace(log_dir):
-            step(0)
-        platform = jax.default_backend()
-        comm_s = union_seconds(communication_intervals(log_dir, platform)) if job.devices > 1 else None
-    return {"status": "ok", "step_s": statistics.median(step_times), "first_step_s": first_s,
-            "forward_s": forward_s, "comm_s": comm_s, "peak_memory_bytes": max(peak_memory_bytes(run.mesh)),
-            "trace": trace_dir, "platform": platform}
+    platform = jax.default_backend()
+    comm_s = exposed_s = None
+    if job.devices > 1 or trace_dir:  # one device: no communication to find, no trace asked for
+        mark_progress(work_dir, job, units - 1, units, "profiled step")
+        with tempfile.TemporaryDirectory() as scratch:
+            log_dir = trace_dir or scratch
+            with jax.profiler.trace(log_dir):
+                step(0)
+            if job.devices > 1:
+                communication, compute = activity_intervals(log_dir, platform)
+                comm_s = union_seconds(communication)
+                exposed_s = min(exposed_seconds(communication, compute), step_s)  # measured in the profiled step
+    return {"status": "ok", "step_s": step_s, "first_step_s": first_s, "forward_s": forward_s, "comm_s": comm_s,
+            "comm_exposed_s": exposed_s, "peak_memory_bytes": peak, "peak_memory_source": peak_source,
+            "trace": trace_dir, "platform": platform, "setup": clock.result(first_s, step_s)}
 
 
 def main(argv: list[str]) -> int:
     jobs, work_dir = read_job_file(Path(argv[0]))
+    started_at = launched_at()
     for job in jobs:
         mark_started(work_dir, job)
+        clock = SetupClock(started_at)
+        started_at = None  # the process's start is the first job's setup alone
         try:
-            result = (equivalence if job.kind == "equivalence" else bench)(job, work_dir, jax.devices()[:job.devices])
+            result = (equivalence if job.kind == "equivalence" else bench)(job, work_dir, jax.devices()[:job.devices],
+                                                                            clock)
         except Exception as failure:  # recorded in the report; the sweep goes on
             message = f"{type(failure).__name__}: {failure}"
             traceback.print_exc()
             result = {"status": "oom" if is_out_of_memory(message) else "error", "message": message[:2000]}
         write_result(work_dir, job, result)
-        jax.clear_caches()
     return 0
 
 

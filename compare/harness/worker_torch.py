@@ -20,8 +20,9 @@ import torch.distributed as dist
 from safetensors.numpy import save_file
 from torch.profiler import ProfilerActivity, profile
 
-from compare.harness.jobs import (PERTURBATION, Job, union_seconds, job_batches, mark_started, read_job_file,
-                          write_result)
+from compare.harness.jobs import (PERTURBATION, Job, SetupClock, bench_units, exposed_seconds, job_batches,
+                                  launched_at, mark_progress, mark_started, read_job_file, union_seconds,
+                                  write_result)
 from torch_impl.parallel import local_batch
 from torch_impl.train import Training, all_ranks, build_training, init_distributed, peak_memory_bytes, train_step
 from weights.layout import gather_sequence
@@ -65,10 +66,11 @@ def _gathered_logits(local: torch.Tensor, run: Training) -> np.ndarray:
     return gather_sequence([p.cpu().numpy() for p in parts], RING_LAYOUT)
 
 
-def equivalence(job: Job, work_dir: Path, device: torch.device) -> None:
+def equivalence(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> None:
     settings = job.settings()
     batches = job_batches(job)
     run = build_training(settings, device)
+    clock.weights_loaded()
     _perturb(run, job.perturb)
     sums = _weight_sums(run)
     tokens, targets, positions = local_batch(batches[0], run.mesh, device)
@@ -92,7 +94,8 @@ def equivalence(job: Job, work_dir: Path, device: torch.device) -> None:
                                     count)[0])
     if rank0:
         save_file({"logits": logits, **grads}, str(work_dir / f"{job.id}.safetensors"))
-        write_result(work_dir, job, {"status": "ok", "loss": loss, "loss_curve": curve, "weight_sums": sums})
+        write_result(work_dir, job, {"status": "ok", "loss": loss, "loss_curve": curve, "weight_sums": sums,
+                                     "setup": clock.result()})
 
 
 def _synchronize(device: torch.device) -> None:
@@ -100,24 +103,36 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _communication_intervals(prof, device: torch.device) -> list[tuple[float, float]]:
-    """(start, end) seconds of this rank's communication: NCCL kernels on the GPU, gloo's transfers on CPU."""
-    intervals = []
+def _activity_intervals(prof, device: torch.device) -> tuple[list, list]:
+    """(communication, compute) (start, end) seconds of this rank: on the GPU, NCCL kernels and every other kernel;
+    on CPU, gloo's transfers and the aten operators."""
+    communication, compute = [], []
     for event in prof.events():
         name = event.name.lower()
-        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
-        if (device.type == "cuda" and on_gpu and "nccl" in name) or (device.type == "cpu" and
-                                                                     name.startswith("gloo:")):
-            intervals.append((event.time_range.start / 1e6, event.time_range.end / 1e6))
-    return intervals
+        interval = (event.time_range.start / 1e6, event.time_range.end / 1e6)
+        if device.type == "cuda":
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                (communication if "nccl" in name else compute).append(interval)
+        elif name.startswith("gloo:"):
+            communication.append(interval)
+        elif name.startswith("aten::"):
+            compute.append(interval)
+    return communication, compute
 
 
-def bench(job: Job, work_dir: Path, device: torch.device) -> None:
+def bench(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> None:
     settings = job.settings()
     batches = job_batches(job)
+    rank0 = dist.get_rank() == 0
+    units = bench_units(job.steps)
     run = build_training(settings, device)
+    clock.weights_loaded()
     count = valid_target_count(1, job.seq_len)
     inputs = [local_batch(batch, run.mesh, device) for batch in batches]
+
+    def progress(done: int, phase: str) -> None:
+        if rank0:
+            mark_progress(work_dir, job, done, units, phase)
 
     def forward(i: int) -> float:
         tokens, targets, positions = inputs[i]
@@ -129,40 +144,66 @@ def bench(job: Job, work_dir: Path, device: torch.device) -> None:
             return train_step(run.model, run.optimizer, *inputs[i], i, count)[0]
         return forward(i)
 
-    def timed(fn, i: int) -> float:
+    def timed(fn, i: int, phase: str, done: int) -> float:
+        progress(done, phase)
         _synchronize(device)
         began = time.perf_counter()
         fn(i)  # both end in a host read of the loss, which waits for the step
         return time.perf_counter() - began
 
-    first_s = timed(step, 0)  # compilation (Triton autotuning) and allocator warm-up
-    step_times = [timed(step, i) for i in range(1, len(inputs))]
-    forward_s = statistics.median(timed(forward, i) for i in range(min(2, len(inputs))))
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        step(0)
-        _synchronize(device)
-    comm_s = union_seconds(_communication_intervals(prof, device)) if job.devices > 1 else None
+    first_s = timed(step, 0, "warm-up step", 1)  # compilation (Triton autotuning) and allocator warm-up
+    step_times = [timed(step, i, f"step {i}/{job.steps}", 1 + i) for i in range(1, len(inputs))]
+    forward_s = statistics.median(timed(forward, i, "forward", 2 + job.steps + i) for i in range(min(2, len(inputs))))
+    step_s = statistics.median(step_times)
+    comm_s = exposed_s = prof = None
+    if job.devices > 1 or job.trace_dir is not None:  # one device: no communication to find, no trace asked for
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        progress(units - 1, "profiled step")
+        with profile(activities=activities) as prof:
+            step(0)
+            _synchronize(device)
+    if job.devices > 1:
+        communication, compute = _activity_intervals(prof, device)
+        comm_s = union_seconds(communication)
+        if device.type == "cuda":  # measured in the profiled step
+            exposed_s = min(exposed_seconds(communication, compute), step_s)
+        # on CPU, not measured: Triton's interpreter leaves no profiler event for a kernel, so the compute that
+        # hides a gloo transfer cannot be told from a wait for it
     peaks = all_ranks(peak_memory_bytes(device), device)
-    if dist.get_rank() != 0:
+    if not rank0:
         return
     trace = None
     if job.trace_dir is not None:
         trace = str(Path(job.trace_dir) / f"{job.id}.pt.trace.json")
         prof.export_chrome_trace(trace)
-    write_result(work_dir, job, {"status": "ok", "step_s": statistics.median(step_times), "first_step_s": first_s,
-                                 "forward_s": forward_s, "comm_s": comm_s, "peak_memory_bytes": max(peaks),
-                                 "trace": trace, "platform": device.type})
+    write_result(work_dir, job, {"status": "ok", "step_s": step_s, "first_step_s": first_s,
+                                 "forward_s": forward_s, "comm_s": comm_s, "comm_exposed_s": exposed_s,
+                                 "peak_memory_bytes": max(peaks), "trace": trace, "platform": device.type,
+                                 "setup": clock.result(first_s, step_s)})
+
+
+def _allow_recompiles() -> None:
+    """One launch serves many jobs, each compiling its modules for its own shapes and dtype: raise dynamo's
+    per-function recompile limit (8) so that a later job is not silently left uncompiled."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 64))
 
 
 def main(argv: list[str]) -> int:
     jobs, work_dir = read_job_file(Path(argv[0]))
+    started_at = launched_at()
     device = init_distributed()
+    _allow_recompiles()
     try:
         for job in jobs:
             if dist.get_rank() == 0:
                 mark_started(work_dir, job)
-            (equivalence if job.kind == "equivalence" else bench)(job, work_dir, device)
+            clock = SetupClock(started_at)
+            started_at = None  # the launch's start is the first job's setup alone
+            (equivalence if job.kind == "equivalence" else bench)(job, work_dir, device, clock)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)

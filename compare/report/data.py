@@ -1,6 +1,7 @@
 """The report dict of `twinflash compare` (format "twinflash-compare/1", schema compare/report/schema.json) from
 its jobs' results: the benchmark arithmetic of each point (throughput, TFLOP/s, MFU, communication bandwidth,
-scaling efficiency, time to N tokens), the environment the numbers were measured in, and the model's description.
+exposed communication, scaling efficiency (GPUs only: CPU timings rank nothing), time to N tokens), every job's
+setup time beside its measured time, the environment the numbers were measured in, and the model's description.
 `compare/harness/` runs the jobs; `compare/report/write.py` writes the dict, rendered.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from compare.args import recorded_command
 from compare.harness import jobs as J
+from compare.harness.plan import CompareSettings
 from weights import LlamaConfig
 from weights.flops import PEAK_FLOPS_PER_DEVICE, forward_flops_per_token, model_flops_per_token
 from weights.parallel import MeshShape, step_comm_bytes, weights_regathered_for_backward
@@ -23,7 +25,7 @@ from weights.parallel import MeshShape, step_comm_bytes, weights_regathered_for_
 MFU_FORMULA = (f"MFU = model FLOPs per second / ({PEAK_FLOPS_PER_DEVICE / 1e12:.0f} TFLOP/s x devices); "
                "model FLOPs per token = 6 N + 6 x layers x heads x head_dim x S (training: forward + backward, causal attention, no credit for recomputation) "
                "or a third of that (forward mode); N = parameters multiplied in matmuls (weights.flops)")
-_MEASURED = ("step_s", "forward_s", "backward_s", "comm_s", "comm_bytes", "comm_bandwidth_gbps", "tokens_per_s",
+_MEASURED = ("step_s", "forward_s", "backward_s", "comm_s", "comm_exposed_s", "comm_bytes", "comm_bandwidth_gbps", "tokens_per_s",
              "tflops_per_device", "mfu", "peak_memory_bytes", "scaling_efficiency", "time_to_tokens_s")
 
 
@@ -36,7 +38,7 @@ def _parameter_gathers(job: J.Job, train: bool) -> int:
     return 2 if (train and weights_regathered_for_backward(job.remat)) else 1
 
 
-def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: dict) -> dict:
+def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: CompareSettings) -> dict:
     """One row of the benchmark section (scaling efficiency filled in later by `add_scaling`)."""
     point = {"backend": job.backend, "seq_len": job.seq_len, "devices": job.devices, "attention": job.attention,
              "kernel": job.attention_backend, "status": result["status"], "message": result.get("message"),
@@ -45,12 +47,17 @@ def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: dic
         return point
     step_s, train = result["step_s"], job.mode == "train"
     tflops = job.seq_len * _flops_per_token(config, job.seq_len, job.mode) / step_s / job.devices / 1e12
+    exposed = result.get("comm_exposed_s")
     point.update(step_s=step_s, forward_s=result["forward_s"], comm_s=result["comm_s"],
+                 comm_exposed_s=None if exposed is None else min(exposed, step_s),
                  backward_s=max(0.0, step_s - result["forward_s"]) if train else None,
                  tokens_per_s=job.seq_len / step_s, tflops_per_device=tflops,
-                 mfu=tflops * 1e12 / PEAK_FLOPS_PER_DEVICE if settings["platform"] == "gpu" else None,
+                 mfu=tflops * 1e12 / PEAK_FLOPS_PER_DEVICE if settings.platform == "gpu" else None,
                  peak_memory_bytes=result["peak_memory_bytes"],
-                 time_to_tokens_s=settings["time_to_tokens"] * step_s / job.seq_len)
+                 time_to_tokens_s=settings.time_to_tokens * step_s / job.seq_len)
+    if result.get("peak_memory_source") == "XLA plan":
+        point["message"] = ("peak memory from XLA's plan of the step: an earlier job of the same process peaked "
+                            "higher, and JAX's peak counter cannot be reset")
     if job.devices > 1:
         compute_bytes = 2 if job.dtype == "bf16" else 4
         point["comm_bytes"] = step_comm_bytes(
@@ -60,12 +67,24 @@ def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: dic
         if result["comm_s"]:
             point["comm_bandwidth_gbps"] = point["comm_bytes"] / result["comm_s"] / 1e9
     if result.get("trace"):
-        point["trace"] = os.path.relpath(result["trace"], settings["out"])
+        point["trace"] = os.path.relpath(result["trace"], settings.out)
     return point
 
 
-def add_scaling(points: list[dict]) -> None:
-    """scaling_efficiency = step_s(1 device) / (devices x step_s(devices)) for the same backend, length, kernel."""
+def job_timing(job: J.Job, result: dict) -> dict:
+    """One row of the report's "jobs": where the job's time went (setup beside measurement), null where the job
+    did not run."""
+    setup = result.get("setup") or {}
+    return {"id": job.id, "kind": job.kind, "backend": job.backend, "devices": job.devices,
+            "status": result["status"], **{key: setup.get(key) for key in ("launch_s", "weights_s", "compile_s",
+                                                                           "measured_s")}}
+
+
+def add_scaling(points: list[dict], platform: str) -> None:
+    """scaling_efficiency = step_s(1 device) / (devices x step_s(devices)) for the same backend, length, kernel;
+    on GPUs only (CPU timings measure interpreters on emulated devices: they rank nothing)."""
+    if platform != "gpu":
+        return
     single = {(p["backend"], p["seq_len"], p["attention"]): p["step_s"] for p in points
               if p["devices"] == 1 and p["step_s"]}
     for p in points:
@@ -88,17 +107,17 @@ def _command_output(command: list[str], cwd: Path | None = None) -> str | None:
         return None
 
 
-def environment(settings: dict) -> dict:
-    if settings["platform"] == "gpu":
+def environment(settings: CompareSettings) -> dict:
+    if settings.platform == "gpu":
         import torch
 
-        names = [torch.cuda.get_device_name(i) for i in range(settings["devices"])]
+        names = [torch.cuda.get_device_name(i) for i in range(settings.devices)]
         driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
         driver = driver.splitlines()[0] if driver else None
     else:
-        names, driver = [f"cpu ({settings['devices']} emulated devices: gloo processes, XLA host devices)"], None
+        names, driver = [f"cpu ({settings.devices} emulated devices: gloo processes, XLA host devices)"], None
     libraries = {name: _version(name) for name in ("torch", "triton", "jax", "jaxlib", "flax", "numpy")}
-    return {"platform": settings["platform"], "devices": names, "driver": driver,
+    return {"platform": settings.platform, "devices": names, "driver": driver,
             "python": platform.python_version(), "libraries": libraries,
             "git_commit": _command_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent),
             "hostname": socket.gethostname(), "cpu_count": os.cpu_count() or 1}
@@ -110,22 +129,21 @@ def model_section(name: str, config: LlamaConfig) -> dict:
             "head_dim": config.head_dim, "vocab": config.vocab_size}
 
 
-def report_dict(*, settings: dict, config: LlamaConfig, equivalence: dict, points: list[dict], peers: list[dict],
-                argv: list[str]) -> dict:
-    public = ("model", "mode", "seq_lens", "device_counts", "devices", "steps", "dtype", "backends",
-              "attention_ablation", "time_to_tokens")
+def report_dict(*, settings: CompareSettings, config: LlamaConfig, equivalence: dict, points: list[dict],
+                peers: list[dict], argv: list[str], jobs: list[dict] | None = None) -> dict:
     return {
         "format": "twinflash-compare/1",
         "command": recorded_command(["twinflash", "compare", *argv]),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "passed": equivalence["passed"],
-        "settings": {k: settings[k] for k in public},
+        "settings": settings.public(),
         "environment": environment(settings),
-        "model": model_section(settings["model"], config),
+        "model": model_section(settings.model, config),
         "flops": {"formula": MFU_FORMULA,
-                  "peak_flops_per_device": PEAK_FLOPS_PER_DEVICE if settings["platform"] == "gpu" else None},
+                  "peak_flops_per_device": PEAK_FLOPS_PER_DEVICE if settings.platform == "gpu" else None},
         "equivalence": equivalence,
         "benchmark": {"points": points},
         "peers": peers,
+        "jobs": jobs or [],
         "plots": [],
     }

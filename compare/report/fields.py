@@ -1,6 +1,6 @@
 """What the report's renderings and plots both read from a report dict (`compare/report/schema.json`): the attention
 implementations in their order, the labels of a point that did not run, the benchmark points in table order, the
-most devices measured, and how a context length is written.
+most devices measured, how a context length is written, and whether the run was a CPU run (which ranks nothing).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 ATTENTIONS = ("ours", "vendor", "reference")
 STATUS_LABELS = {"oom": "OOM", "error": "ERROR", "timeout": "TIMEOUT", "unsupported": "UNSUPPORTED",
-                 "interrupted": "INTERRUPTED"}
+                 "skipped": "SKIPPED", "interrupted": "INTERRUPTED"}
 
 
 def finite(value: Any) -> bool:
@@ -29,3 +29,8 @@ def sorted_points(report: dict) -> list[dict]:
 
 def max_devices(report: dict) -> int:
     return max((p["devices"] for p in report["benchmark"]["points"]), default=report["settings"]["devices"])
+
+
+def on_cpu(report: dict) -> bool:
+    """A CPU run: interpreted kernels on emulated devices, timings that are not a benchmark."""
+    return report["environment"]["platform"] == "cpu"

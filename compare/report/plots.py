@@ -2,18 +2,20 @@
 `write_report`): matplotlib `Figure` objects on the Agg canvas, no pyplot state. `figures(report)` gives
 [(name, Figure)] in a fixed order, leaving out a plot that has no data rather than drawing it empty:
 
-- throughput: tokens/s and TFLOP/s per device against context length, one line per backend (benchmark points of
+- throughput: tokens/s and TFLOP/s per device per context length, one line per backend (benchmark points of
   attention "ours" at the most devices: tokens_per_s, tflops_per_device, seq_len);
-- memory: peak memory per device (GiB) against context length, likewise (peak_memory_bytes);
+- memory: peak memory per device (GiB) per context length, likewise (peak_memory_bytes);
 - scaling: tokens/s against device count per backend and context length, with the ideal linear line (needs
-  points of attention "ours" on two or more device counts);
-- breakdown: step, forward, backward and comm time (ms) as grouped bars per backend and context length (step_s,
-  forward_s, backward_s, comm_s at the most devices);
+  points of attention "ours" on two or more device counts; GPU runs only: CPU timings rank nothing);
+- breakdown: step, forward, backward, exposed comm and comm kernels' busy time (ms) as grouped bars per backend and
+  context length (step_s, forward_s, backward_s, comm_exposed_s, comm_s at the most devices);
 - ablation: step time per attention implementation (ours, vendor, reference), one panel per backend (needs two or
   more implementations measured at the most devices);
 - loss_curves: the equivalence run's losses per step (equivalence.loss_curves; train mode only).
 
-A benchmark point whose status is not "ok" is labelled (OOM, ERROR, TIMEOUT, UNSUPPORTED) where its mark would be.
+Every value axis is linear and starts at zero (a bar's length is its value); context lengths are evenly spaced
+categories. A benchmark point whose status is not "ok" is labelled (OOM, ERROR, TIMEOUT, UNSUPPORTED, SKIPPED)
+where its mark would be.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, sorted_points
+from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, on_cpu, sorted_points
 
 _COLORS = {"torch": "#ee4c2c", "jax": "#1a73e8", "reference": "#6c757d"}
 _ATTENTION_COLORS = {"ours": "#2a9d8f", "vendor": "#e9c46a", "reference": "#8d99ae"}
@@ -34,12 +36,16 @@ def _figure(panels: int = 1):
     return fig, list(fig.subplots(1, panels, squeeze=False)[0])
 
 
-def _log2_x(ax, xs, label=fmt_seq) -> None:
+def _categories(ax, xs) -> dict[int, int]:
+    """Evenly spaced x positions for the context lengths `xs`, labelled; {length: position}."""
     ticks = sorted(set(xs))
-    ax.set_xscale("log", base=2)
-    ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
-    ax.set_xticks(ticks, [label(t) for t in ticks])
-    ax.minorticks_off()
+    ax.set_xticks(range(len(ticks)), [fmt_seq(t) for t in ticks])
+    ax.set_xlim(-0.5, len(ticks) - 0.5)
+    return {t: i for i, t in enumerate(ticks)}
+
+
+def _from_zero(ax) -> None:
+    ax.set_ylim(bottom=0)
 
 
 def _label_failed(ax, x: float, text: str, color: str = "#cf222e") -> None:
@@ -62,14 +68,16 @@ def _lines_vs_seq(report: dict, panels: list[tuple], title: str):
         return None
     fig, axes = _figure(len(panels))
     for ax, (key, label, scale) in zip(axes, panels):
+        at = _categories(ax, [p["seq_len"] for p in points])
         for backend in report["settings"]["backends"]:
-            xy = [(p["seq_len"], p[key] * scale) for p in points if p["backend"] == backend and _ok(p, key)]
+            xy = [(at[p["seq_len"]], p[key] * scale) for p in points if p["backend"] == backend and _ok(p, key)]
             if xy:
                 ax.plot(*zip(*xy), "o-", color=_COLORS[backend], label=backend)
         for p in points:
             if p["status"] != "ok":
-                _label_failed(ax, p["seq_len"], f"{p['backend']} {STATUS_LABELS[p['status']]}", _COLORS[p["backend"]])
-        _log2_x(ax, [p["seq_len"] for p in points])
+                _label_failed(ax, at[p["seq_len"]], f"{p['backend']} {STATUS_LABELS[p['status']]}",
+                              _COLORS[p["backend"]])
+        _from_zero(ax)
         ax.set(xlabel="context length (tokens)", ylabel=label)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -79,7 +87,7 @@ def _lines_vs_seq(report: dict, panels: list[tuple], title: str):
 
 def _plot_scaling(report: dict):
     points = [p for p in _ours(report) if _ok(p, "tokens_per_s")]
-    if len({p["devices"] for p in points}) < 2:
+    if len({p["devices"] for p in points}) < 2 or on_cpu(report):
         return None
     fig, (ax,) = _figure()
     for backend in report["settings"]["backends"]:
@@ -91,8 +99,10 @@ def _plot_scaling(report: dict):
                 (d0, t0), ds = xy[0], [d for d, _ in xy]
                 ax.plot(ds, [t0 * d / d0 for d in ds], "--", color=_COLORS[backend], alpha=0.5, linewidth=1)
     ax.plot([], [], "--", color="gray", label="ideal linear")
-    _log2_x(ax, [p["devices"] for p in points], str)
-    ax.set_yscale("log")
+    devices = sorted({p["devices"] for p in points})
+    ax.set_xticks(devices, [str(d) for d in devices])
+    ax.set_xlim(0, devices[-1] * 1.05)
+    _from_zero(ax)
     ax.set(xlabel="devices", ylabel="tokens/s", title="Scaling with devices, attention ours")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -121,13 +131,15 @@ def _ms_or_status(p: dict | None, key: str = "step_s"):
 def _plot_breakdown(report: dict):
     points = _ours(report, top := max_devices(report))
     parts = (("step_s", "step", "#555555"), ("forward_s", "forward", "#4c78a8"),
-             ("backward_s", "backward", "#f58518"), ("comm_s", "comm", "#54a24b"))
+             ("backward_s", "backward", "#f58518"), ("comm_exposed_s", "exposed comm (part of the step)", "#54a24b"),
+             ("comm_s", "comm kernels busy (overlap included)", "#b8e0b0"))
     if not any(_ok(p, key) for p in points for key, _, _ in parts[1:]):
         return None
     fig, (ax,) = _figure()
     _bars(ax, [f"{p['backend']}\nS={fmt_seq(p['seq_len'])}" for p in points],
           [(label, color, [_ms_or_status(p, key) if key == "step_s" or p["status"] == "ok" else None for p in points])
            for key, label, color in parts])
+    _from_zero(ax)
     ax.set(ylabel="ms", title=f"Step, forward, backward, comm: {top} device(s), attention ours")
     return fig
 
@@ -145,8 +157,7 @@ def _plot_ablation(report: dict):
     for ax, backend in zip(axes, backends):
         _bars(ax, [f"S={fmt_seq(s)}" for s in seqs], [(kind, _ATTENTION_COLORS[kind], [
             _ms_or_status(points.get((backend, kind, s))) for s in seqs]) for kind in kinds])
-        if max(values) / min(values) > 50:
-            ax.set_yscale("log")
+        _from_zero(ax)
         ax.set(ylabel="step time (ms)", title=f"{backend}, {top} device(s)")
     fig.suptitle("Attention ablation (failed points labelled)")
     return fig
@@ -161,6 +172,7 @@ def _plot_loss_curves(report: dict):
         ys = [v if math.isfinite(v) else math.nan for v in losses]
         ax.plot(range(len(ys)), ys, "--" if name == "reference" else "-", marker=marker, markersize=4,
                 color=_COLORS.get(name), label=name)
+    _from_zero(ax)
     ax.set(xlabel="step", ylabel="loss", title="Loss curves (equivalence run)")
     ax.grid(alpha=0.3)
     ax.legend()

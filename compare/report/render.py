@@ -2,10 +2,14 @@
 `render_html`: one document model, two writers), and the number formats (`fmt`); `compare/report/write.py`
 checks and writes them.
 
-A benchmark point whose status is not "ok" shows it (OOM, ERROR, TIMEOUT, UNSUPPORTED) in its measurement cells and
-its message under the table. Peers: our best point per (backend, context length) at the most devices beside the
-peers' table, and an "ours vs peer" line where a point measures a peer's work (same model, devices and context
-length: MFU against MFU).
+A benchmark point whose status is not "ok" shows it (OOM, ERROR, TIMEOUT, UNSUPPORTED, SKIPPED) in its measurement
+cells and its message under the table. Every number keeps three significant digits (a small value is never shown
+as 0.0). Communication is two numbers: the exposed part (device 0 communicating with nothing to compute: what it
+costs, never more than the step) and the communication kernels' busy time (overlap included). A CPU run says at the
+top that its timings measure interpreters on emulated devices and ranks nothing: no scaling efficiency, no
+speed-up, no best point, no comparison with the peers. On GPUs: our best point per (backend, context length) at the
+most devices beside the peers' table, and an "ours vs peer" line where a point measures a peer's work (same model,
+devices and context length: MFU against MFU). The peers' numbers are cited from compare/report/peers.json.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import math
 import re
 from typing import Any
 
-from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, sorted_points
+from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, on_cpu, sorted_points
 
 WORST_PARAMETERS = 10  # parameters listed per comparison, besides every failing one
 _GRAD_CHECK = "gradient max-abs (worst parameter)"
@@ -32,15 +36,27 @@ def _duration(v: float) -> str:
     return _FORMATS["seconds"](v)
 
 
+def _sig(v: float) -> str:
+    """Three significant digits (thousands separated above 1,000): a small value is never printed as 0.0."""
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+
+
+def _bytes(v: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(v) >= size:
+            return f"{_sig(v / size)} {unit}"
+    return f"{v:.3g} B"
+
+
 _FORMATS = {
-    "seconds": lambda v: f"{v * 1e3:.3g} ms" if v < 1 else f"{v:.3g} s" if v < 100 else f"{v:,.0f} s",
+    "seconds": lambda v: f"{_sig(v * 1e3)} ms" if abs(v) < 1 else f"{_sig(v)} s",
     "duration": _duration,
-    "bytes": lambda v: f"{v / 2**30:.2f} GiB" if v >= 2**30 else f"{v / 2**20:.1f} MiB",
-    "count": lambda v: f"{v:,.0f}",
-    "percent": lambda v: f"{v * 100:.3g} %",
-    "sig": lambda v: f"{v:.3g}",
-    "ratio": lambda v: f"{v:.6f}",
-    "one": lambda v: f"{v:,.1f}",
+    "bytes": _bytes,
+    "count": lambda v: f"{v:,.0f}" if abs(v) >= 100 else _sig(v),
+    "percent": lambda v: f"{_sig(v * 100)} %",
+    "sig": _sig,
+    "ratio": lambda v: f"{v:.7g}",
+    "one": _sig,
 }
 
 
@@ -79,11 +95,20 @@ def _document(report: dict) -> list[tuple]:
                for c in report["equivalence"]["comparisons"] for k in c["checks"] if not k["passed"]]
     detail = ("; ".join(failing) if failing else "every check within its tolerance"
               if report["equivalence"]["comparisons"] else "no comparison was run") + "."
-    doc = [("h", 1, f"twinflash compare: {model['name']}, {s['mode']}, {s['dtype']}"),
-           ("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence) — {detail}"]),
-           ("code", report["command"]), ("p", [f"Created {report['created']}."])]
+    doc = [("h", 1, f"twinflash compare: {model['name']}, {s['mode']}, {s['dtype']}")]
+    if on_cpu(report):
+        doc.append(("p", [("b", "CPU run: not a benchmark."), " " + CPU_CAVEAT.format(devices=s["devices"])]))
+    doc += [("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence) — {detail}"]),
+            ("code", report["command"]), ("p", [f"Created {report['created']}."])]
     return (doc + _setup(report) + _equivalence(report) + _benchmark(report) + _ablation(report) + _peers(report)
-            + _flops_and_traces(report))
+            + _jobs(report) + _flops_and_traces(report))
+
+
+CPU_CAVEAT = ("The kernels ran in Triton's interpreter and in Pallas's interpret mode on {devices} emulated devices "
+              "(gloo processes for torch, XLA host devices for JAX): the timings below measure those interpreters "
+              "and the host, not the kernels, and rank nothing (no scaling efficiency, no speed-up, no best point, "
+              "no comparison with the peers). Peak memory is the worker process's peak host RSS so far. The "
+              "equivalence verdict holds on any machine.")
 
 
 def _setup(report: dict) -> list[tuple]:
@@ -146,20 +171,32 @@ def _cells(p: dict, columns) -> list[str]:
 
 
 def _benchmark(report: dict) -> list[tuple]:
-    columns = (("step_s", "seconds"), ("forward_s", "seconds"), ("backward_s", "seconds"), ("comm_s", "seconds"),
-               ("comm_bytes", "bytes"), ("comm_bandwidth_gbps", "one"), ("tokens_per_s", "count"),
-               ("tflops_per_device", "one"), ("mfu", "percent"), ("peak_memory_bytes", "bytes"),
-               ("scaling_efficiency", "percent"), ("time_to_tokens_s", "duration"))
-    headers = ["backend", "attention", "kernel", "S", "devices", "step", "forward", "backward", "comm",
-               "comm volume", "comm GB/s", "tokens/s", "TFLOP/s per device", "MFU", "peak memory per device",
-               "scaling efficiency", f"time to {fmt_tokens(report['settings']['time_to_tokens'])} tokens"]
+    columns = [("step_s", "seconds"), ("forward_s", "seconds"), ("backward_s", "seconds"),
+               ("comm_exposed_s", "seconds"), ("comm_s", "seconds"), ("comm_bytes", "bytes"),
+               ("comm_bandwidth_gbps", "one"), ("tokens_per_s", "count"), ("tflops_per_device", "one"),
+               ("mfu", "percent"), ("peak_memory_bytes", "bytes"), ("scaling_efficiency", "percent"),
+               ("time_to_tokens_s", "duration")]
+    headers = ["backend", "attention", "kernel", "S", "devices", "step", "forward", "backward",
+               "exposed comm (≤ step)", "comm kernels busy", "comm volume", "comm GB/s (busy)", "tokens/s",
+               "TFLOP/s per device", "MFU", "peak memory per device", "scaling efficiency",
+               f"time to {fmt_tokens(report['settings']['time_to_tokens'])} tokens"]
+    if on_cpu(report):  # CPU timings rank nothing
+        drop = headers.index("scaling efficiency")
+        del headers[drop], columns[drop - 5]
     what = "training step (forward, backward, optimizer)" if report["settings"]["mode"] == "train" else "forward"
     points = sorted_points(report)
     rows = [[p["backend"], p["attention"], p["kernel"], fmt_seq(p["seq_len"]), str(p["devices"])]
             + _cells(p, columns) for p in points]
     notes = [[f"{_where(p)}: {STATUS_LABELS.get(p['status'], p['status'])}: {p['message']}"]
              for p in points if p["message"]]
-    doc = [("h", 2, "Benchmark"), ("p", [f"Median {what}; one row per point."]),
+    comm = ("Exposed comm: the time of the profiled step during which device 0 communicated and computed nothing "
+            "(at most the median step): the communication that costs time. Comm kernels "
+            "busy: the union of the communication's own intervals on device 0 in the profiled step (NCCL kernels, "
+            "gloo transfers, XLA collectives), hidden or not, which the bandwidth divides; it can exceed the step "
+            "where transfers overlap compute or the profiler slows the step." + (
+                " Torch on CPU: exposed comm not measured (Triton's interpreter leaves no profiler event for the "
+                "compute that hides a transfer)." if on_cpu(report) else ""))
+    doc = [("h", 2, "Benchmark"), ("p", [f"Median {what}; one row per point."]), ("p", [comm]),
            ("table", headers, rows) if rows else ("p", ["No benchmark points."])]
     doc += [("p", ["Notes:"]), ("list", notes)] if notes else []
     return doc + _images(report, "throughput", "scaling", "memory", "breakdown")
@@ -174,15 +211,17 @@ def _ablation(report: dict) -> list[tuple]:
     kinds = [a for a in ATTENTIONS if any(a in row for row in cells.values())]
     if len(kinds) < 2:
         return []
-    rows = []
+    rows, ranked = [], not on_cpu(report)
     for (backend, seq), row in cells.items():
         ok = all(a in row and row[a]["status"] == "ok" and finite(row[a]["step_s"]) for a in ("ours", "vendor"))
-        speedup = f"{row['vendor']['step_s'] / row['ours']['step_s']:.2f}×" if ok and row["ours"]["step_s"] else DASH
+        speedup = f"{row['vendor']['step_s'] / row['ours']['step_s']:.3g}×" if ok and row["ours"]["step_s"] else DASH
         rows.append([backend, fmt_seq(seq)] + [f"{_cells(row[a], [('step_s', 'seconds')])[0]} ({row[a]['kernel']})"
-                                               if a in row else DASH for a in kinds] + [speedup])
+                                               if a in row else DASH for a in kinds] + ([speedup] if ranked else []))
+    what = "; speed-up = vendor step time / ours." if ranked else " (interpreted on CPU: not a ranking)."
     return [("h", 2, "Attention ablation"),
-            ("p", [f"Step time on {top} device(s) per attention implementation; speed-up = vendor step time / ours."]),
-            ("table", ["backend", "S"] + kinds + ["ours speed-up vs vendor"], rows)] + _images(report, "ablation")
+            ("p", [f"Step time on {top} device(s) per attention implementation{what}"]),
+            ("table", ["backend", "S"] + kinds + (["ours speed-up vs vendor"] if ranked else []), rows)
+            ] + _images(report, "ablation")
 
 
 def _peer_scope(work: str) -> tuple[int | None, int | None]:
@@ -192,6 +231,9 @@ def _peer_scope(work: str) -> tuple[int | None, int | None]:
 
 
 def _peers(report: dict) -> list[tuple]:
+    if on_cpu(report):
+        return _peer_table(report, "Peers, as measured on GPUs by their own code (shown for reference: this CPU run "
+                                   "is not compared with them):")
     top, best = max_devices(report), {}
     for p in sorted_points(report):
         key = (p["backend"], p["seq_len"])
@@ -203,12 +245,9 @@ def _peers(report: dict) -> list[tuple]:
             [[b, fmt_seq(seq), f"{p['attention']} ({p['kernel']})", fmt(p["step_s"], "seconds"),
               fmt(p["tokens_per_s"], "count"), fmt(p["tflops_per_device"], "one"), fmt(p["mfu"], "percent")]
              for (b, seq), p in best.items()]) if best else ("p", ["No successful point."])]
-    if not report["peers"]:
-        return doc
-    doc += [("p", [("Peers, as measured by their own code (attention rows time the attention alone: compare them "
-                    "with `twinflash bench kernels` / `bench ring`, not with the whole-model numbers above):")]),
-            ("table", ["work", "peer", "value", "unit", "source"],
-             [[q["work"], q["peer"], f"{q['value']:,.4g}", q["unit"], q["source"]] for q in report["peers"]])]
+    doc = doc + _peer_table(report, "Peers, as measured by their own code (attention rows time the attention "
+                                    "alone: compare them with `twinflash bench kernels` / `bench ring`, not with "
+                                    "the whole-model numbers above):")
     squash = functools.partial(re.sub, r"[^a-z0-9]", "")
     lines = [[(f"ours vs peer: {_where(p)}: {fmt(p['mfu'], 'percent')} MFU vs {q['peer']} {q['value']:.1f} % MFU "
                f"({p['mfu'] * 100 / q['value']:.2f}×; {q['work']})")]
@@ -217,6 +256,33 @@ def _peers(report: dict) -> list[tuple]:
              for p in sorted_points(report) if (p["devices"], p["seq_len"]) == _peer_scope(q["work"])
              and p["status"] == "ok" and finite(p["mfu"]) and q["value"]]
     return doc + ([("list", lines)] if lines else [])
+
+
+def _peer_table(report: dict, intro: str) -> list[tuple]:
+    if not report["peers"]:
+        return []
+    return [("h", 2, "Peers") if on_cpu(report) else ("p", []), ("p", [intro]),
+            ("table", ["work", "peer", "value", "unit", "measured by", "source"],
+             [[q["work"], q["peer"], f"{q['value']:,.4g}", q["unit"], q.get("command", DASH), q["source"]]
+              for q in report["peers"]])]
+
+
+def _jobs(report: dict) -> list[tuple]:
+    """Every job's setup (its process's start for the first job of a process, weights, compilation) beside the
+    time it measured."""
+    jobs = report.get("jobs") or []
+    if not jobs:
+        return []
+    keys = ("launch_s", "weights_s", "compile_s")
+    rows = [[j["id"], j["status"]] + [fmt(j[k], "seconds") for k in keys]
+            + [fmt(sum(j[k] for k in keys if finite(j[k])) if finite(j["weights_s"]) else None, "seconds"),
+               fmt(j["measured_s"], "seconds")] for j in jobs]
+    return [("h", 2, "Setup and measurement per job"),
+            ("p", ["One launch per backend and device count serves all of its jobs: launch is the process's start "
+                   "(its first job only), weights the model built and its weights read (generated once per run), "
+                   "compile the first step beyond a steady one (compilation, autotuning; none for an equivalence check, whose "
+                   "steps are all measured), measured the rest."]),
+            ("table", ["job", "status", "launch", "weights", "compile", "setup", "measured"], rows)]
 
 
 def _flops_and_traces(report: dict) -> list[tuple]:

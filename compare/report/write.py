@@ -1,8 +1,9 @@
 """Writing `twinflash compare`'s report: out_dir/report.json, report.md, report.html and plots/*.png from the dict
 that compare/harness/command.py builds (format "twinflash-compare/1", each key described in
 compare/report/schema.json). Owns the schema check (`validate_report`) and the peers' numbers (`load_peers`:
-compare/report/peers.json, measured on H200 with the project's anchor scripts); the renderings are
-compare/report/render.py's, the plots compare/report/plots.py's.
+compare/report/peers.json with its provenance, measured on H200 with the anchor scripts kept beside their raw
+results in compare/results/anchors-2026-11-21-h200x4/); the renderings are compare/report/render.py's, the plots
+compare/report/plots.py's.
 
 `write_report(report, out_dir)` validates first and writes nothing for an invalid report (ValueError, one line
 naming the first violation's path); otherwise each file goes to a temporary name in out_dir and is renamed into
@@ -25,6 +26,7 @@ from weights.atomic import atomic_file
 
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 PEERS_PATH = Path(__file__).with_name("peers.json")
+PEERS_CITATION = "compare/report/peers.json"  # PEERS_PATH as the project names it (a report cites it so)
 
 
 @functools.cache
@@ -48,8 +50,14 @@ def validate_report(report: dict) -> None:
 
 
 def load_peers() -> list[dict]:
-    """The peers' measurements of compare/report/peers.json: [{work, peer, value, unit, source}]."""
-    return json.loads(PEERS_PATH.read_text(encoding="utf-8"))
+    """The peers' measurements of compare/report/peers.json: [{work, peer, value, unit, source, machine,
+    command}], `source` citing the file, the raw results and the machine."""
+    kept = json.loads(PEERS_PATH.read_text(encoding="utf-8"))
+    return [{"work": p["work"], "peer": p["peer"], "value": p["value"], "unit": p["unit"],
+             "source": (f"{PEERS_CITATION} ({p['setup']}; raw: {kept['raw']}, key {p['raw_key']}; measured "
+                        f"{kept['measured']} on {kept['machine']})"),
+             "machine": kept["machine"], "command": f"{p['command']} (in {kept['scripts']})"}
+            for p in kept["peers"]]
 
 
 def _numpy_scalar(value: Any) -> Any:

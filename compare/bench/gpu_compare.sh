@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 14's GPU acceptance: the bare `twinflash compare --model MODEL` (default llama3.2-1b) on the GPUs of this host
+# (the device tool's nvidia-h200-x2), run from the repository root with the image's python3 (the checkout on
+# PYTHONPATH). The command runs under `timeout ${COMPARE_TIMEOUT_S:-570}` (SIGTERM: it stops its workers and writes
+# the report of the jobs that finished, the rest marked interrupted), so the whole call takes at most ~10 minutes.
+#   bash compare/bench/gpu_compare.sh [MODEL] [extra compare arguments...]
+# Lands in $OUT (default ./out): compare-MODEL/ (report.md, report.html, report.json, plots/, work/ with every job's
+# result and the launches' logs; profiler traces over 20 MB dropped), compare.log, env.txt; the summary table last.
+# Expected: ~6-9 minutes on 2 H200s for the 1B shape (27 jobs: 3 equivalence checks, 24 points of which 6 are skipped
+# up front for memory and the rest measured); the report's "Setup and measurement per job" shows where it went.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+OUT=${OUT:-$PWD/out}
+model=${1:-llama3.2-1b}
+shift || true
+run="$OUT/compare-$model"
+mkdir -p "$OUT"
+{ nvidia-smi; python3 -c "import sys, torch, triton, jax; print(sys.version); print('torch', torch.__version__,
+'triton', triton.__version__, 'jax', jax.__version__, 'gpus', torch.cuda.device_count())"
+  echo "commit $(git rev-parse HEAD 2>/dev/null || echo 'unknown: the device copy has no git')"; } > "$OUT/env.txt" 2>&1
+began=$(date +%s)
+timeout "${COMPARE_TIMEOUT_S:-570}" python3 -m compare.cli compare --model "$model" "$@" --out "$run" \
+    > "$OUT/compare.log" 2>&1
+status=$?
+echo "exit $status after $(( $(date +%s) - began )) s: twinflash compare --model $model $*" | tee -a "$OUT/compare.log"
+# the command removes the run's weights (5 GB for the 1B shape) and caches itself; again in case it was killed
+rm -rf "$run/work/weights" "$run/work/cache" "$run/work/check-model" "$run"/work/*.safetensors
+find "$run/traces" -type f -size +20M -delete 2>/dev/null
+find "$run/traces" -type d -empty -delete 2>/dev/null
+tail -n 60 "$OUT/compare.log"
