@@ -4,8 +4,10 @@
 # PYTHONPATH). The command runs under `timeout ${COMPARE_TIMEOUT_S:-570}` (SIGTERM: it stops its workers and writes
 # the report of the jobs that finished, the rest marked interrupted), so the whole call takes at most ~10 minutes.
 #   bash compare/bench/gpu_compare.sh [MODEL] [extra compare arguments...]
-# Lands in $OUT (default ./out): compare-MODEL/ (report.md, report.html, report.json, plots/, work/ with every job's
-# result and the launches' logs; profiler traces over 20 MB dropped), compare.log, env.txt; the summary table last.
+# Lands in $OUT (default ./out): compare-MODEL.tar.gz (report.md, report.html, report.json, plots/, work/ with every
+# job's result and the launches' logs; profiler traces over 3 MB dropped: a file comes back only under 16 MiB), report.md and report.json beside it,
+# compare.log, env.txt (five files: the device tool brings back at most 8, none deeper than two folders); the summary
+# table last.
 # Expected: ~6-9 minutes on 2 H200s for the 1B shape (27 jobs: 3 equivalence checks, 24 points of which 6 are skipped
 # up front for memory and the rest measured); the report's "Setup and measurement per job" shows where it went.
 set -u
@@ -26,6 +28,8 @@ status=$?
 echo "exit $status after $(( $(date +%s) - began )) s: twinflash compare --model $model $*" | tee -a "$OUT/compare.log"
 # the command removes the run's weights (5 GB for the 1B shape) and caches itself; again in case it was killed
 rm -rf "$run/work/weights" "$run/work/cache" "$run/work/check-model" "$run"/work/*.safetensors
-find "$run/traces" -type f -size +20M -delete 2>/dev/null
+find "$run/traces" -type f -size +3M -delete 2>/dev/null
 find "$run/traces" -type d -empty -delete 2>/dev/null
+cp "$run/report.md" "$run/report.json" "$OUT/" 2>/dev/null
+tar czf "$OUT/compare-$model.tar.gz" -C "$OUT" "compare-$model" && rm -rf "$run"
 tail -n 60 "$OUT/compare.log"
