@@ -47,6 +47,9 @@ ENV = {"count": "TWINFLASH_NNODES", "rank": "TWINFLASH_NODE_RANK", "coordinator"
 _NEVER_ARRIVED = re.compile(r"RendezvousTimeoutError|RendezvousConnectionError|RendezvousClosedError|"
                             r"DEADLINE_EXCEEDED|Barrier timed out|failed to connect to|"
                             r"Timed out after .* waiting for .*clients", re.IGNORECASE)
+# gloo's, NCCL's and the JAX coordination service's ways of saying that a peer went away during the run
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|heartbeat timeout|another task died|"
+                        r"NCCL.*(remote process exited|Watchdog caught collective operation timeout)", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +160,8 @@ def launch_failure(nodes: Nodes, log: str, launch_code: int) -> tuple[str, int, 
         message = (f"not every node arrived at the rendezvous {nodes.coordinator} within {nodes.timeout_s:g} s "
                    f"(--nnodes {nodes.count}); check that each node started with the same --coordinator")
         code = EXIT_BAD_INPUT
+    elif _PEER_LOST.search(log) and not own:
+        message = f"another node died or stopped answering ({message})"
     if not message.startswith("node "):
         message = f"{nodes.who()}: {message}"
     return message, code, own

@@ -246,10 +246,13 @@ def init_distributed(coordinator: str, process_count: int, process_index: int, t
     the rendezvous, the heartbeat that notices a dead process and the shutdown barrier each bounded by
     `timeout_s`; on CPU the processes' collectives run over gloo. Afterwards `jax.devices()` lists every
     process's devices. Twin of torch's `init_distributed` (the torchrun-launched process group)."""
-    try:  # gloo is jax 0.10's default already; the option may be renamed or gone in later versions
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except AttributeError:
-        pass
+    # gloo is jax 0.10's default already. The preemption service turns SIGTERM into a notice the process outlives;
+    # here SIGTERM must end it (how the launch that started it stops it). Either option may be gone in a version.
+    for option, value in (("jax_cpu_collectives_implementation", "gloo"), ("jax_enable_preemption_service", False)):
+        try:
+            jax.config.update(option, value)
+        except AttributeError:
+            pass
     seconds = max(1, int(timeout_s))
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=process_count,
                                process_id=process_index, initialization_timeout=seconds,

@@ -373,26 +373,15 @@ def _run_jax(settings: TrainSettings, scratch: Path, nodes: Nodes) -> int:
     return _run_jax_here(settings, progress_file(scratch))
 
 
-def _join_jax_nodes(nodes: Nodes) -> None:
-    """`jax_impl.train.init_distributed` for this node's process; a rendezvous that does not complete is one line,
-    exit 2 (`compare.nodes`)."""
-    from jax_impl.train import init_distributed
-
-    try:
-        init_distributed(nodes.coordinator, nodes.count, nodes.rank, nodes.timeout_s)
-    except Exception as failed:  # jax raises its runtime's errors (XlaRuntimeError, ...) with the cause in the text
-        raise BadInputError(f"{nodes.who()}: not every node arrived at the rendezvous {nodes.coordinator} within "
-                            f"{nodes.timeout_s:g} s (--nnodes {nodes.count}): {str(failed).splitlines()[0][:300]}"
-                            ) from None
-
-
 def run_handed_off(settings: TrainSettings) -> int:
     """A process `compare.launch.hand_off` started: a torchrun worker, or the JAX child with the mesh's host devices."""
     if settings.backend == "torch":
         return _run_torch_worker(settings)
     nodes = Nodes.from_env()
-    if nodes is not None:
-        _join_jax_nodes(nodes)
+    if nodes is not None:  # a rendezvous that does not complete aborts the process: `compare.nodes.launch_failure`
+        from jax_impl.train import init_distributed
+
+        init_distributed(nodes.coordinator, nodes.count, nodes.rank, nodes.timeout_s)
     return _run_jax_here(settings, Path(os.environ[PROGRESS_ENV]) if PROGRESS_ENV in os.environ else None)
 
 
