@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -254,9 +255,11 @@ def init_distributed(coordinator: str, process_count: int, process_index: int, t
         except AttributeError:
             pass
     seconds = max(1, int(timeout_s))
+    timeouts = {"initialization_timeout": seconds, "heartbeat_timeout_seconds": seconds,
+                "shutdown_timeout_seconds": seconds}
+    accepted = inspect.signature(jax.distributed.initialize).parameters  # jax 0.10 and 0.11 take all three
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=process_count,
-                               process_id=process_index, initialization_timeout=seconds,
-                               heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds)
+                               process_id=process_index, **{k: v for k, v in timeouts.items() if k in accepted})
 
 
 def _resume_point(settings: TrainSettings, meta: dict) -> tuple[Path | None, int]:
