@@ -17,6 +17,7 @@ from pathlib import Path
 from compare.args import SEED_MAX, OneLineParser, integer, with_error_contract
 from compare.commands import train
 from compare.harness import command as compare_command
+from compare.nodes import add_arguments as add_node_arguments, from_args as nodes_from_args
 from weights import PRESETS, BadInputError
 from weights.atomic import atomic_file, check_new_file, check_output_dir
 
@@ -103,6 +104,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    if nodes_from_args(args).spans_hosts:
+        raise BadInputError("`twinflash compare` runs on one host so far: its job loop does not span nodes yet "
+                            "(`twinflash train` does: README, On a cluster)")
     return compare_command.run_command(args, args.argv)
 
 
@@ -141,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="both backends, same weights and devices: equivalence + benchmark "
                                   "report (no arguments on a CPU machine: tiny model, 4 emulated devices)")
     compare_command.add_arguments(compare)
+    add_node_arguments(compare)
     compare.set_defaults(func=cmd_compare)
 
     bench = commands.add_parser("bench", help="GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs)",

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from weights.settings import TrainSettings
@@ -83,13 +83,14 @@ def interruptible() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def torchrun_launcher(device_count: int) -> tuple[list[str], dict[str, str]]:
+def torchrun_launcher(device_count: int, rendezvous: tuple[str, ...] = ("--standalone",)
+                      ) -> tuple[list[str], dict[str, str]]:
     """(`python -m torch.distributed.run` with one process per device on this host, its environment: this
     process's, with the CPU threads split between the processes unless OMP_NUM_THREADS is set). Append
-    `-m MODULE ARGS`."""
+    `-m MODULE ARGS`. `rendezvous`: this host alone, or a run spanning nodes (`compare.nodes.torchrun_arguments`)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // device_count)))
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={device_count}"], env
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={device_count}"], env
 
 
 def host_devices_env(count: int) -> dict[str, str]:
@@ -100,13 +101,15 @@ def host_devices_env(count: int) -> dict[str, str]:
     return env
 
 
-def hand_off(settings: TrainSettings, launcher: list[str], env: dict[str, str], scratch: Path) -> int:
+def hand_off(settings: TrainSettings, launcher: list[str], env: dict[str, str], scratch: Path,
+             failure: Callable[[str, int], tuple[str, int, bool]] | None = None) -> int:
     """Runs `launcher + [-m compare.commands.train --settings-json FILE]` with `settings` in FILE (in `scratch`,
     a directory the caller removes) and waits; the processes it starts train (`compare.commands.train.
     run_handed_off`) and record their steps done in `progress_file(scratch)`. Returns 0, or after a failure the
     failed process's exit code (at least 1) once one line on stderr said which process died and why (or passed
-    on its own one-line error) and named the log kept with its full output. `Interrupted` propagates, the
-    processes stopped."""
+    on its own one-line error) and named the log kept with its full output (`failure`: `worker_failure`, or a
+    launch's own reading of its log, as `compare.nodes.launch_failure`). `Interrupted` propagates, the processes
+    stopped."""
     settings_file = scratch / "settings.json"
     settings_file.write_text(settings.to_json())
     command = [*launcher, "-m", TRAIN_MODULE, SETTINGS_FLAG, str(settings_file)]
@@ -119,7 +122,7 @@ def hand_off(settings: TrainSettings, launcher: list[str], env: dict[str, str], 
             process.wait()
         if process.returncode == 0:
             return 0
-        message, code, own = worker_failure(log.read_text(errors="replace"), process.returncode)
+        message, code, own = (failure or worker_failure)(log.read_text(errors="replace"), process.returncode)
         keep_log = not own
         print(f"twinflash: {message}" if own else f"twinflash: {message}; full log: {log}", file=sys.stderr)
         return code

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from weights import CheckpointError, ConvertedCheckpoint, LlamaConfig, RandomWeights
 from weights.checkpoint_integrity import read_manifest, write_manifest
@@ -76,8 +77,11 @@ def read_metadata(path: Path) -> dict[str, Any]:
 
 
 def _seal_finished(manager: ocp.CheckpointManager) -> None:
-    """Waits for a save in flight, then writes the manifest of every finalized step that lacks one."""
+    """Waits for a save in flight, then writes the manifest of every finalized step that lacks one (process 0: the
+    one writer of a run spanning processes)."""
     manager.wait_until_finished()
+    if jax.process_index() != 0:
+        return
     for path in completed_checkpoints(Path(str(manager.directory))):
         if read_manifest(path) is None:
             write_manifest(path, read_metadata(path))
@@ -113,5 +117,13 @@ def export_trained_weights(params: dict[str, jax.Array], config: LlamaConfig, co
     """Writes the float32 master weights (gathered to the host) as a converted checkpoint into
     `converted` and as a Hugging Face checkpoint into `hf`. The HF files that a converted source kept (tokenizer,
     generation config) come along; its config.json does not, since it may declare another dtype."""
-    tensors = {name: np.asarray(jax.device_get(value), dtype=np.float32) for name, value in params.items()}
-    export_trained_tensors(tensors, config, converted, hf, source)
+    tensors = {name: np.asarray(_gathered(value), dtype=np.float32) for name, value in params.items()}
+    if jax.process_index() == 0:  # the one writer of a run spanning processes
+        export_trained_tensors(tensors, config, converted, hf, source)
+
+
+def _gathered(value: jax.Array) -> np.ndarray:
+    """The whole of a global array on the host; collective when other processes hold some of it."""
+    if value.is_fully_addressable:
+        return jax.device_get(value)
+    return multihost_utils.process_allgather(value, tiled=True)

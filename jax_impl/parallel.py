@@ -4,7 +4,9 @@ the model's attention function, and a global batch placed on the mesh. Twin of `
 (DeviceMesh, FSDP2 `fully_shard`, the ring's sub-group there).
 
 How the pieces fit:
-  mesh        `make_mesh` builds the (fsdp, sp) mesh, names from `weights.parallel.MESH_AXES`, Auto axis types.
+  mesh        `make_mesh` builds the (fsdp, sp) mesh, names from `weights.parallel.MESH_AXES`, Auto axis types,
+              device (f, s) the one `MeshShape.rank_grid` places there in the process-by-process order (the
+              torch twin's ranks): the sp ring inside a node by default.
   data        tokens [batch, seq] split over `fsdp` on the batch and over `sp` on the sequence, whose order is the
               ring layout's (`ACTIVATION_SHARDING["tokens"]`, `RING_LAYOUT`, `weights.layout.layout_order`): the
               global arrays are reordered on the host, then each device receives its contiguous slice.
@@ -39,11 +41,13 @@ from weights.training import check_batch_shape, next_token_targets
 
 
 def make_mesh(shape: MeshShape, devices=None) -> Mesh:
-    """The (fsdp, sp) mesh over `devices` (default: all of jax's devices, whose count must equal the mesh size)."""
-    devices = list(jax.devices() if devices is None else devices)
+    """The (fsdp, sp) mesh over `devices` (default: all of jax's devices, of every process, whose count must equal
+    the mesh size), ordered process by process (node by node) and placed by `shape.rank_grid()`."""
+    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
     shape.check_devices(len(devices))
-    return jax.make_mesh((shape.fsdp, shape.sp), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2,
-                         devices=devices)
+    grid = np.empty(len(devices), dtype=object)
+    grid[:] = devices
+    return Mesh(grid[shape.rank_grid()], MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 def mesh_shape(mesh: Mesh) -> MeshShape:

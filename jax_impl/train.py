@@ -47,13 +47,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl import checkpointing
@@ -228,11 +231,52 @@ def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh) -> 
 
 
 def peak_memory_bytes(mesh: Mesh) -> list[int]:
-    """Per device: peak bytes in use where the runtime reports it (GPU), else this process's peak host RSS."""
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.devices.flat]
-    if all(p is not None for p in peaks):
-        return [int(p) for p in peaks]
-    return [host_peak_rss_bytes()]  # one process
+    """Per device: peak bytes in use where the runtime reports it (GPU), else each process's peak host RSS. A
+    process reads its own devices only; a run spanning processes gathers every process's numbers."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in local]
+    mine = [int(p) for p in peaks] if all(p is not None for p in peaks) else [host_peak_rss_bytes()]
+    if jax.process_count() == 1:
+        return mine
+    return [int(p) for p in np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.int64))).flat]
+
+
+def init_distributed(coordinator: str, process_count: int, process_index: int, timeout_s: float) -> None:
+    """Joins a run spanning `process_count` processes (one per node; call it before anything else uses JAX):
+    `jax.distributed.initialize` with the coordination service at `coordinator` (HOST:PORT, hosted by process 0),
+    the rendezvous, the heartbeat that notices a dead process and the shutdown barrier each bounded by
+    `timeout_s`; on CPU the processes' collectives run over gloo. Afterwards `jax.devices()` lists every
+    process's devices. Twin of torch's `init_distributed` (the torchrun-launched process group)."""
+    # gloo is jax 0.10's default already. The preemption service turns SIGTERM into a notice the process outlives;
+    # here SIGTERM must end it (how the launch that started it stops it). Either option may be gone in a version.
+    for option, value in (("jax_cpu_collectives_implementation", "gloo"), ("jax_enable_preemption_service", False)):
+        try:
+            jax.config.update(option, value)
+        except AttributeError:
+            pass
+    seconds = max(1, int(timeout_s))
+    timeouts = {"initialization_timeout": seconds, "heartbeat_timeout_seconds": seconds,
+                "shutdown_timeout_seconds": seconds}
+    accepted = inspect.signature(jax.distributed.initialize).parameters  # jax 0.10 and 0.11 take all three
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=process_count,
+                               process_id=process_index, **{k: v for k, v in timeouts.items() if k in accepted})
+
+
+def _resume_point(settings: TrainSettings, meta: dict) -> tuple[Path | None, int]:
+    """(checkpoint to resume from or None, its step). Process 0 verifies the checkpoints' checksums (one pass over
+    the files, not one per process), sets aside those it passes over, and the other processes resume from the step
+    it found (the torch twin's rank 0 broadcasts the same)."""
+    latest, start = None, 0
+    if jax.process_index() == 0:
+        latest, start, passed_over = checkpoint_to_resume(settings, meta, checkpointing.completed_checkpoints,
+                                                          checkpointing.read_metadata, warn=_print_to_stderr)
+        set_aside(list(passed_over))  # before the manager lists the steps: the resumed run saves under their names
+    if jax.process_count() > 1:
+        start = int(multihost_utils.broadcast_one_to_all(np.int64(start)))
+        if jax.process_index() != 0 and start:
+            latest = settings.ckpt_dir.absolute() / checkpointing.step_dir_name(start)
+        multihost_utils.sync_global_devices("twinflash resume point")  # process 0's renames are done
+    return latest, start
 
 
 @dataclasses.dataclass
@@ -327,9 +371,7 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
     check_batches(settings, batches)
     run = build_training(settings, devices)
     mesh, spec, state, meta = run.mesh, run.spec, run.state, run.meta
-    latest, start, passed_over = checkpoint_to_resume(settings, meta, checkpointing.completed_checkpoints,
-                                                      checkpointing.read_metadata, warn=_print_to_stderr)
-    set_aside(list(passed_over))  # before the manager lists the steps: the resumed run saves under their names
+    latest, start = _resume_point(settings, meta)
     manager = None if settings.ckpt_dir is None else checkpointing.open_manager(settings.ckpt_dir, settings.keep)
     try:
         if latest is not None:
@@ -348,9 +390,10 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
             profiler.end(step)
             seconds = time.perf_counter() - began
             grad_norm = float(grad_norm)
+            peaks = peak_memory_bytes(mesh)  # in every process: collective in a run spanning processes
             if on_step is not None:
                 on_step(step=step, loss=loss, lr=coefficients["lr"], grad_norm=grad_norm, seconds=seconds,
-                        peak_memory_bytes=peak_memory_bytes(mesh))
+                        peak_memory_bytes=peaks)
             skipped = check_step_finite(settings, step, loss, grad_norm, latest)  # raises unless skipping
             if skipped is not None:
                 _print_to_stderr(skipped)

@@ -4,7 +4,9 @@ over the `sp` sub-group as the model's attention function, and each rank's slice
 `jax_impl/parallel.py` (NamedSharding and `jax.shard_map` there).
 
 How the pieces fit:
-  mesh        `make_mesh` builds DeviceMesh (fsdp, sp), names from `weights.parallel.MESH_AXES`, rank = f * sp + s.
+  mesh        `make_mesh` builds DeviceMesh (fsdp, sp), names from `weights.parallel.MESH_AXES`, device (f, s) the
+              rank `MeshShape.rank_grid` gives: f * sp + s (the sp ring inside a node), or s * fsdp + f with
+              `--mesh sp=B,fsdp=A`.
   data        tokens [batch, seq] split over `fsdp` on the batch and over `sp` on the sequence in the ring layout
               (`weights.parallel.ACTIVATION_SHARDING["tokens"]`, `RING_LAYOUT`, `weights.layout.rank_positions`).
   attention   `ring_attention` over `mesh["sp"].get_group()`, the ranks holding the same sequences' tokens.
@@ -14,7 +16,8 @@ How the pieces fit:
 
 The table splits every parameter (the 1-D norm weights too) over the flattened (fsdp, sp) mesh, i.e. over all
 ranks, not replicated over `sp`; its docstring says why, and the JAX twin does the same. FSDP2 over a 1-D mesh of
-all ranks is exactly that split: rank f * sp + s holds chunk f * sp + s, as JAX's ("fsdp", "sp") partition. Every
+all ranks in (f, s) order is exactly that split: device (f, s) holds chunk f * sp + s, as JAX's ("fsdp", "sp")
+partition. Every
 rank's local gradient is SUMMED over all ranks (the ranks of an sp group hold different tokens of the same
 sequences, those of an fsdp group different sequences), so FSDP's reduction is set to a plain sum
 (`set_force_sum_reduction_for_comms`, divide factor 1) and the loss is normalised by the global token count
@@ -30,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
@@ -44,9 +47,10 @@ from weights.training import check_batch_shape, next_token_targets
 
 
 def make_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
-    """The (fsdp, sp) mesh over all ranks of the initialised process group, whose size must equal the mesh's."""
+    """The (fsdp, sp) mesh over all ranks of the initialised process group, whose size must equal the mesh's, each
+    device at the rank `shape.rank_grid()` gives (torchrun numbers the ranks node by node)."""
     shape.check_devices(dist.get_world_size())
-    return init_device_mesh(device_type, (shape.fsdp, shape.sp), mesh_dim_names=MESH_AXES)
+    return DeviceMesh(device_type, torch.from_numpy(shape.rank_grid()), mesh_dim_names=MESH_AXES)
 
 
 def mesh_shape(mesh: DeviceMesh) -> MeshShape:
@@ -60,7 +64,7 @@ def parameter_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if axes != MESH_AXES:
         raise ValueError(f"PARAMETER_SHARDING splits parameters over {axes}; this backend shards over all of "
                          f"{MESH_AXES}")
-    return init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("_".join(axes),))
+    return DeviceMesh(mesh.device_type, mesh.mesh.flatten(), mesh_dim_names=("_".join(axes),))
 
 
 def parameter_placement(name: str) -> Shard:

@@ -26,6 +26,7 @@ step inside it (`StepNumbers`). `twinflash train --profile` traces the last step
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import sys
 import time
@@ -191,8 +192,11 @@ def all_ranks(value: int, device: torch.device) -> list[int]:
     return [int(t) for t in everyone]
 
 
-def init_distributed() -> torch.device:
-    """Joins the torchrun-launched process group (NCCL on GPUs, gloo on CPU); returns this rank's device."""
+def init_distributed(timeout_s: float | None = None) -> torch.device:
+    """Joins the torchrun-launched process group (NCCL on GPUs, gloo on CPU); returns this rank's device.
+    `timeout_s` bounds every collective's wait for the other ranks (a run spanning nodes: a node that died ends
+    the others' collectives with an error instead of a hang); None keeps torch's default. Twin of the JAX
+    `init_distributed`, which joins the processes of a run spanning nodes."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -200,7 +204,8 @@ def init_distributed() -> torch.device:
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None,
+                                timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
     return device
 
 

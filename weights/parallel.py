@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 
+import numpy as np
+
 from weights.attention import ring_bytes_sent
 from weights.config import LlamaConfig
 from weights.errors import BadInputError
@@ -93,8 +95,15 @@ def parameter_shard_axes() -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
+    """(fsdp, sp) sizes, and which axis's neighbours are adjacent ranks. Ranks are numbered node by node, so the
+    inner axis stays inside a node when its size divides the devices per node: `inner="sp"` (the default,
+    `--mesh fsdp=A,sp=B`) keeps the ring, which moves K/V every layer, on the fast links inside a node (NVLink)
+    and sends FSDP's once-per-layer gathers over the network between nodes; `--mesh sp=B,fsdp=A` (the axes
+    written outermost first) asks for the other placement. The placement never changes the math."""
+
     fsdp: int = 1
     sp: int = 1
+    inner: str = "sp"
 
     @property
     def size(self) -> int:
@@ -103,9 +112,16 @@ class MeshShape:
     def axes(self) -> dict[str, int]:
         return {"fsdp": self.fsdp, "sp": self.sp}
 
+    def rank_grid(self) -> np.ndarray:
+        """int [fsdp, sp]: the rank (position in the node-by-node device order) of mesh device (f, s)."""
+        if self.inner == "sp":
+            return np.arange(self.size).reshape(self.fsdp, self.sp)
+        return np.arange(self.size).reshape(self.sp, self.fsdp).T
+
     @classmethod
     def parse(cls, text: str) -> MeshShape:
-        """'fsdp=2,sp=2' (either may be omitted, meaning 1)."""
+        """'fsdp=2,sp=2' (either may be omitted, meaning 1); 'sp=2,fsdp=2' puts fsdp inside a node (the class
+        docstring)."""
         sizes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, _, value = part.partition("=")
@@ -113,7 +129,7 @@ class MeshShape:
                 raise BadInputError(f"bad mesh {text!r}: expected e.g. 'fsdp=2,sp=2' with axes {MESH_AXES} "
                                     "each at most once and sizes >= 1")
             sizes[name] = int(value)
-        return cls(**sizes)
+        return cls(**sizes, inner="fsdp" if list(sizes) == ["sp", "fsdp"] else "sp")
 
     def check_devices(self, available: int) -> None:
         if self.size != available:
@@ -121,6 +137,8 @@ class MeshShape:
                                 f"but {available} are available")
 
     def __str__(self) -> str:
+        if self.inner == "fsdp":
+            return f"sp={self.sp},fsdp={self.fsdp}"
         return f"fsdp={self.fsdp},sp={self.sp}"
 
 

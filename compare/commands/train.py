@@ -37,6 +37,7 @@ checkpoint in --ckpt-dir, or none), exit 130 / 143. A worker that dies ends the 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -50,6 +51,8 @@ import numpy as np
 from compare.args import SEED_MAX, OneLineParser, integer, number, with_error_contract
 from compare.launch import (PROGRESS_ENV, SETTINGS_FLAG, TORCHRUN_ENV, Interrupted, hand_off, host_devices_env,
                             interruptible, progress_file, torchrun_launcher)
+from compare.nodes import Nodes, add_arguments as add_node_arguments, from_args as nodes_from_args
+from compare.nodes import launch_failure, torchrun_arguments
 from weights import PRESETS, BadInputError, LlamaConfig, open_weights
 from weights.atomic import check_output_dir, write_text_atomically
 from weights.data import random_batches, text_batches
@@ -108,10 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export", type=Path, dest="export_dir",
                         help="write the final weights to DIR/converted (twinflash format) and DIR/hf (each must "
                         "not exist or be empty)")
+    add_node_arguments(parser)
 
 
-def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSettings:
-    """Validated settings; `device_count` gives the default mesh (fsdp over all devices)."""
+def settings_from_args(args: argparse.Namespace, device_count: int | None) -> TrainSettings:
+    """Validated settings; `device_count` gives the default mesh (fsdp over all devices; None: not known here, as
+    in a run spanning nodes, which then needs --mesh)."""
+    if args.mesh is None and device_count is None:
+        raise BadInputError("a run spanning nodes needs --mesh (e.g. fsdp=2,sp=4: the devices of every node)")
     mesh = MeshShape.parse(args.mesh) if args.mesh is not None else MeshShape(fsdp=device_count)
     if args.stop_at is not None and args.stop_at > args.steps:
         raise BadInputError(f"--stop-at {args.stop_at} is beyond --steps {args.steps}")
@@ -290,10 +297,13 @@ def _run_torch_worker(settings: TrainSettings) -> int:
     """One torchrun worker: the checks again (torchrun may have been started by hand), then training."""
     import torch
 
-    from torch_impl.train import run_training
+    from torch_impl.train import init_distributed, run_training
 
     rank0 = int(os.environ["RANK"]) == 0
     config, batches, start = check_run(settings, int(os.environ["WORLD_SIZE"]), check_outputs=rank0, checksums=False)
+    nodes = Nodes.from_env()
+    if nodes is not None:
+        init_distributed(timeout_s=nodes.timeout_s)  # before `run_training`, which then finds the group joined
     if not rank0:
         run_training(settings, batches)
         return 0
@@ -303,11 +313,15 @@ def _run_torch_worker(settings: TrainSettings) -> int:
     return 0
 
 
-def _launch_torchrun(settings: TrainSettings, device_count: int, scratch: Path) -> int:
-    """Starts one worker per device with torchrun on this host and waits for them (`hand_off`)."""
-    _, _, start = check_run(settings, device_count)
+def _launch_torchrun(settings: TrainSettings, device_count: int, scratch: Path, nodes: Nodes) -> int:
+    """Starts one worker per device with torchrun on this host, joined with the other nodes' when the run spans
+    several (`compare.nodes`), and waits for them (`hand_off`)."""
+    _, _, start = check_run(settings, settings.mesh.size if nodes.spans_hosts else device_count)
     _record_progress(progress_file(scratch), start)
-    return hand_off(settings, *torchrun_launcher(device_count), scratch)
+    if not nodes.spans_hosts:
+        return hand_off(settings, *torchrun_launcher(device_count), scratch)
+    launcher, env = torchrun_launcher(device_count, tuple(torchrun_arguments(nodes)))
+    return hand_off(settings, launcher, env | nodes.to_env(), scratch, functools.partial(launch_failure, nodes))
 
 
 def _run_jax_here(settings: TrainSettings, progress: Path | None = None) -> int:
@@ -324,7 +338,11 @@ def _run_jax_here(settings: TrainSettings, progress: Path | None = None) -> int:
               f"{jax.devices()[0].platform} devices, per device: " + ", ".join(
                   f"{name} {size / 2**30:.2f} GiB" for name, size in plan.items()))
         return 0
-    config, batches, start = check_run(settings, jax.device_count())
+    writer = jax.process_index() == 0  # in a run spanning nodes, process 0 writes train.jsonl
+    config, batches, start = check_run(settings, jax.device_count(), check_outputs=writer)
+    if not writer:
+        run_training(settings, batches)
+        return 0
     if progress is not None:
         _record_progress(progress, start)
     with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu", progress=progress) as report:
@@ -332,9 +350,17 @@ def _run_jax_here(settings: TrainSettings, progress: Path | None = None) -> int:
     return 0
 
 
-def _run_jax(settings: TrainSettings, scratch: Path) -> int:
+def _run_jax(settings: TrainSettings, scratch: Path, nodes: Nodes) -> int:
     """A JAX run over the mesh's devices: here, or on CPU when JAX here has another number of devices, in a child
-    process with that many emulated host devices (JAX fixes its CPU device count when it first starts)."""
+    process with that many emulated host devices (JAX fixes its CPU device count when it first starts). A run
+    spanning nodes runs in a child process that joins the other nodes' (`jax.distributed`) before JAX starts,
+    with this node's share of the mesh as its host devices on CPU (JAX is not started here)."""
+    if nodes.spans_hosts:
+        if settings.plan_memory:
+            raise BadInputError("--plan-memory plans one process's devices: run it without --nnodes")
+        _record_progress(progress_file(scratch), check_run(settings, settings.mesh.size)[2])
+        env = host_devices_env(nodes.devices_per_node(settings.mesh.size)) | nodes.to_env()
+        return hand_off(settings, [sys.executable], env, scratch, functools.partial(launch_failure, nodes))
     import jax
 
     if jax.default_backend() == "cpu" and jax.device_count() != settings.mesh.size:
@@ -351,6 +377,11 @@ def run_handed_off(settings: TrainSettings) -> int:
     """A process `compare.launch.hand_off` started: a torchrun worker, or the JAX child with the mesh's host devices."""
     if settings.backend == "torch":
         return _run_torch_worker(settings)
+    nodes = Nodes.from_env()
+    if nodes is not None:  # a rendezvous that does not complete aborts the process: `compare.nodes.launch_failure`
+        from jax_impl.train import init_distributed
+
+        init_distributed(nodes.coordinator, nodes.count, nodes.rank, nodes.timeout_s)
     return _run_jax_here(settings, Path(os.environ[PROGRESS_ENV]) if PROGRESS_ENV in os.environ else None)
 
 
@@ -384,16 +415,27 @@ def run_command(args: argparse.Namespace) -> int:
     if TORCHRUN_ENV in os.environ and args.backend == "torch":
         return _run_torch_worker(settings_from_args(args, int(os.environ["WORLD_SIZE"])))
     settings = None
+    nodes = nodes_from_args(args)
     with interruptible(), tempfile.TemporaryDirectory(prefix="twinflash-train-") as scratch:
         try:
             if args.backend == "jax":
-                import jax
+                if nodes.spans_hosts:
+                    settings = settings_from_args(args, None)
+                else:
+                    import jax
 
-                settings = settings_from_args(args, jax.device_count())
-                return _run_jax(settings, Path(scratch))
+                    settings = settings_from_args(args, jax.device_count())
+                return _run_jax(settings, Path(scratch), nodes)
             gpus = _device_count()
+            if nodes.spans_hosts:
+                settings = settings_from_args(args, None if gpus is None else gpus * nodes.count)
+                per_node = nodes.devices_per_node(settings.mesh.size)
+                if gpus is not None and gpus < per_node:
+                    raise BadInputError(f"mesh {settings.mesh} over {nodes.count} nodes needs {per_node} GPUs per "
+                                        f"node; this node has {gpus}")
+                return _launch_torchrun(settings, per_node, Path(scratch), nodes)
             settings = settings_from_args(args, gpus or 1)
-            return _launch_torchrun(settings, gpus or settings.mesh.size, Path(scratch))
+            return _launch_torchrun(settings, gpus or settings.mesh.size, Path(scratch), nodes)
         except Interrupted as stop:
             return _interrupted(stop, settings, Path(scratch))
 
