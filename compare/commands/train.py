@@ -55,7 +55,7 @@ from weights.atomic import check_output_dir, write_text_atomically
 from weights.data import random_batches, text_batches
 from weights.flops import PEAK_FLOPS_PER_DEVICE, model_flops_per_token
 from weights.parallel import REMAT_MODES, MeshShape
-from weights.schedule import OptimizerConfig
+from weights.schedule import OptimizerConfig, default_optimizer, defaults_help
 from weights.settings import TrainSettings
 from weights.training import (ATTENTION_BACKENDS, check_attention_backend, check_batch_shape, checkpoint_to_resume,
                               run_metadata)
@@ -78,8 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", choices=("text", "random"), default="text")
     parser.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="data order and preset weights")
     defaults = OptimizerConfig()
-    parser.add_argument("--lr", type=number(0, above=True), default=defaults.lr, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=integer(0), default=defaults.warmup_steps)
+    parser.add_argument("--lr", type=number(0, above=True), help="peak learning rate (default: by model size, "
+                        "see --warmup-steps)")
+    parser.add_argument("--warmup-steps", type=integer(0), help="linear warmup steps. Defaults: " + defaults_help().replace("%", "%%"))
     parser.add_argument("--weight-decay", type=number(0), default=defaults.weight_decay)
     parser.add_argument("--grad-clip", type=number(0, above=True), default=defaults.grad_clip_norm,
                         help="max global grad norm")
@@ -121,8 +122,10 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
         raise BadInputError("--profile needs --out and at least 2 steps (the first one is not profiled)")
     if args.plan_memory and args.backend != "jax":
         raise BadInputError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
-    optimizer = OptimizerConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps,
-                                weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip)
+    given = {"lr": args.lr, "warmup_steps": args.warmup_steps}
+    optimizer = default_optimizer(open_weights(args.model, args.seed).config.num_params, args.steps,
+                                  weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip,
+                                  **{k: v for k, v in given.items() if v is not None})
     settings = TrainSettings(
         backend=args.backend, model=args.model, seq_len=args.seq_len, steps=args.steps, mesh=mesh,
         batch=args.batch or mesh.fsdp, dtype=args.dtype, data=args.data, seed=args.seed, optimizer=optimizer,

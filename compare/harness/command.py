@@ -30,6 +30,7 @@ from pathlib import Path
 
 from compare.args import integer, ints, lengths, names, number
 from compare.harness import jobs as J
+from compare.harness import noise_floor
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.harness.launches import run_jobs
 from compare.harness.plan import check_model, gpu_count, order_for_launches, plan_jobs, plan_settings
@@ -76,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "jobs left are recorded as not run and the report is written")
     parser.add_argument("--out", type=Path, help="report directory, must not exist or be empty "
                         "(default: out/compare-<model>-<date>)")
+    noise_floor.add_arguments(parser)
 
 
 def _default_out(model: str) -> Path:
@@ -136,7 +138,9 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     console = Console(stderr=True)
     for note in settings["notes"]:
         console.print(f"[yellow]note:[/] {note}")
-    jobs = order_for_launches(plan_jobs(settings, check_model(settings, work_dir), trace_dir))
+    bf16_floor = noise_floor.plan(args, settings)
+    check_path = check_model(settings, work_dir)
+    jobs = order_for_launches(plan_jobs(settings, check_path, trace_dir))
     progress = Progress(TextColumn("[bold]compare[/]"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console)
     task = progress.add_task("jobs", total=len(jobs), last="")
@@ -147,9 +151,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         timing = f", step {result['step_s']:.3f} s" if result.get("step_s") else ""
         progress.console.print(f"{job.id}: {result['status']}{timing} {(result.get('message') or '')[:160]}")
 
-    interrupted, left = None, 0
+    interrupted, left, bf16 = None, 0, None
     with progress:
         try:
+            bf16 = noise_floor.run_noise_floor(bf16_floor, settings, check_path, work_dir, deadline, console.print)
             run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline)
         except Interrupted as stop:  # the launch is stopped; the report shows what finished
             interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
@@ -172,6 +177,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         equivalence = equivalence_section(loaded, seq_len=settings["check_seq_len"], devices=settings["devices"],
                                           layers=settings["check_layers"], reference_description=REFERENCE)
+    if bf16 is not None:
+        equivalence["bf16"] = bf16
     points = [benchmark_point(job, results[job.id], config, settings) for job in jobs if job.kind == "bench"]
     add_scaling(points)
     report = report_dict(settings=settings, config=config, equivalence=equivalence, points=points,

@@ -16,6 +16,7 @@ import math
 import re
 from typing import Any
 
+from compare.report import noise_floor
 from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, sorted_points
 
 WORST_PARAMETERS = 10  # parameters listed per comparison, besides every failing one
@@ -82,8 +83,8 @@ def _document(report: dict) -> list[tuple]:
     doc = [("h", 1, f"twinflash compare: {model['name']}, {s['mode']}, {s['dtype']}"),
            ("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence) — {detail}"]),
            ("code", report["command"]), ("p", [f"Created {report['created']}."])]
-    return (doc + _setup(report) + _equivalence(report) + _benchmark(report) + _ablation(report) + _peers(report)
-            + _flops_and_traces(report))
+    return (doc + _setup(report) + _equivalence(report) + noise_floor.blocks(report) + _benchmark(report)
+            + _ablation(report) + _peers(report) + _flops_and_traces(report))
 
 
 def _setup(report: dict) -> list[tuple]:
