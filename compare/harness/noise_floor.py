@@ -209,7 +209,7 @@ def verdict(pairs: list[dict]) -> dict:
     consistent = ratio <= limit
     words = "consistent with bf16 noise" if consistent else "larger than bf16 noise"
     return {**base, "ratio": ratio, "consistent": consistent, "floor_pair": floor["name"], "floor": floor["mean"],
-            "verdict": f"{words}: ratio {ratio:.2f} {'<=' if consistent else '>'} {limit}"}
+            "verdict": f"{words}: ratio {ratio:.2f} {'within' if consistent else 'above'} {limit}"}
 
 
 def noise_floor_section(floor: dict, records: list[dict], config: LlamaConfig) -> dict:
