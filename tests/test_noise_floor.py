@@ -16,7 +16,7 @@ from compare.report.render import render_html, render_markdown
 from compare.report.write import validate_report, write_report
 from test_compare_report import make_report
 from weights import PRESETS
-from weights.schedule import (PEAK_LR_BY_SIZE, WARMUP_MIN_STEPS, OptimizerConfig, default_optimizer,
+from weights.schedule import (PEAK_LR_BY_WIDTH, WARMUP_MIN_STEPS, OptimizerConfig, default_optimizer,
                               default_warmup_steps)
 
 
@@ -125,11 +125,10 @@ def test_report_section_schema_renderings_and_plot(tmp_path):
 
 
 def test_default_optimizer_by_model_size():
-    assert default_optimizer(PRESETS["tiny"].num_params, 20).lr == 3e-3
-    assert default_optimizer(PRESETS["llama3.2-1b"].num_params, 50).lr == 4e-4
-    assert default_optimizer(PRESETS["llama3.1-8b"].num_params, 50).lr == 3e-4
-    assert default_optimizer(70e9, 50).lr == 1.5e-4
-    assert [lr for _, lr, _ in PEAK_LR_BY_SIZE] == sorted((lr for _, lr, _ in PEAK_LR_BY_SIZE), reverse=True)
+    lrs = {name: default_optimizer(config.hidden_size, 50).lr for name, config in PRESETS.items()}
+    assert lrs == {"tiny": 3e-3, "llama2-7b": 3e-4, "llama3.2-1b": 4e-4, "llama3.2-3b": 4e-4, "llama3.1-8b": 3e-4}
+    assert default_optimizer(8192, 50).lr == 1.5e-4  # Llama 3 70B
+    assert [lr for _, lr, _ in PEAK_LR_BY_WIDTH] == sorted((lr for _, lr, _ in PEAK_LR_BY_WIDTH), reverse=True)
     assert [default_warmup_steps(s) for s in (3, 50, 1000, 100_000)] == [3, 10, 20, 2000]
-    assert default_optimizer(10**9, 50, lr=1e-3, warmup_steps=0) == OptimizerConfig(lr=1e-3, warmup_steps=0,
+    assert default_optimizer(2048, 50, lr=1e-3, warmup_steps=0) == OptimizerConfig(lr=1e-3, warmup_steps=0,
                                                                                      total_steps=50)

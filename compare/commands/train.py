@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = OptimizerConfig()
     parser.add_argument("--lr", type=number(0, above=True), help="peak learning rate (default: by model size, "
                         "see --warmup-steps)")
-    parser.add_argument("--warmup-steps", type=integer(0), help="linear warmup steps. Defaults: " + defaults_help().replace("%", "%%"))
+    parser.add_argument("--warmup-steps", type=integer(0),
+                        help="linear warmup steps. Defaults: " + defaults_help().replace("%", "%%"))
     parser.add_argument("--weight-decay", type=number(0), default=defaults.weight_decay)
     parser.add_argument("--grad-clip", type=number(0, above=True), default=defaults.grad_clip_norm,
                         help="max global grad norm")
@@ -123,7 +124,7 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
     if args.plan_memory and args.backend != "jax":
         raise BadInputError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
     given = {"lr": args.lr, "warmup_steps": args.warmup_steps}
-    optimizer = default_optimizer(open_weights(args.model, args.seed).config.num_params, args.steps,
+    optimizer = default_optimizer(open_weights(args.model, args.seed).config.hidden_size, args.steps,
                                   weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip,
                                   **{k: v for k, v in given.items() if v is not None})
     settings = TrainSettings(

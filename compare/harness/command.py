@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=integer(1),
                         help="timed steps per point and loss-curve steps (default 2 CPU, 4 GPU)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="benchmark dtype (default fp32 CPU, bf16 GPU); "
-                        "the equivalence check is always fp32")
+                        "the equivalence check is always fp32; bf16 in train mode adds the bf16 noise floor")
     parser.add_argument("--backends", type=names(("torch", "jax")), default="torch,jax",
                         help="comma-separated: torch, jax")
     parser.add_argument("--ablation", type=names(("ours", "vendor", "reference")), default="ours,vendor,reference",
