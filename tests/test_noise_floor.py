@@ -132,3 +132,27 @@ def test_default_optimizer_by_model_size():
     assert [default_warmup_steps(s) for s in (3, 50, 1000, 100_000)] == [3, 10, 20, 2000]
     assert default_optimizer(2048, 50, lr=1e-3, warmup_steps=0) == OptimizerConfig(lr=1e-3, warmup_steps=0,
                                                                                      total_steps=50)
+
+
+PERTURBED = "norm.weight"  # the final norm: every logit scales by 1 %, so the loss moves at every step
+
+
+@pytest.mark.slow
+def test_a_weight_perturbed_in_one_backend_pushes_the_ratio_far_above_the_limit(tmp_path):
+    """Real tiny bf16 trainings on 2 emulated CPU devices: torch with ours and with the reference (the floor), JAX
+    with ours, and JAX with ours on weights whose final norm is scaled by 1 % (`--perturb jax:norm.weight`). The
+    JAX floor is left out to save a run: the ratio divides by the torch floor."""
+    args = argparse.Namespace(noise_floor_steps=8, noise_floor_seq_len=(64,), noise_floor_run_limit_s=None)
+    settings = {"platform": "cpu", "mode": "train", "dtype": "bf16", "devices": 2, "backends": ["torch", "jax"]}
+    floor = N.plan(args, settings)
+    floor["runs"] = [run for run in floor["runs"] if run.name != "jax-reference"]
+    clean = N.run_trainings(floor, settings, "tiny", tmp_path / "clean", math.inf, lambda record: None)
+    perturbed = N.run_trainings({**floor, "runs": [floor["runs"][2]]}, {**settings, "perturb": ("jax", PERTURBED)},
+                                "tiny", tmp_path / "perturbed", math.inf, lambda record: None)
+    assert all(r["status"] == "ok" and len(r["losses"]) == 8 for r in clean + perturbed), clean + perturbed
+    config = PRESETS["tiny"]
+    honest = N.noise_floor_section(floor, clean, config)
+    broken = N.noise_floor_section(floor, clean[:2] + perturbed, config)
+    assert honest["floor"] > 0  # the two kernels differ in bf16: a floor was measured, not FLOOR_MIN
+    assert honest["consistent"], honest["verdict"]  # measured ratio ~1.0
+    assert broken["ratio"] > 10 and not broken["consistent"], broken["verdict"]  # measured ratio ~55
