@@ -37,6 +37,7 @@ checkpoint in --ckpt-dir, or none), exit 130 / 143. A worker that dies ends the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -123,13 +124,9 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
         raise BadInputError("--profile needs --out and at least 2 steps (the first one is not profiled)")
     if args.plan_memory and args.backend != "jax":
         raise BadInputError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
-    given = {"lr": args.lr, "warmup_steps": args.warmup_steps}
-    optimizer = default_optimizer(open_weights(args.model, args.seed).config.hidden_size, args.steps,
-                                  weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip,
-                                  **{k: v for k, v in given.items() if v is not None})
     settings = TrainSettings(
         backend=args.backend, model=args.model, seq_len=args.seq_len, steps=args.steps, mesh=mesh,
-        batch=args.batch or mesh.fsdp, dtype=args.dtype, data=args.data, seed=args.seed, optimizer=optimizer,
+        batch=args.batch or mesh.fsdp, dtype=args.dtype, data=args.data, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing,
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
         ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
@@ -138,7 +135,12 @@ def settings_from_args(args: argparse.Namespace, device_count: int) -> TrainSett
         profile=args.profile, skip_non_finite_steps=args.skip_non_finite_steps)
     check_attention_backend(settings)
     check_output_locations(settings)
-    return settings
+    # the defaults follow the model's width: read after the checks above, as reading a checkpoint is work
+    given = {"lr": args.lr, "warmup_steps": args.warmup_steps}
+    optimizer = default_optimizer(open_weights(args.model, args.seed).config.hidden_size, args.steps,
+                                  weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip,
+                                  **{k: v for k, v in given.items() if v is not None})
+    return dataclasses.replace(settings, optimizer=optimizer)
 
 
 def check_output_locations(settings: TrainSettings) -> None:
