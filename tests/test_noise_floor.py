@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from compare.cli import main as cli_main
 from compare.harness import noise_floor as N
 from compare.report.render import render_html, render_markdown
 from compare.report.write import validate_report, write_report
@@ -105,6 +106,20 @@ def test_plan_runs_only_in_bf16_train_mode_with_the_platform_defaults(tmp_path):
     assert " ".join(argv).endswith(f"--mesh fsdp=1,sp=2 --dtype bf16 --data text --seed 0 --out {tmp_path}")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--noise-floor-seq-len", "8k,16k"], "--noise-floor-seq-len"),
+    (["--noise-floor-seq-len", "127", "--dtype", "bf16"], "127"),  # the ring's zigzag layout cannot split it
+    (["--noise-floor-steps", "-1"], "--noise-floor-steps"),
+    (["--noise-floor-run-limit-s", "0"], "--noise-floor-run-limit-s"),
+])
+def test_bad_noise_floor_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    out = tmp_path / "report"
+    assert cli_main(["compare", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("twinflash: error:") and "\n" not in err and message in err
+    assert not out.exists()
+
+
 def test_report_section_schema_renderings_and_plot(tmp_path):
     section = _section({"torch-ours": [10.0, 8.0, 6.0], "torch-vendor": [10.0, 8.08, 6.06],
                         "jax-ours": [10.0, 8.1, 6.1], "jax-vendor": [10.0, 8.1, 6.0]})
@@ -142,7 +157,7 @@ def test_a_weight_perturbed_in_one_backend_pushes_the_ratio_far_above_the_limit(
     """Real tiny bf16 trainings on 2 emulated CPU devices: torch with ours and with the reference (the floor), JAX
     with ours, and JAX with ours on weights whose final norm is scaled by 1 % (`--perturb jax:norm.weight`). The
     JAX floor is left out to save a run: the ratio divides by the torch floor."""
-    args = argparse.Namespace(noise_floor_steps=8, noise_floor_seq_len=(64,), noise_floor_run_limit_s=None)
+    args = argparse.Namespace(noise_floor_steps=8, noise_floor_seq_len=64, noise_floor_run_limit_s=None)
     settings = {"platform": "cpu", "mode": "train", "dtype": "bf16", "devices": 2, "backends": ["torch", "jax"]}
     floor = N.plan(args, settings)
     floor["runs"] = [run for run in floor["runs"] if run.name != "jax-reference"]

@@ -130,6 +130,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     out = (args.out or _default_out(args.model)).resolve()
     check_output_dir(out, "--out", empty=True)
     settings = plan_settings(args, gpu_count())
+    bf16_floor = noise_floor.plan(args, settings)
     deadline = math.inf if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     settings["out"] = out
     work_dir, trace_dir = out / "work", out / "traces"
@@ -138,7 +139,6 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     console = Console(stderr=True)
     for note in settings["notes"]:
         console.print(f"[yellow]note:[/] {note}")
-    bf16_floor = noise_floor.plan(args, settings)
     check_path = check_model(settings, work_dir)
     jobs = order_for_launches(plan_jobs(settings, check_path, trace_dir))
     progress = Progress(TextColumn("[bold]compare[/]"), BarColumn(), MofNCompleteColumn(),

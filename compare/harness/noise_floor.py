@@ -66,6 +66,13 @@ class Run:
     kernel: str
 
 
+def _length(text: str) -> int:
+    values = lengths(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one length like 8192 or 8k, got {text!r}")
+    return values[0]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The noise floor's options of `twinflash compare` (it runs in train mode when the dtype is bf16)."""
     gpu, cpu = DEFAULTS["gpu"], DEFAULTS["cpu"]
@@ -73,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(0: none; default {gpu['steps']} on GPUs, {cpu['steps']} on CPU). It runs with --mode "
                         "train and a bf16 --dtype (the default on GPUs; on CPU pass --dtype bf16): torch and JAX "
                         "with our kernels and with the vendor's (CPU: the reference), fsdp=1 x sp=min(devices, 2)")
-    parser.add_argument("--noise-floor-seq-len", type=lengths, help="context length of the noise-floor trainings "
+    parser.add_argument("--noise-floor-seq-len", type=_length, help="context length of the noise-floor trainings "
                         f"(default {gpu['seq_len'] // 1024}k on GPUs, {cpu['seq_len']} on CPU)")
     parser.add_argument("--noise-floor-run-limit-s", type=number(0, above=True), help="each noise-floor training "
                         f"is stopped after this long (default {gpu['run_limit_s']:.0f} s on GPUs, "
@@ -86,7 +93,7 @@ def plan(args: argparse.Namespace, settings: dict) -> dict | None:
     steps = defaults["steps"] if args.noise_floor_steps is None else args.noise_floor_steps
     if settings["mode"] != "train" or settings["dtype"] != "bf16" or steps == 0:
         return None
-    seq_len = args.noise_floor_seq_len[0] if args.noise_floor_seq_len else defaults["seq_len"]
+    seq_len = args.noise_floor_seq_len or defaults["seq_len"]
     devices = min(settings["devices"], SPLIT)
     check_split(seq_len, devices, RING_LAYOUT)
     alternative = FLOOR_ATTENTION[settings["platform"]]
