@@ -154,7 +154,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     interrupted, left, bf16 = None, 0, None
     with progress:
         try:
-            bf16 = noise_floor.run_noise_floor(bf16_floor, settings, check_path, work_dir, deadline, console.print)
+            bf16 = noise_floor.run_noise_floor(bf16_floor, settings, check_path, work_dir, deadline,
+                                               lambda line: progress.console.print(line, markup=False))
             run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline)
         except Interrupted as stop:  # the launch is stopped; the report shows what finished
             interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
