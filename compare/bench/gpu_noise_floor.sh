@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 22's GPU acceptance on a 2x H200 host (the device tool's nvidia-h200-x2), run from the repository root with
 # the image's python3 (the checkout on PYTHONPATH): `twinflash compare --no-bench` of the Llama-3.2-1B shape, i.e. the
-# float32 equivalence checks (S=2k, 2 GPUs) and the bf16 noise floor with its defaults (8k, 50 steps of text,
-# fsdp=1 x sp=2, the default optimizer): torch triton / sdpa_cudnn, JAX pallas / cudnn. Expected ~6-8 minutes (4
-# trainings of ~60-90 s with start-up and compilation, 3 equivalence jobs); the whole command under TIMEOUT_S
-# (default 590, one 10-minute device call), the compare stops launching at TIME_LIMIT_S (default 540).
+# bf16 noise floor with its defaults (8k, 50 steps of text, fsdp=1 x sp=2, the default optimizer: torch triton /
+# sdpa_cudnn, JAX pallas / cudnn; it runs first) and the float32 equivalence checks (S=1k, 16 layers, 2 GPUs).
+# Expected ~7-9 minutes (4 trainings of ~60-90 s with start-up and compilation, then 3 equivalence jobs); the whole
+# command under TIMEOUT_S (default 590, one 10-minute device call), the compare stops launching at TIME_LIMIT_S
+# (default 540; float32 jobs it did not reach are reported as not run).
 #   bash compare/bench/gpu_noise_floor.sh [EXTRA COMPARE ARGS...]
 #   CPU rehearsal: MODEL=tiny bash compare/bench/gpu_noise_floor.sh --dtype bf16   (~5 min on 2 cores)
 # Everything lands in $OUT (default ./out): report/ (report.md, .html, .json, plots/, work/logs), compare.log and
@@ -14,7 +15,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHO
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-command=(python3 -m compare.cli compare --model "${MODEL:-llama3.2-1b}" --no-bench
+command=(python3 -m compare.cli compare --model "${MODEL:-llama3.2-1b}" --no-bench --check-seq-len 1024
          --time-limit-s "${TIME_LIMIT_S:-540}" --out "$OUT/report" "$@")
 began=$(date +%s)
 timeout "${TIMEOUT_S:-590}" "${command[@]}" > "$OUT/compare.log" 2>&1
