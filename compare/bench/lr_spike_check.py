@@ -4,9 +4,9 @@ plain-math attention (the kernel plays no part in the learning rate). Prints bot
 (the largest loss after step 0 over the loss at step 0: above 1, the run got worse than where it started) and
 writes them as JSON.
 
-    python -m compare.bench.lr_spike_check --out DIR [--layers 1] [--vocab 256] [--seq-len 512] [--steps 20]
+    python -m compare.bench.lr_spike_check --out DIR [--layers 2] [--vocab 256] [--seq-len 512] [--steps 20]
 
-About 15 s per step per layer at the defaults on 2 busy CPU cores (two runs of 20 steps: ~10 min).
+About 15 s per step per layer at the defaults on 2 busy CPU cores (two runs of 20 steps, 2 layers: ~20 min).
 The vocabulary is cut to the 256 byte tokens the text data uses (the 1B shape's 128256 rows would add 262M
 parameters to every AdamW step and nothing to the question); the width, heads and MLP are the 1B shape's.
 """
@@ -30,7 +30,7 @@ OLD_DEFAULTS = {"lr": 3e-3, "warmup_steps": 5}  # every model's defaults before 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
