@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import dataclasses
 import importlib
 import json
 import os
@@ -58,7 +59,7 @@ from weights.atomic import check_output_dir, write_text_atomically
 from weights.data import random_batches, text_batches
 from weights.flops import PEAK_FLOPS_PER_DEVICE, model_flops_per_token
 from weights.parallel import REMAT_MODES, MeshShape
-from weights.schedule import OptimizerConfig
+from weights.schedule import OptimizerConfig, default_optimizer, defaults_help
 from weights.settings import TrainSettings
 from weights.training import (ATTENTION_BACKENDS, check_attention_backend, check_batch_shape, checkpoint_to_resume,
                               run_metadata)
@@ -81,8 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", choices=("text", "random"), default="text")
     parser.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="data order and preset weights")
     defaults = OptimizerConfig()
-    parser.add_argument("--lr", type=number(0, above=True), default=defaults.lr, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=integer(0), default=defaults.warmup_steps)
+    parser.add_argument("--lr", type=number(0, above=True), help="peak learning rate (default: by model size, "
+                        "see --warmup-steps)")
+    parser.add_argument("--warmup-steps", type=integer(0),
+                        help="linear warmup steps. Defaults: " + defaults_help().replace("%", "%%"))
     parser.add_argument("--weight-decay", type=number(0), default=defaults.weight_decay)
     parser.add_argument("--grad-clip", type=number(0, above=True), default=defaults.grad_clip_norm,
                         help="max global grad norm")
@@ -128,11 +131,9 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
         raise BadInputError("--profile needs --out and at least 2 steps (the first one is not profiled)")
     if args.plan_memory and args.backend != "jax":
         raise BadInputError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
-    optimizer = OptimizerConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps,
-                                weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip)
     settings = TrainSettings(
         backend=args.backend, model=args.model, seq_len=args.seq_len, steps=args.steps, mesh=mesh,
-        batch=args.batch or mesh.fsdp, dtype=args.dtype, data=args.data, seed=args.seed, optimizer=optimizer,
+        batch=args.batch or mesh.fsdp, dtype=args.dtype, data=args.data, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing,
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
         ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
@@ -141,7 +142,12 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
         profile=args.profile, skip_non_finite_steps=args.skip_non_finite_steps)
     check_attention_backend(settings)
     check_output_locations(settings)
-    return settings
+    # the defaults follow the model's width: read after the checks above, as reading a checkpoint is work
+    given = {"lr": args.lr, "warmup_steps": args.warmup_steps}
+    optimizer = default_optimizer(open_weights(args.model, args.seed).config.hidden_size, args.steps,
+                                  weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip,
+                                  **{k: v for k, v in given.items() if v is not None})
+    return dataclasses.replace(settings, optimizer=optimizer)
 
 
 def check_output_locations(settings: TrainSettings) -> None:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from compare.args import integer, ints, lengths, names, number
 from compare.harness import jobs as J
+from compare.harness import noise_floor
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.harness.launches import CACHE_DIR, run_jobs
 from compare.harness.plan import (WEIGHTS_DIR, check_model, gpu_count, gpu_memory_bytes, plan_jobs, plan_settings,
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=integer(1),
                         help="timed steps per point and loss-curve steps (default 2 CPU, 3 GPU)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="benchmark dtype (default fp32 CPU, bf16 GPU); "
-                        "the equivalence check is always fp32")
+                        "the equivalence check is always fp32; bf16 in train mode adds the bf16 noise floor")
     parser.add_argument("--backends", type=names(("torch", "jax")), default="torch,jax",
                         help="comma-separated: torch, jax")
     parser.add_argument("--ablation", type=names(("ours", "vendor", "reference")), default="ours,vendor,reference",
@@ -86,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "jobs left are recorded as not run and the report is written")
     parser.add_argument("--out", type=Path, help="report directory, must not exist or be empty "
                         "(default: out/compare-<model>-<date>)")
+    noise_floor.add_arguments(parser)
 
 
 def _default_out(model: str) -> Path:
@@ -162,6 +164,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     check_output_dir(out, "--out", empty=True)
     gpus = gpu_count()
     settings = plan_settings(args, gpus, gpu_memory_bytes() if gpus else None)
+    bf16_floor = noise_floor.plan(args, settings)
     deadline = math.inf if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     work_dir, trace_dir = out / "work", out / "traces"
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -173,15 +176,18 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     settings = prepare_weights(dataclasses.replace(settings, out=out), work_dir)
     console.print(f"weights: {settings.model} -> {os.path.relpath(settings.weights, out)} in "
                   f"{time.perf_counter() - began:.3g} s, read by every job", highlight=False, soft_wrap=True)
-    jobs = plan_jobs(settings, check_model(settings, work_dir), trace_dir)
+    check_path = check_model(settings, work_dir)
+    jobs = plan_jobs(settings, check_path, trace_dir)
     view = RunProgress(jobs, work_dir, console)
 
     def on_done(job: J.Job) -> None:
         view.done(job, J.read_result(work_dir, job.id))
 
-    interrupted, left = None, 0
+    interrupted, left, bf16 = None, 0, None
     with view.shown():
         try:
+            bf16 = noise_floor.run_noise_floor(bf16_floor, settings, check_path, work_dir, deadline,
+                                               lambda line: console.print(line, markup=False, highlight=False))
             run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline)
         except Interrupted as stop:  # the launch is stopped; the report shows what finished
             interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
@@ -204,6 +210,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         equivalence = equivalence_section(loaded, seq_len=settings.check_seq_len, devices=settings.devices,
                                           layers=settings.check_layers, reference_description=REFERENCE)
+    if bf16 is not None:
+        equivalence["bf16"] = bf16
     points = [benchmark_point(job, results[job.id], config, settings) for job in jobs if job.kind == "bench"]
     add_scaling(points, settings.platform)
     report = report_dict(settings=settings, config=config, equivalence=equivalence, points=points,

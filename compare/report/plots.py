@@ -11,7 +11,9 @@
   context length (step_s, forward_s, backward_s, comm_exposed_s, comm_s at the most devices);
 - ablation: step time per attention implementation (ours, vendor, reference), one panel per backend (needs two or
   more implementations measured at the most devices);
-- loss_curves: the equivalence run's losses per step (equivalence.loss_curves; train mode only).
+- loss_curves: the equivalence run's losses per step (equivalence.loss_curves; train mode only);
+- noise_floor: the bf16 runs' losses and their pairs' differences per step (equivalence.bf16;
+  compare/report/noise_floor.py).
 
 Every value axis is linear and starts at zero (a bar's length is its value); context lengths are evenly spaced
 categories. A benchmark point whose status is not "ok" is labelled (OOM, ERROR, TIMEOUT, UNSUPPORTED, SKIPPED)
@@ -25,6 +27,7 @@ import math
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from compare.report import noise_floor
 from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, on_cpu, sorted_points
 
 _COLORS = {"torch": "#ee4c2c", "jax": "#1a73e8", "reference": "#6c757d"}
@@ -184,7 +187,7 @@ PLOTS = (("throughput", lambda r: _lines_vs_seq(r, [("tokens_per_s", "tokens/s",
           ("memory", lambda r: _lines_vs_seq(r, [("peak_memory_bytes", "peak memory per device (GiB)", 2**-30)],
                                              "Peak memory")),
           ("scaling", _plot_scaling), ("breakdown", _plot_breakdown), ("ablation", _plot_ablation),
-          ("loss_curves", _plot_loss_curves))
+          ("loss_curves", _plot_loss_curves), (noise_floor.PLOT, noise_floor.figure))
 
 
 def figures(report: dict) -> list[tuple[str, Figure]]:

@@ -20,6 +20,7 @@ import math
 import re
 from typing import Any
 
+from compare.report import noise_floor
 from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, on_cpu, sorted_points
 
 WORST_PARAMETERS = 10  # parameters listed per comparison, besides every failing one
@@ -100,7 +101,7 @@ def _document(report: dict) -> list[tuple]:
         doc.append(("p", [("b", "CPU run: not a benchmark."), " " + CPU_CAVEAT.format(devices=s["devices"])]))
     doc += [("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence) — {detail}"]),
             ("code", report["command"]), ("p", [f"Created {report['created']}."])]
-    return (doc + _setup(report) + _equivalence(report) + _benchmark(report) + _ablation(report) + _peers(report)
+    return (doc + _setup(report) + _equivalence(report) + noise_floor.blocks(report) + _benchmark(report) + _ablation(report) + _peers(report)
             + _jobs(report) + _flops_and_traces(report))
 
 

@@ -1,0 +1,180 @@
+"""The bf16 noise floor of `twinflash compare` (compare/harness/noise_floor.py, compare/report/noise_floor.py): the
+per-step arithmetic on hand-made loss lists, the verdict and its edge cases, the section in the report (schema,
+both renderings, the plot), the default optimizer settings by model size, and (slow) the negative control on real
+tiny bf16 trainings: one weight scaled by 1 % in one backend pushes the ratio far above the limit."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+
+import pytest
+
+from compare.cli import main as cli_main
+from compare.harness import noise_floor as N
+from compare.harness.plan import CompareSettings
+from compare.report.render import render_html, render_markdown
+from compare.report.write import validate_report, write_report
+from test_compare_report import make_report
+from weights import PRESETS
+from weights.schedule import OptimizerConfig, default_optimizer, default_warmup_steps
+
+
+def _settings(**fields) -> CompareSettings:
+    """The compare settings the noise floor reads, the rest at neutral values."""
+    return CompareSettings(model="tiny", seq_lens=(128,), device_counts=(1,), steps=2,
+                           attention_ablation=("ours",), activation_checkpointing="off", check_seq_len=128,
+                           check_layers=2, bench=True, notes=(), perturb=None, **fields)
+
+
+def _record(name, losses, status="ok"):
+    backend, attention = name.split("-")
+    kernel = {"ours": {"torch": "triton", "jax": "pallas"}[backend], "vendor": "cudnn"}.get(attention, attention)
+    return {"name": name, "backend": backend, "attention": attention, "kernel": kernel, "status": status,
+            "message": None if status == "ok" else "stopped", "losses": losses, "seconds": 12.0}
+
+
+def _floor(steps=3):
+    return {"seq_len": 8192, "devices": 2, "steps": steps, "runs": []}
+
+
+def test_relative_differences_by_hand():
+    diffs = N.relative_differences([10.0, 5.0, 4.0, math.nan], [10.0, 4.0, 4.4, 3.0])
+    assert diffs[:3] == pytest.approx([0.0, 1 / 4.5, 0.4 / 4.2], rel=1e-12)
+    assert diffs[3] == math.inf  # a non-finite loss is an infinite difference, never a silent 0
+    assert N.relative_differences([1.0, 2.0, 3.0], [1.0]) == [0.0]  # steps both runs have
+
+
+def test_pair_statistics_by_hand():
+    pair = N.compare_curves("p", "floor", "a", "b", {"a": [10.0, 5.0, 4.0], "b": [10.0, 4.0, 4.4]})
+    assert (pair["steps"], pair["max"], pair["final"]) == (3, pytest.approx(1 / 4.5), pytest.approx(0.4 / 4.2))
+    assert pair["mean"] == pytest.approx((1 / 4.5 + 0.4 / 4.2) / 3)
+
+
+def _section(losses: dict[str, list[float]], status=None):
+    records = [_record(name, curve, (status or {}).get(name, "ok")) for name, curve in losses.items()]
+    return N.noise_floor_section(_floor(), records, PRESETS["llama3.2-1b"])
+
+
+def test_ratio_uses_the_larger_floor_and_says_why():
+    base = [10.0, 8.0, 6.0]
+    section = _section({"torch-ours": base, "torch-vendor": [10.0, 8.08, 6.06],  # floor mean 2/3 %
+                        "jax-ours": [10.0, 8.16, 6.12], "jax-vendor": base})  # jax floor mean 4/3 %
+    names = [p["name"] for p in section["pairs"]]
+    assert [p["kind"] for p in section["pairs"]] == ["floor", "floor", "cross"] and "torch vs jax" in names[2]
+    floors = {p["name"]: p["mean"] for p in section["pairs"] if p["kind"] == "floor"}
+    assert section["floor_pair"] == max(floors, key=floors.get) and section["floor_pair"].startswith("jax")
+    cross = section["pairs"][2]["mean"]
+    assert section["ratio"] == pytest.approx(cross / max(floors.values()))
+    assert section["consistent"] and section["verdict"].startswith("consistent with bf16 noise")
+    assert section["why"] == N.RATIO_LIMIT[1] and section["ratio_limit"] == 1.5
+    assert section["optimizer"] == {"lr": 2e-4, "warmup_steps": 3, "min_lr_ratio": 0.1}  # 3 steps: all warmup
+
+
+def test_cross_far_above_the_floor_is_not_consistent():
+    section = _section({"torch-ours": [10.0, 8.0, 6.0], "torch-vendor": [10.0, 8.01, 6.01],
+                        "jax-ours": [10.0, 8.8, 6.6], "jax-vendor": [10.0, 8.81, 6.6]})
+    assert section["ratio"] > 10 and section["consistent"] is False
+    assert section["verdict"].startswith("larger than bf16 noise")
+
+
+def test_identical_floor_runs_use_the_minimum_floor():
+    """Kernels that agree bit for bit give a zero floor: the ratio divides by FLOOR_MIN, not by zero."""
+    same = [10.0, 8.0, 6.0]
+    section = _section({"torch-ours": same, "torch-vendor": same, "jax-ours": [10.0, 8.004, 6.003],
+                        "jax-vendor": [10.0, 8.004, 6.003]})
+    assert section["floor"] == 0.0 and math.isfinite(section["ratio"])
+    assert section["ratio"] == pytest.approx(section["pairs"][-1]["mean"] / N.FLOOR_MIN)
+
+
+def test_missing_runs_give_no_ratio():
+    section = _section({"torch-ours": [10.0, 8.0, 6.0], "torch-vendor": [10.0, 8.0], "jax-ours": [10.0, 8.0, 6.0],
+                        "jax-vendor": [10.0]}, status={"torch-vendor": "timeout", "jax-vendor": "oom"})
+    assert [p["kind"] for p in section["pairs"]] == ["cross"]
+    assert section["ratio"] is None and section["consistent"] is None
+    assert section["verdict"].startswith("not measured: a noise floor")
+
+
+def test_plan_runs_only_in_bf16_train_mode_with_the_platform_defaults(tmp_path):
+    args = argparse.Namespace(noise_floor_steps=None, noise_floor_seq_len=None, noise_floor_run_limit_s=None)
+    settings = _settings(platform="gpu", mode="train", dtype="bf16", devices=4, backends=("torch", "jax"))
+    floor = N.plan(args, settings)
+    assert (floor["seq_len"], floor["steps"], floor["devices"]) == (8192, 50, 2)
+    assert [(r.name, r.kernel) for r in floor["runs"]] == [("torch-ours", "triton"), ("torch-vendor", "sdpa_cudnn"),
+                                                           ("jax-ours", "pallas"), ("jax-vendor", "cudnn")]
+    cpu = N.plan(args, dataclasses.replace(settings, platform="cpu", devices=1, backends=("torch",)))
+    assert cpu["devices"] == 1 and [r.name for r in cpu["runs"]] == ["torch-ours", "torch-reference"]
+    for changed in ({"dtype": "fp32"}, {"mode": "forward"}):
+        assert N.plan(args, dataclasses.replace(settings, **changed)) is None
+    assert N.plan(argparse.Namespace(**{**vars(args), "noise_floor_steps": 0}), settings) is None
+    argv = N.train_argv(floor["runs"][1], "llama3.2-1b", floor, tmp_path)
+    assert argv[:5] == ["train", "--backend", "torch", "--attention-backend", "sdpa_cudnn"]
+    assert " ".join(argv).endswith(f"--mesh fsdp=1,sp=2 --dtype bf16 --data text --seed 0 --out {tmp_path}")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--noise-floor-seq-len", "8k,16k"], "--noise-floor-seq-len"),
+    (["--noise-floor-seq-len", "127", "--dtype", "bf16"], "127"),  # the ring's zigzag layout cannot split it
+    (["--noise-floor-steps", "-1"], "--noise-floor-steps"),
+    (["--noise-floor-run-limit-s", "0"], "--noise-floor-run-limit-s"),
+])
+def test_bad_noise_floor_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    out = tmp_path / "report"
+    assert cli_main(["compare", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("twinflash: error:") and "\n" not in err and message in err
+    assert not out.exists()
+
+
+def test_report_section_schema_renderings_and_plot(tmp_path):
+    section = _section({"torch-ours": [10.0, 8.0, 6.0], "torch-vendor": [10.0, 8.08, 6.06],
+                        "jax-ours": [10.0, 8.1, 6.1], "jax-vendor": [10.0, 8.1, 6.0]})
+    report = {**make_report(), "plots": []}
+    report["equivalence"]["bf16"] = section
+    validate_report(report)
+    write_report(report, tmp_path)
+    assert (tmp_path / "plots" / "noise_floor.png").stat().st_size > 0
+    for text in ((tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()):
+        assert "bf16: torch vs JAX beside a measured noise floor" in text and "plots/noise_floor.png" in text
+        assert section["verdict"] in text and "torch vs jax, our kernels" in text
+    spoiled = copy.deepcopy(report)
+    del spoiled["equivalence"]["bf16"]["ratio"]
+    with pytest.raises(ValueError, match="ratio"):
+        validate_report(spoiled)
+    without = {**make_report(), "plots": []}  # reports without the section (fp32 runs, older reports) render as before
+    assert "noise floor" not in render_markdown(without) + render_html(without)
+
+
+def test_default_optimizer_by_model_size():
+    lrs = {name: default_optimizer(config.hidden_size, 50).lr for name, config in PRESETS.items()}
+    assert lrs == {"tiny": 3e-3, "llama2-7b": 3e-4, "llama3.2-1b": 2e-4, "llama3.2-3b": 2e-4, "llama3.1-8b": 3e-4}
+    assert default_optimizer(8192, 50).lr == 1.5e-4  # Llama 3 70B
+    assert [default_warmup_steps(s) for s in (3, 50, 1000, 100_000)] == [3, 10, 20, 2000]
+    assert default_optimizer(2048, 50, lr=1e-3, warmup_steps=0) == OptimizerConfig(lr=1e-3, warmup_steps=0,
+                                                                                     total_steps=50)
+
+
+PERTURBED = "norm.weight"  # the final norm: every logit scales by 1 %, so the loss moves at every step
+
+
+@pytest.mark.slow
+def test_a_weight_perturbed_in_one_backend_pushes_the_ratio_far_above_the_limit(tmp_path):
+    """Real tiny bf16 trainings on 2 emulated CPU devices: torch with ours and with the reference (the floor), JAX
+    with ours, and JAX with ours on weights whose final norm is scaled by 1 % (`--perturb jax:norm.weight`). The
+    JAX floor is left out to save a run: the ratio divides by the torch floor."""
+    args = argparse.Namespace(noise_floor_steps=8, noise_floor_seq_len=64, noise_floor_run_limit_s=None)
+    settings = _settings(platform="cpu", mode="train", dtype="bf16", devices=2, backends=("torch", "jax"))
+    floor = N.plan(args, settings)
+    floor["runs"] = [run for run in floor["runs"] if run.name != "jax-reference"]
+    clean = N.run_trainings(floor, settings, "tiny", tmp_path / "clean", math.inf, lambda record: None)
+    perturbed = N.run_trainings({**floor, "runs": [floor["runs"][2]]}, dataclasses.replace(settings, perturb=("jax", PERTURBED)),
+                                "tiny", tmp_path / "perturbed", math.inf, lambda record: None)
+    assert all(r["status"] == "ok" and len(r["losses"]) == 8 for r in clean + perturbed), clean + perturbed
+    config = PRESETS["tiny"]
+    honest = N.noise_floor_section(floor, clean, config)
+    broken = N.noise_floor_section(floor, clean[:2] + perturbed, config)
+    assert honest["floor"] > 0  # the two kernels differ in bf16: a floor was measured, not FLOOR_MIN
+    assert honest["consistent"], honest["verdict"]  # measured ratio ~1.0
+    assert broken["ratio"] > 10 and not broken["consistent"], broken["verdict"]  # measured ratio ~55
