@@ -1,20 +1,26 @@
 """The JAX train step's memory plan (XLA's, compiled for abstract inputs on the 4 emulated host devices): with
 activation checkpointing, the temporaries stay within a bound computed from the parameter count and the
 activation sizes, and the structure before issue 19 (the whole compute-dtype model gathered before the first
-layer, `StepSpec.gather_per_layer=False`) exceeds it: the negative control that shows the bound can fail."""
+layer, `StepSpec.layer_weights="whole-model"`) exceeds it: the negative control that shows the bound can fail.
+The scan over the layers runs over the training state's own stacked fp32 shards: the compiled step holds no
+compute-dtype stack of the layers' weights or gradients, which issue 19's first fix ("stacked-copy") made."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_impl.parallel import make_mesh
-from jax_impl.train import StepSpec, memory_plan
+from jax_impl.model import is_stacked
+from jax_impl.parallel import activation_sharding, make_mesh, parameter_shardings
+from jax_impl.train import StepSpec, memory_plan, state_shapes, step_scalars, train_step
 from weights import parameter_shapes, preset
 from weights.parallel import MeshShape
 from weights.schedule import OptimizerConfig
+from weights.training import adamw_coefficients
 
 MESH = MeshShape(fsdp=1, sp=4)
 SEQ_LEN = 1024
@@ -25,28 +31,29 @@ CONFIG = dataclasses.replace(preset("tiny"), hidden_size=512, intermediate_size=
 COMPUTE_BYTES = 2  # bf16
 
 
-def _temporaries(remat: str, gather_per_layer: bool = True) -> int:
-    spec = StepSpec(config=CONFIG, mesh=make_mesh(MESH), dtype="bf16", remat=remat, attention_backend="reference",
+def _spec(remat: str, layer_weights: str = "in-layer") -> StepSpec:
+    return StepSpec(config=CONFIG, mesh=make_mesh(MESH), dtype="bf16", remat=remat, attention_backend="reference",
                     ring_variant="ring", loss_chunk_tokens=128, optimizer=OptimizerConfig(),
-                    gather_per_layer=gather_per_layer)
-    return memory_plan(spec, batch=1, seq_len=SEQ_LEN)["temporaries"]
+                    layer_weights=layer_weights)
+
+
+def _temporaries(remat: str, layer_weights: str = "in-layer") -> int:
+    return memory_plan(_spec(remat, layer_weights), batch=1, seq_len=SEQ_LEN)["temporaries"]
 
 
 def _bound() -> float:
-    """Per device: the fp32 gradient shards and the compute-dtype shards of the weights and of their gradients
-    (what the step must hold, divided over the devices); one layer's weights gathered in the compute dtype and its
-    gradient in fp32 (the checkpointed layer being recomputed and differentiated); and an allowance of 8 hidden
-    states per layer in fp32 for the saved activations (a layer input, the attention's output: bf16, but the CPU
-    compile upcasts) and the working set of one layer and one loss chunk. Measured: 71 MiB with per-layer
-    gathers (save-attention; full: 70), bound 116 MiB, 192 MiB for the old structure (which adds the whole model
-    in bf16, 61 MiB, and its gradients)."""
+    """Per device: the fp32 gradient shards (what the step must hold, divided over the devices); one layer's
+    weights gathered in the compute dtype and its gradient in fp32 (the checkpointed layer being recomputed and
+    differentiated); and an allowance of 8 hidden states per layer in fp32 for the saved activations (a layer
+    input, the attention's output: bf16, but the CPU compile upcasts) and the working set of one layer and one
+    loss chunk. Measured: 71 MiB (save-attention; full: 68), bound 92 MiB, 198 MiB for the structure before issue
+    19 (which adds the whole model in bf16, 61 MiB, and its gradients)."""
     shapes = parameter_shapes(CONFIG)
     params = sum(int(np.prod(shape)) for shape in shapes.values())
-    devices = MESH.size
-    state = (4 + 2 * COMPUTE_BYTES) * params / devices
+    gradients = 4 * params / MESH.size
     one_layer = (COMPUTE_BYTES + 4) * params / CONFIG.num_layers
-    activations = 8 * CONFIG.num_layers * (SEQ_LEN // devices) * CONFIG.hidden_size * 4
-    return state + one_layer + activations
+    activations = 8 * CONFIG.num_layers * (SEQ_LEN // MESH.size) * CONFIG.hidden_size * 4
+    return gradients + one_layer + activations
 
 
 @pytest.mark.parametrize("remat", ["save-attention", "full"])
@@ -56,4 +63,26 @@ def test_checkpointed_step_plans_within_the_bound(remat):
 
 def test_gathering_the_whole_model_first_exceeds_the_bound():
     # by half the bound at least: the old structure is far above it, not a near miss that noise could flip
-    assert _temporaries("save-attention", gather_per_layer=False) > 1.5 * _bound()
+    assert _temporaries("save-attention", layer_weights="whole-model") > 1.5 * _bound()
+
+
+def _stacked_compute_arrays(layer_weights: str) -> set[str]:
+    """The compute-dtype arrays of the compiled step shaped like a stacked layer weight's shard on one device."""
+    spec = _spec("save-attention", layer_weights)
+    shapes = state_shapes(CONFIG)
+    shardings = parameter_shardings(spec.mesh, shapes)
+    params = {name: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[name])
+              for name, shape in shapes.items()}
+    tokens = jax.ShapeDtypeStruct((1, SEQ_LEN), jnp.int32, sharding=activation_sharding(spec.mesh, "tokens"))
+    positions = jax.ShapeDtypeStruct((SEQ_LEN,), jnp.int32, sharding=activation_sharding(spec.mesh, "positions"))
+    state = {"model": params, "optimizer": {"exp_avg": params, "exp_avg_sq": params}}
+    hlo = train_step.lower(state, tokens, tokens, positions, step_scalars(adamw_coefficients(spec.optimizer, 0)),
+                           spec=spec).compile().as_text()
+    stacks = {f"bf16[{','.join(map(str, sharding.shard_shape(shapes[name])))}]"
+              for name, sharding in shardings.items() if is_stacked(name) and len(shapes[name]) == 3}
+    return {stack for stack in stacks if stack in hlo}
+
+
+def test_the_layer_scan_makes_no_compute_dtype_stack_of_the_weights():
+    assert _stacked_compute_arrays("stacked-copy")  # the negative control: the search finds such a stack
+    assert not _stacked_compute_arrays("in-layer")
