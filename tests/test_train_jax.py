@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import orbax.checkpoint._src.path.atomicity as orbax_atomicity
 import pytest
 import torch
@@ -31,12 +32,13 @@ from compare.commands.train import main as train_main
 from compare.commands.train import training_batches
 from jax_impl import checkpointing
 from jax_impl.flash_attention import flash_attention
-from jax_impl.model import Llama, load_model, parameter_dict, unstack_layers
+from jax_impl.model import Llama, load_model, parameter_dict, stack_layers, unstack_layers
 from jax_impl.model import next_token_loss as model_next_token_loss
 from jax_impl.parallel import make_mesh, sharded_batch
 from jax_impl.train import (StepSpec, adamw_update, clip_gradients, load_parameters, next_token_loss, run_training,
                             step_memory_plan)
-from weights import BadInputError, CheckpointError, RandomWeights, preset, write_converted_checkpoint
+from weights import (BadInputError, CheckpointError, RandomWeights, parameter_shapes, preset,
+                     write_converted_checkpoint)
 from weights.layout import LayoutError
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig
@@ -299,6 +301,35 @@ def test_memory_plan_of_the_step_without_weights(capsys):
     assert train_main(["--backend", "torch", "--model", "tiny", "--seq-len", "64", "--steps", "1",
                        "--plan-memory"]) == 2
     assert "--plan-memory needs --backend jax" in capsys.readouterr().err
+
+
+def test_the_state_stacks_the_layers_in_layer_order_and_unstacks_in_canonical_order():
+    config = dataclasses.replace(preset("tiny"), num_layers=12)  # "layers.10" sorts before "layers.2" as text
+    named = {name: np.full(shape, i, np.float32) for i, (name, shape) in enumerate(parameter_shapes(config).items())}
+    shuffled = dict(sorted(named.items()))
+    stacked = stack_layers(shuffled)
+    wq = stacked["layers.*.attention.wq.weight"]
+    assert wq.shape == (12, *named["layers.0.attention.wq.weight"].shape)
+    assert [int(layer[0, 0]) for layer in wq] == [int(named[f"layers.{i}.attention.wq.weight"][0, 0])
+                                                  for i in range(12)]
+    assert list(unstack_layers(stack_layers(named))) == list(named)  # canonical order, as the checkpoint has it
+    assert all(np.array_equal(unstack_layers(stacked)[name], value) for name, value in named.items())
+
+
+def test_a_checkpoint_of_the_per_layer_state_layout_is_refused(tmp_path):
+    """A training checkpoint written before the state stacked the layers (one array per layer weight, no
+    "state_layout" in its metadata): one line naming the reason, before orbax's tree mismatch."""
+    source = RandomWeights(preset("tiny"))
+    state = {"model": load_parameters(source, make_mesh(MeshShape(), jax.devices()[:1]))}
+    manager = checkpointing.open_manager(tmp_path, keep=1)
+    old_state = {"model": {name: jnp.asarray(value) for name, value in source}}
+    manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(old_state),
+                                            meta=ocp.args.JsonSave({"step": 1})))
+    manager.wait_until_finished()
+    with pytest.raises(CheckpointError, match="one array per layer weight") as refused:
+        checkpointing.load_checkpoint(manager, checkpointing.latest_checkpoint(tmp_path), state)
+    assert "\n" not in str(refused.value)
+    manager.close()
 
 
 def test_bad_input_is_refused_before_training(weights_dir):
