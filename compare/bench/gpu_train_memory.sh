@@ -104,7 +104,8 @@ rows = []
 for log in sorted(runs.glob("train_*.log"), key=lambda p: p.stat().st_mtime):
     jsonl = runs / log.stem / "train.jsonl"
     records = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
-    backend, model, remat, attention, seq_len = log.stem.split("_")[1:]
+    _, backend, model, remat, *attention, seq_len = log.stem.split("_")  # attention names may hold "_"
+    attention = "_".join(attention)
     steady = records[1:] or records  # the first step includes compilation
     lines = log.read_text().strip().splitlines()
     rows.append({"backend": backend, "model": model, "checkpointing": remat, "attention": attention,
