@@ -4,11 +4,11 @@
 # PYTHONPATH). Issue 19's acceptance (Llama-3.1-8B, save-attention checkpointing) and the Llama-3.2-1B step that
 # issues 12, 13 and 20 re-measure (checkpointing off, the default ring kernels and cuDNN's).
 #   bash compare/bench/gpu_train_memory.sh all           everything below, most important first, within BUDGET_S
-#                                                          (default 540 s; expected ~560 s, so the last 1B runs may
-#                                                          be skipped: then run `kernels-1b` in a second call):
+#                                                          (default 540 s; expected ~600 s, so the last runs may be
+#                                                          skipped: then run `kernels-1b` in a second call):
 #                                                          8B parity at 32k (torch ~90 s, JAX ~90 s), 8B one step at
-#                                                          131072 (JAX ~120 s, torch ~120 s), then kernels-1b (~45 s
-#                                                          each)
+#                                                          131072 (JAX ~120 s, torch ~120 s), kernels-1b (~45 s
+#                                                          each), the JAX GPU plan at 32k (~40 s)
 #   bash compare/bench/gpu_train_memory.sh parity [SEQ_LEN] [BACKENDS]   8B, 3 steps at SEQ_LEN (default 32768) per
 #                                                          backend (default torch,jax): peak memory per GPU, tokens/s
 #   bash compare/bench/gpu_train_memory.sh longest BACKEND LENS   8B, one step at each of LENS (ascending,
@@ -17,9 +17,9 @@
 #                                                          JAX cudnn, torch default kernels, torch sdpa_cudnn (~200 s)
 #   bash compare/bench/gpu_train_memory.sh plan LENS     JAX only: XLA's GPU memory plan of the 8B step at each length
 #                                                          (compiles, nothing loaded; ~40 s each)
-# Every run is under its own `timeout` (8B multi-step 150 s, 8B one step 200 s, 1B 100 s; never past the budget,
-# and a run with under 60 s of budget left is skipped, recorded as such). Everything lands in $OUT (default
-# ./out): runs.tar.gz (every train.jsonl and log) and summary.json; the table is printed last. BIG_MODEL,
+# Every run is under its own `timeout` (8B multi-step 150 s, 8B one step 200 s, 1B 100 s, plan 300 s; never past
+# the budget), and a run with under 60 s of budget left is skipped, recorded as such. Everything lands in $OUT
+# (default ./out): runs.tar.gz (every train.jsonl and log) and summary.json; the table is printed last. BIG_MODEL,
 # SMALL_MODEL, PARITY_LEN, LONG_LEN and SMALL_LEN replace the models and lengths of `all` (a CPU dry run:
 # BIG_MODEL=tiny SMALL_MODEL=tiny PARITY_LEN=64 LONG_LEN=128 SMALL_LEN=64).
 set -u
@@ -35,16 +35,19 @@ big=${BIG_MODEL:-llama3.1-8b}
 small=${SMALL_MODEL:-llama3.2-1b}
 small_len=${SMALL_LEN:-32768}
 
+limit_for() {  # limit_for LOG TIMEOUT_S: the seconds a run may take, or records LOG as skipped and fails
+    limit=$(( budget - reserve - SECONDS ))
+    (( limit > $2 )) && limit=$2
+    if (( limit < 60 )); then
+        printf 'skipped: %s s of the budget left\nexit skipped\n' "$limit" > "$1"
+        return 3
+    fi
+}
+
 train() {  # train BACKEND MODEL SEQ_LEN STEPS CHECKPOINTING ATTENTION TIMEOUT_S: one run; its exit status
     local backend=$1 model=$2 len=$3 steps=$4 remat=$5 attention=$6
     local run="train_${backend}_${model}_${remat}_${attention}_${len}"
-    local limit=$(( budget - reserve - SECONDS ))
-    (( limit > $7 )) && limit=$7
-    if (( limit < 60 )); then
-        echo "skipped: ${limit} s of the budget left" > "$runs/$run.log"
-        echo "exit skipped" >> "$runs/$run.log"
-        return 3
-    fi
+    limit_for "$runs/$run.log" "$7" || return 3
     local kernels=()
     [[ $attention != default ]] && kernels=(--attention-backend "$attention")
     echo "[${SECONDS} s] $run (timeout ${limit} s)"
@@ -64,6 +67,15 @@ longest() {  # longest BACKEND LENS
     for len in ${2//,/ }; do train "$1" "$big" "$len" 1 save-attention default 200 || break; done
 }
 
+plan() {  # plan LENS
+    for len in ${1//,/ }; do
+        limit_for "$runs/plan-jax-$len.log" 300 || return 3
+        timeout "$limit" python3 -m compare.cli train --backend jax --model "$big" --seq-len "$len" --steps 1 \
+            --mesh fsdp=1,sp=2 --batch 1 --dtype bf16 --data random --activation-checkpointing save-attention \
+            --plan-memory 2>&1 | tee "$runs/plan-jax-$len.log" | tail -n 1
+    done
+}
+
 kernels_1b() {
     train jax "$small" "$small_len" 5 off default 100
     train jax "$small" "$small_len" 5 off cudnn 100
@@ -77,18 +89,12 @@ all)
     longest jax "${LONG_LEN:-131072}"
     longest torch "${LONG_LEN:-131072}"
     kernels_1b
+    plan "${PARITY_LEN:-32768}"
     ;;
 parity) parity "${2:-32768}" "${3:-torch,jax}" ;;
 longest) longest "${2:?backend: torch | jax}" "${3:?seq lens, e.g. 98304,131072}" ;;
 kernels-1b) kernels_1b ;;
-plan)
-    lens=${2:?seq lens}
-    for len in ${lens//,/ }; do
-        timeout 300 python3 -m compare.cli train --backend jax --model "$big" --seq-len "$len" --steps 1 \
-            --mesh fsdp=1,sp=2 --batch 1 --dtype bf16 --data random --activation-checkpointing save-attention \
-            --plan-memory 2>&1 | tee "$runs/plan-jax-$len.log" | tail -n 1
-    done
-    ;;
+plan) plan "${2:?seq lens}" ;;
 *)
     echo "unknown stage $stage" >&2
     exit 2
