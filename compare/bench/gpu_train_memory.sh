@@ -47,6 +47,7 @@ limit_for() {  # limit_for LOG TIMEOUT_S: the seconds a run may take, or records
 train() {  # train BACKEND MODEL SEQ_LEN STEPS CHECKPOINTING ATTENTION TIMEOUT_S: one run; its exit status
     local backend=$1 model=$2 len=$3 steps=$4 remat=$5 attention=$6
     local run="train_${backend}_${model}_${remat}_${attention}_${len}"
+    echo "$run" >> "$runs/order"
     limit_for "$runs/$run.log" "$7" || return 3
     local kernels=()
     [[ $attention != default ]] && kernels=(--attention-backend "$attention")
@@ -107,7 +108,8 @@ python3 - "$runs" "$OUT/summary.json" "$*" "$gpus" "$commit" "$SECONDS" <<'PY'
 import json, pathlib, sys
 runs, out, args, gpu, commit, seconds = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), *sys.argv[3:]
 rows = []
-for log in sorted(runs.glob("train_*.log"), key=lambda p: p.stat().st_mtime):
+order = (runs / "order").read_text().split() if (runs / "order").exists() else []
+for log in [runs / f"{name}.log" for name in order]:
     jsonl = runs / log.stem / "train.jsonl"
     records = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
     _, backend, model, remat, *attention, seq_len = log.stem.split("_")  # attention names may hold "_"
