@@ -11,8 +11,8 @@ causal); the default is plain math; the flash kernel and the ring (inside `jax.s
 `positions` gives the global position of each local token, for sequence-parallel shards. `remat` checkpoints
 each decoder layer (a scan of `jax.checkpoint`-ed layers; "full": only layer inputs are kept for the backward, which
 recomputes the rest; "save-attention": the attention's output and log-sum-exp are kept too, so the backward does
-not rerun the attention; see `jax_impl/remat.py`). With `prepare_layer_weight`, the layers may be given sharded
-fp32 weights: each checkpointed layer casts and gathers its own (jax_impl/train.py says why).
+not rerun the attention; see `jax_impl/remat.py`). With `layer_weight_dtype` and `gather_layer_weight`, the layers
+may be given sharded fp32 weights: each checkpointed layer casts and gathers its own (jax_impl/train.py says why).
 
 The decoder layers' weights come one per canonical name ("layers.<i>.<suffix>") or stacked over the layers
 ("layers.*.<suffix>", [num_layers, ...]: `stack_layers`, the JAX training state's layout), which the scan of
@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jax_impl.attention import AttentionFn, reference_attention
-from jax_impl.remat import checkpointed_layer
+from jax_impl.remat import checkpointed_scan
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -176,14 +176,16 @@ class Llama(nnx.Module):
     name or stacked (`stack_layers`); nothing is initialised randomly."""
 
     def __init__(self, config: LlamaConfig, params: Mapping[str, jax.Array], attention_fn: AttentionFn | None = None,
-                 remat: str = "off", prepare_layer_weight: Callable[[jax.Array], jax.Array] | None = None):
+                 remat: str = "off", layer_weight_dtype: Any = None,
+                 gather_layer_weight: Callable[[jax.Array], jax.Array] | None = None):
         self.config = config
         self.attention_fn = attention_fn or reference_attention
         self.remat = remat  # a `weights.parallel.REMAT_MODES` key: which activations the backward recomputes
-        # applied to each decoder-layer weight inside the checkpointed layer (remat only): where the weights come
-        # as fp32 shards, the layer casts and gathers its own, in the forward and again in the backward's
-        # recomputation
-        self.prepare_layer_weight = prepare_layer_weight
+        # applied to each decoder-layer weight inside the checkpointed layer (remat only), the cast then the
+        # gather: where the weights come as fp32 shards, the layer casts and gathers its own, in the forward and
+        # again in the backward
+        self.layer_weight_dtype = layer_weight_dtype
+        self.gather_layer_weight = gather_layer_weight
         self.tok_embeddings = Embedding(params["tok_embeddings.weight"])
         stacked = STACKED_LAYERS + "attention_norm.weight" in params
         if stacked and remat != "off":  # one block whose weights are the stack the scan of layers runs over
@@ -223,12 +225,11 @@ class Llama(nnx.Module):
             graph = nnx.graphdef(self.layers[0])
             stacked = jax.tree.map(lambda *weights: jnp.stack(weights), *(nnx.state(layer) for layer in self.layers))
 
-        def run_layer(x: jax.Array, weights) -> tuple[jax.Array, None]:
-            if self.prepare_layer_weight is not None:
-                weights = jax.tree.map(self.prepare_layer_weight, weights)
-            return nnx.merge(graph, weights)(x, cos, sin, self.attention_fn), None
+        def run_layer(x: jax.Array, weights) -> jax.Array:
+            return nnx.merge(graph, weights)(x, cos, sin, self.attention_fn)
 
-        return jax.lax.scan(checkpointed_layer(run_layer, mode=self.remat), x, stacked)[0]
+        return checkpointed_scan(run_layer, x, stacked, mode=self.remat, dtype=self.layer_weight_dtype,
+                                 gather=self.gather_layer_weight)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         head = self.tok_embeddings.weight[...] if self.output is None else self.output.weight[...]

@@ -30,7 +30,7 @@ fp32 shard. (Leaving the weights sharded inside the layers instead lets XLA's sh
 weights' row sharding for activations in the backward, which it then undoes by replicating whole activations:
 "involuntary full rematerialization".) With activation checkpointing (`weights_regathered_for_backward`, as the
 torch twin's FSDP2) the scan over the decoder layers runs over the training state's own stacked fp32 shards, and
-each checkpointed layer casts and gathers its own slice (`Llama`'s `prepare_layer_weight`), in the forward and
+each checkpointed layer casts and gathers its own slice (`Llama`'s `gather_layer_weight`), in the forward and
 again in the backward: one layer's gathered weights and their gradient are live at a time, and the scan's
 gradient is the stacked fp32 gradient itself. Temporaries per device of the Llama-3.1-8B step at 32k tokens on 2
 devices (save-attention, CPU plans) with the structures this replaced (`LAYER_WEIGHTS`): the whole model cast and
@@ -161,15 +161,16 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
         return gather(weight.astype(dtype))
 
     structure = spec.layer_weights if weights_regathered_for_backward(spec.remat) else "whole-model"
+    in_layer = {"layer_weight_dtype": dtype if structure == "in-layer" else None,
+                "gather_layer_weight": None if structure == "whole-model" else gather}
     if structure == "whole-model":
-        weights, in_layer = {name: compute(p) for name, p in unstack_layers(params).items()}, None
+        weights = {name: compute(p) for name, p in unstack_layers(params).items()}
     else:
         copy = structure == "stacked-copy"
         weights = {name: (p.astype(dtype) if copy else p) if is_stacked(name) else compute(p)
                    for name, p in params.items()}
-        in_layer = gather if copy else compute
     attention = ring_attention_fn(spec.mesh, backend=spec.attention_backend, variant=spec.ring_variant)
-    llama = Llama(spec.config, weights, attention, remat=spec.remat, prepare_layer_weight=in_layer)
+    llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer)
     hidden = llama.hidden_states(tokens, positions)
     head = weights["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
     valid_count = valid_target_count(*tokens.shape)
