@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 KEPT_FOR_BACKWARD = "twinflash_kept_for_backward"  # the checkpoint_name of the values "save-attention" keeps
@@ -37,7 +38,8 @@ def checkpointed_scan(layer: Callable[[jax.Array, Any], jax.Array], x: jax.Array
                       dtype: Any = None, gather: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """`layer(x, w)` applied for each layer's `w` of the pytree of stacks `weights` ([num_layers, ...] leaves),
     each call checkpointed as `mode` says, each weight cast to `dtype` and then passed through `gather` (both
-    optional) inside the layer; see the module docstring for the backward."""
+    optional) inside the layer; see the module docstring for the backward, which is JAX's own where `dtype` is
+    the stacks' (or None)."""
     cast = (lambda w: w) if dtype is None else (lambda w: w.astype(dtype))
     gather = gather or (lambda w: w)
     step = checkpointed_layer(layer, mode=mode)
@@ -46,9 +48,14 @@ def checkpointed_scan(layer: Callable[[jax.Array, Any], jax.Array], x: jax.Array
     def prepare(w):
         return jax.tree.map(lambda leaf: gather(cast(leaf)), w)
 
-    @jax.custom_vjp
-    def run(x, weights):
+    def run_plain(x, weights):
         return jax.lax.scan(lambda x, w: (step(x, prepare(w)), None), x, weights)[0]
+
+    if dtype is None or all(jnp.dtype(dtype) == leaf.dtype for leaf in jax.tree.leaves(weights)):
+        # nothing narrower to return the gradients in: JAX's transpose (measured: the custom backward planned
+        # 8.5 GiB more for the 8B fp32 step at 32k on 2 devices)
+        return run_plain(x, weights)
+    run = jax.custom_vjp(run_plain)
 
     def forward_layer(x, w):
         prepared = prepare(w)

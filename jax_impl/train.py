@@ -30,16 +30,18 @@ fp32 shard. (Leaving the weights sharded inside the layers instead lets XLA's sh
 weights' row sharding for activations in the backward, which it then undoes by replicating whole activations:
 "involuntary full rematerialization".) With activation checkpointing (`weights_regathered_for_backward`, as the
 torch twin's FSDP2) the scan over the decoder layers runs over the training state's own stacked fp32 shards, and
-each checkpointed layer casts and gathers its own slice (`Llama`'s `gather_layer_weight`), in the forward and
-again in the backward: one layer's gathered weights and their gradient are live at a time, and the scan's
-gradient is the stacked fp32 gradient itself. Temporaries per device of the Llama-3.1-8B step at 32k tokens on 2
-devices (save-attention, CPU plans) with the structures this replaced (`LAYER_WEIGHTS`): the whole model cast and
-gathered before the first layer (every run before issue 19) kept it, and the gradients of all of it, on every
-device for the whole step: 64.4 GiB (bf16); a compute-dtype copy of every layer's shards stacked for the scan,
-which returned stacked compute-dtype gradients (issue 19's first fix): 36.2 GiB (bf16), 64.5 (fp32); the scan over
-the state's own stacks: 35.0 GiB (bf16; inside the backward loop the fp32 gradient stack holds the bytes of the
-bf16 weight and gradient stacks it replaces), 51.5 (fp32). Without checkpointing the whole model is gathered once,
-before the layers; the embedding, the final norm and the LM head always are.
+each checkpointed layer casts and gathers its own slice (`Llama`'s `layer_weight_dtype`, `gather_layer_weight`),
+in the forward and again in the backward: one layer's gathered weights and their gradient are live at a time. The
+scan's backward (`jax_impl.remat.checkpointed_scan`) returns the weights' gradients as a compute-dtype stack beside
+the stacked saved activations, converted to fp32 once the loop is done (JAX's transpose of the scan would hold the
+fp32 stack there). Temporaries per device of the Llama-3.1-8B step at 32k tokens on 2 devices (save-attention, CPU
+plans), the structures this replaced being `LAYER_WEIGHTS`'s others: the whole model cast and gathered before the
+first layer (every run before issue 19) kept it, and the gradients of all of it, on every device for the whole
+step: 64.4 GiB (bf16); a compute-dtype copy of every layer's shards stacked for the scan, which returned stacked
+compute-dtype gradients (issue 19's first fix): 36.2 GiB (bf16), 64.5 (fp32); the scan over the state's own stacks
+with JAX's transpose: 35.0 GiB (bf16), 51.5 (fp32); with `checkpointed_scan`: 28.6 GiB (bf16). Without
+checkpointing the whole model is gathered once, before the layers; the embedding, the final norm and the LM head
+always are.
 
 The step is one `jax.jit` over the global (sharded) arrays, compiled once per `StepSpec`; the training state it
 donates and returns is {"model": {name: param}, "optimizer": {"exp_avg": {...}, "exp_avg_sq": {...}}}, each leaf

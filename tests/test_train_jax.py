@@ -265,6 +265,32 @@ def test_save_attention_does_not_rerun_the_attention_forward(ring):
     assert launches["save-attention"] == launches["off"]
 
 
+@pytest.mark.parametrize("remat", ["save-attention", "full"])
+def test_the_layer_scan_backward_gives_jax_transpose_numbers(remat):
+    """bf16 layers over fp32 stacks: the scan's own backward (`jax_impl.remat.checkpointed_scan`, which returns
+    bf16 gradient stacks) against JAX's transpose of the scan over the same stacks cast before it: the same bf16
+    operations, so the same fp32 gradients bit for bit; and with save-attention no attention forward is rerun
+    (the forward kernels in the traced gradient: as many as JAX's transpose has)."""
+    config = preset("tiny")
+    params = stack_layers({name: jnp.asarray(value) for name, value in RandomWeights(config)})
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, (1, 16)))
+
+    def gradient(cast_in_layer: bool):
+        def loss(params):
+            weights = {name: p if cast_in_layer and name.startswith("layers.") else p.astype(jnp.bfloat16)
+                       for name, p in params.items()}
+            llama = Llama(config, weights, flash_attention, remat=remat,
+                          layer_weight_dtype=jnp.bfloat16 if cast_in_layer else None)
+            return model_next_token_loss(llama(tokens), tokens)
+        return jax.grad(loss)
+
+    ours, theirs = jax.jit(gradient(True))(params), jax.jit(gradient(False))(params)
+    for name in params:
+        np.testing.assert_array_equal(np.asarray(ours[name]), np.asarray(theirs[name]), err_msg=name)
+    forwards = [str(jax.make_jaxpr(gradient(cast))(params)).count("name=twinflash_forward") for cast in (True, False)]
+    assert forwards[0] == forwards[1] > 0
+
+
 def test_remat_keeps_only_layer_inputs():
     # XLA's memory plan of the backward: 8 layers at 4k tokens, whose per-layer activations (the plain attention's
     # [8, 4k, 4k] scores, the MLP's [4k, 2048]) dwarf the layer inputs. A Python loop of `nnx.remat` layers passed
