@@ -48,8 +48,9 @@ def checkpointed_scan(layer: Callable[[jax.Array, Any], jax.Array], x: jax.Array
     def prepare(w):
         return jax.tree.map(lambda leaf: gather(cast(leaf)), w)
 
-    def run_plain(x, weights):
-        return jax.lax.scan(lambda x, w: (step(x, prepare(w)), None), x, weights)[0]
+    def run_plain(x, weights):  # the weights prepared inside the checkpoint: never saved for the backward
+        prepared_step = checkpointed_layer(lambda x, w: layer(x, prepare(w)), mode=mode)
+        return jax.lax.scan(lambda x, w: (prepared_step(x, w), None), x, weights)[0]
 
     if dtype is None or all(jnp.dtype(dtype) == leaf.dtype for leaf in jax.tree.leaves(weights)):
         # nothing narrower to return the gradients in: JAX's transpose (measured: the custom backward planned
