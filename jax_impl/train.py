@@ -186,9 +186,11 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
 
 def clip_gradients(grads: dict[str, jax.Array], max_norm: float) -> tuple[dict[str, jax.Array], jax.Array]:
     """(grads scaled by min(1, max_norm / (norm + 1e-6)), the global L2 norm before clipping): torch's formula.
-    The squares are summed tensor by tensor in canonical order (a stacked layer weight's layer by layer), so the
-    norm does not depend on the training state's layout."""
-    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in unstack_layers(grads).values()))
+    The squares are summed tensor by tensor (a stacked layer weight's layer by layer) in the order of the sorted
+    canonical names, the order of a per-name gradient dict out of JAX, so that the norm does not depend on the
+    training state's layout."""
+    squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for _, g in sorted(unstack_layers(grads).items())]
+    norm = jnp.sqrt(sum(squares))
     scale = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
     return {name: g * scale for name, g in grads.items()}, norm
 
