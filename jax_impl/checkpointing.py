@@ -3,11 +3,15 @@ and to Hugging Face. Twin of `torch_impl/checkpointing.py` (torch.distributed.ch
 
 Layout: an orbax `CheckpointManager` directory; CKPT_DIR/step_XXXXXXXX/ (XXXXXXXX = optimizer steps completed) holds
 two items:
-  state/         the sharded arrays {"model": the parameters by canonical name, "optimizer": {"exp_avg": ...,
-                 "exp_avg_sq": ...}} (fp32 master weights and AdamW state), each device's shards written by orbax.
+  state/         the sharded arrays {"model": the parameters, "optimizer": {"exp_avg": ..., "exp_avg_sq": ...}}
+                 (fp32 master weights and AdamW state) in the training state's layout: by canonical name, the
+                 decoder layers' weights stacked over the layers under "layers.*.<suffix>"
+                 (`jax_impl.model.stack_layers`); each device's shards written by orbax.
   meta/          JSON {"format", "backend", "step", "data_position" (index of the next batch), "model"
-                 (LlamaConfig), "mesh", "data" (what fixes the batch stream: kind, seed, batch, seq_len, steps)}.
-                 There is no RNG state: nothing in training draws random numbers (no dropout, data order fixed).
+                 (LlamaConfig), "mesh", "data" (what fixes the batch stream: kind, seed, batch, seq_len, steps),
+                 "state_layout" (STATE_LAYOUT)}. There is no RNG state: nothing in training draws random numbers
+                 (no dropout, data order fixed). Checkpoints without "state_layout" hold one array per layer
+                 weight (before issue 19's stacked layers): a resume refuses them with one line.
 
 A finalized step is sealed with twinflash-manifest.json (the size and SHA-256 of every file in it,
 `weights.checkpoint_integrity`) once orbax has finished writing it: before the next save starts and when the
@@ -34,12 +38,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jax_impl.model import unstack_layers
 from weights import CheckpointError, ConvertedCheckpoint, LlamaConfig, RandomWeights
 from weights.checkpoint_integrity import read_manifest, write_manifest
 from weights.training import export_trained_tensors
 
 # step_XXXXXXXX directories; orbax's finder lists finalized steps only (never its temporary directories).
 STEP_NAMES = ocp.path.step.standard_name_format(step_prefix="step", step_format_fixed_length=8)
+STATE_LAYOUT = "layers-stacked"  # the meta's "state_layout": the decoder layers' weights stacked over the layers
 
 
 def step_dir_name(step: int) -> str:
@@ -101,13 +107,19 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, state: dict, meta
     _seal_finished(manager)
     manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        meta=ocp.args.JsonSave({**meta, "step": step, "data_position": step})), force=True)
+        meta=ocp.args.JsonSave({**meta, "step": step, "data_position": step, "state_layout": STATE_LAYOUT})),
+        force=True)
 
 
 def load_checkpoint(manager: ocp.CheckpointManager, path: Path, like: dict) -> dict:
     """The state read from checkpoint `path` with the shapes, dtypes and shardings of `like`; each device reads
-    its own shards."""
-    step = int(read_metadata(path)["step"])
+    its own shards. A checkpoint of another state layout is refused (CheckpointError)."""
+    meta = read_metadata(path)
+    if meta.get("state_layout") != STATE_LAYOUT:
+        raise CheckpointError(f"cannot resume from {path}: it stores one array per layer weight (a checkpoint of "
+                              f"twinflash before the JAX training state stacked the layers); train it further with "
+                              f"that version, or start again with a new --ckpt-dir")
+    step = int(meta["step"])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
     return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
 
@@ -117,7 +129,8 @@ def export_trained_weights(params: dict[str, jax.Array], config: LlamaConfig, co
     """Writes the float32 master weights (gathered to the host) as a converted checkpoint into
     `converted` and as a Hugging Face checkpoint into `hf`. The HF files that a converted source kept (tokenizer,
     generation config) come along; its config.json does not, since it may declare another dtype."""
-    tensors = {name: np.asarray(_gathered(value), dtype=np.float32) for name, value in params.items()}
+    tensors = unstack_layers({name: np.asarray(_gathered(value), dtype=np.float32)
+                              for name, value in params.items()})
     if jax.process_index() == 0:  # the one writer of a run spanning processes
         export_trained_tensors(tensors, config, converted, hf, source)
 

@@ -11,8 +11,12 @@ causal); the default is plain math; the flash kernel and the ring (inside `jax.s
 `positions` gives the global position of each local token, for sequence-parallel shards. `remat` checkpoints
 each decoder layer (a scan of `jax.checkpoint`-ed layers; "full": only layer inputs are kept for the backward, which
 recomputes the rest; "save-attention": the attention's output and log-sum-exp are kept too, so the backward does
-not rerun the attention; see `jax_impl/remat.py`). With `gather_layer_weight`, the layers may be given sharded
-weights: each checkpointed layer gathers its own (jax_impl/train.py says why).
+not rerun the attention; see `jax_impl/remat.py`). With `layer_weight_dtype` and `gather_layer_weight`, the layers
+may be given sharded fp32 weights: each checkpointed layer casts and gathers its own (jax_impl/train.py says why).
+
+The decoder layers' weights come one per canonical name ("layers.<i>.<suffix>") or stacked over the layers
+("layers.*.<suffix>", [num_layers, ...]: `stack_layers`, the JAX training state's layout), which the scan of
+checkpointed layers takes as it is instead of stacking a copy.
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
@@ -20,8 +24,9 @@ RoPE angles in float32 cast to the compute dtype, logits returned as float32.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +34,58 @@ import numpy as np
 from flax import nnx
 
 from jax_impl.attention import AttentionFn, reference_attention
-from jax_impl.remat import checkpointed_layer
+from jax_impl.remat import checkpointed_scan
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+STACKED_LAYERS = "layers.*."  # "layers.*.<suffix>": every decoder layer's <suffix> weight, stacked [num_layers, ...]
+
+
+def is_stacked(name: str) -> bool:
+    return name.startswith(STACKED_LAYERS)
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".", 2)
+    return int(parts[1]) if parts[0] == "layers" and len(parts) == 3 and parts[1].isdigit() else None
+
+
+def _stack_arrays(values: list) -> Any:
+    return jnp.stack(values) if isinstance(values[0], jax.Array) else np.stack(values)
+
+
+def _unstack_array(value: Any) -> list:
+    return list(jnp.unstack(value)) if isinstance(value, jax.Array) else list(value)
+
+
+def stack_layers(params: Mapping[str, Any], stack: Callable[[list], Any] = _stack_arrays) -> dict[str, Any]:
+    """`params` by canonical name with each decoder-layer weight stacked over the layers: "layers.<i>.<suffix>"
+    becomes "layers.*.<suffix>" = `stack`([layer 0's, layer 1's, ...]) (default: jnp.stack of jax arrays,
+    np.stack of numpy ones), placed where its first layer's was; other names stay."""
+    layers: dict[str, dict[int, Any]] = {}
+    order: dict[str, Any] = {}
+    for name, value in params.items():
+        index = _layer_index(name)
+        key = name if index is None else STACKED_LAYERS + name.split(".", 2)[2]
+        order.setdefault(key, value)
+        if index is not None:
+            layers.setdefault(key, {})[index] = value
+    return {key: stack([layers[key][i] for i in sorted(layers[key])]) if key in layers else value
+            for key, value in order.items()}
+
+
+def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `stack_layers` (jnp.unstack of jax arrays, rows of numpy ones), in canonical order: layer 0's
+    weights, then layer 1's, ..., where the first stacked weight was; other names stay."""
+    layers = {name[len(STACKED_LAYERS):]: _unstack_array(value) for name, value in params.items() if is_stacked(name)}
+    unstacked = {}
+    for name, value in params.items():
+        if not is_stacked(name):
+            unstacked[name] = value
+        elif name[len(STACKED_LAYERS):] == next(iter(layers)):
+            for i in range(len(layers[name[len(STACKED_LAYERS):]])):
+                unstacked.update({f"layers.{i}.{suffix}": weights[i] for suffix, weights in layers.items()})
+    return unstacked
 
 
 class Linear(nnx.Module):
@@ -119,18 +172,28 @@ class TransformerBlock(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Built from a dict of canonical name -> array (see weights/checkpoint.py); nothing is initialised randomly."""
+    """Built from a dict of canonical name -> array (see weights/checkpoint.py), the decoder layers' weights one per
+    name or stacked (`stack_layers`); nothing is initialised randomly."""
 
-    def __init__(self, config: LlamaConfig, params: dict[str, jax.Array], attention_fn: AttentionFn | None = None,
-                 remat: str = "off", gather_layer_weight: Callable[[jax.Array], jax.Array] | None = None):
+    def __init__(self, config: LlamaConfig, params: Mapping[str, jax.Array], attention_fn: AttentionFn | None = None,
+                 remat: str = "off", layer_weight_dtype: Any = None,
+                 gather_layer_weight: Callable[[jax.Array], jax.Array] | None = None):
         self.config = config
         self.attention_fn = attention_fn or reference_attention
         self.remat = remat  # a `weights.parallel.REMAT_MODES` key: which activations the backward recomputes
-        # applied to each decoder-layer weight inside the checkpointed layer (remat only): where the weights come
-        # sharded, the layer gathers its own, in the forward and again in the backward's recomputation
+        # applied to each decoder-layer weight inside the checkpointed layer (remat only), the cast then the
+        # gather: where the weights come as fp32 shards, the layer casts and gathers its own, in the forward and
+        # again in the backward
+        self.layer_weight_dtype = layer_weight_dtype
         self.gather_layer_weight = gather_layer_weight
         self.tok_embeddings = Embedding(params["tok_embeddings.weight"])
-        self.layers = nnx.List([TransformerBlock(config, params, f"layers.{i}.") for i in range(config.num_layers)])
+        stacked = STACKED_LAYERS + "attention_norm.weight" in params
+        if stacked and remat != "off":  # one block whose weights are the stack the scan of layers runs over
+            self.layers = TransformerBlock(config, params, STACKED_LAYERS)
+        else:
+            layer_params = unstack_layers(params) if stacked else params
+            self.layers = nnx.List([TransformerBlock(config, layer_params, f"layers.{i}.")
+                                    for i in range(config.num_layers)])
         self.norm = RMSNorm(params["norm.weight"], config.rms_norm_eps)
         self.output = None if config.tie_word_embeddings else Linear(params["output.weight"])
         self.inv_freq = jnp.asarray(rope_inverse_frequencies(config))
@@ -154,16 +217,19 @@ class Llama(nnx.Module):
         forward keeps each layer's input, the backward loop recomputes one layer per iteration. A Python loop of
         checkpointed layers (`nnx.remat`) leaves the order of the recomputations to XLA, which on GPUs ran them
         all early and kept them live: on 4 H200s the Llama-3.1-8B step at 128k tokens asked for 172 GiB per device
-        (the torch twin: 43 GiB)."""
-        graph = nnx.graphdef(self.layers[0])
-        stacked = jax.tree.map(lambda *weights: jnp.stack(weights), *(nnx.state(layer) for layer in self.layers))
+        (the torch twin: 43 GiB). Weights given one per layer are stacked here (a copy); stacked ones are used as
+        they are."""
+        if isinstance(self.layers, TransformerBlock):
+            graph, stacked = nnx.split(self.layers)
+        else:
+            graph = nnx.graphdef(self.layers[0])
+            stacked = jax.tree.map(lambda *weights: jnp.stack(weights), *(nnx.state(layer) for layer in self.layers))
 
-        def run_layer(x: jax.Array, weights) -> tuple[jax.Array, None]:
-            if self.gather_layer_weight is not None:
-                weights = jax.tree.map(self.gather_layer_weight, weights)
-            return nnx.merge(graph, weights)(x, cos, sin, self.attention_fn), None
+        def run_layer(x: jax.Array, weights) -> jax.Array:
+            return nnx.merge(graph, weights)(x, cos, sin, self.attention_fn)
 
-        return jax.lax.scan(checkpointed_layer(run_layer, mode=self.remat), x, stacked)[0]
+        return checkpointed_scan(run_layer, x, stacked, mode=self.remat, dtype=self.layer_weight_dtype,
+                                 gather=self.gather_layer_weight)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         head = self.tok_embeddings.weight[...] if self.output is None else self.output.weight[...]

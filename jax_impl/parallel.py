@@ -12,9 +12,10 @@ How the pieces fit:
               global arrays are reordered on the host, then each device receives its contiguous slice.
   attention   `ring_attention` inside `jax.shard_map` over both axes, the ring going around `sp`; its in/out specs
               pin every layer's activations to the (fsdp, sp) layout.
-  parameters  `PartitionSpec(*entry)` of the table `weights.parallel.PARAMETER_SHARDING`; under `jax.jit` XLA's
-              partitioner gathers each weight where a matmul needs it and reduce-scatters its gradient back (the
-              FSDP pattern).
+  parameters  `PartitionSpec(*entry)` of the table `weights.parallel.PARAMETER_SHARDING` (the decoder layers'
+              weights, stacked in the training state, split the same way behind their layer dim); under `jax.jit`
+              XLA's partitioner gathers each weight where a matmul needs it and reduce-scatters its gradient back
+              (the FSDP pattern).
 
 The table splits every parameter, the 1-D norm weights included, on dim 0 over both mesh axes together, i.e.
 the parameters, their gradients and the AdamW state are split over every device rather than replicated over
@@ -33,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl.attention import AttentionFn
+from jax_impl.model import is_stacked
 from jax_impl.ring_attention import ring_attention
 from weights.errors import BadInputError
 from weights.layout import layout_order
@@ -55,8 +57,12 @@ def mesh_shape(mesh: Mesh) -> MeshShape:
 
 
 def parameter_spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """The PartitionSpec of parameter `name`: its entry of the shared table; a split dim must divide evenly."""
+    """The PartitionSpec of parameter `name`: its entry of the shared table, for a stacked decoder-layer weight
+    ("layers.*.<suffix>", `jax_impl.model.stack_layers`) behind its whole layer dim; a split dim must divide
+    evenly."""
     spec = parameter_sharding(name)
+    if is_stacked(name):
+        spec = (None, *spec)
     if len(spec) != len(shape):
         raise ValueError(f"sharding rule for {name} has {len(spec)} dims, the tensor has shape {list(shape)}")
     for dim, axes in enumerate(spec):

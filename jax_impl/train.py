@@ -29,18 +29,24 @@ replicated where it is used, so XLA all-gathers it over the mesh and reduce-scat
 fp32 shard. (Leaving the weights sharded inside the layers instead lets XLA's sharding propagation pick the
 weights' row sharding for activations in the backward, which it then undoes by replicating whole activations:
 "involuntary full rematerialization".) With activation checkpointing (`weights_regathered_for_backward`, as the
-torch twin's FSDP2) a decoder layer's weights are gathered inside the checkpointed layer (`Llama`'s
-`gather_layer_weight`), so the scan over the layers carries only their compute-dtype shards and the backward
-gathers each layer's again: one layer's gathered weights and their gradient are live at a time. Gathering the
-whole model before the first layer (every run before issue 19) kept it, and the gradients of all of it in one
-stacked array, on every device for the whole step: 28 GiB per device more temporaries for the Llama-3.1-8B step
-at 32k tokens on 2 devices (bf16, save-attention; CPU plan 64.4 GiB before, 36.2 GiB after). Without
+torch twin's FSDP2) the scan over the decoder layers runs over the training state's own stacked fp32 shards, and
+each checkpointed layer casts and gathers its own slice (`Llama`'s `layer_weight_dtype`, `gather_layer_weight`),
+in the forward and again in the backward: one layer's gathered weights and their gradient are live at a time. The
+scan's backward (`jax_impl.remat.checkpointed_scan`) returns the weights' gradients as a compute-dtype stack beside
+the stacked saved activations, converted to fp32 once the loop is done (JAX's transpose of the scan would hold the
+fp32 stack there). Temporaries per device of the Llama-3.1-8B step at 32k tokens on 2 devices (save-attention, CPU
+plans), the structures this replaced being `LAYER_WEIGHTS`'s others: the whole model cast and gathered before the
+first layer (every run before issue 19) kept it, and the gradients of all of it, on every device for the whole
+step: 64.4 GiB (bf16); a compute-dtype copy of every layer's shards stacked for the scan, which returned stacked
+compute-dtype gradients (issue 19's first fix): 36.2 GiB (bf16), 64.5 (fp32); the scan over the state's own stacks
+with JAX's transpose: 35.0 GiB (bf16), 51.5 (fp32); with `checkpointed_scan`: 28.6 GiB (bf16). Without
 checkpointing the whole model is gathered once, before the layers; the embedding, the final norm and the LM head
 always are.
 
 The step is one `jax.jit` over the global (sharded) arrays, compiled once per `StepSpec`; the training state it
 donates and returns is {"model": {name: param}, "optimizer": {"exp_avg": {...}, "exp_avg_sq": {...}}}, each leaf
-sharded like its parameter.
+sharded like its parameter, the decoder layers' weights stacked over the layers under "layers.*.<suffix>"
+(`jax_impl.model.stack_layers`; `unstack_layers` gives them by canonical name).
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl import checkpointing
-from jax_impl.model import DTYPES, Llama
+from jax_impl.model import DTYPES, Llama, is_stacked, stack_layers, unstack_layers
 from jax_impl.parallel import (activation_sharding, make_mesh, parameter_shardings, put_sharded, ring_attention_fn,
                                sharded_batch)
 from jax_impl.profiling import StepProfiler
@@ -118,6 +124,14 @@ def sharded_cross_entropy_sum(hidden: jax.Array, head: jax.Array, targets: jax.A
     return local_sum(hidden, head, targets)
 
 
+LAYER_WEIGHTS = {
+    "in-layer": "each checkpointed layer casts its slice of the state's stacked fp32 shards and gathers it",
+    "stacked-copy": "the stacked fp32 shards are cast to the compute dtype before the layers (a stacked copy, and "
+                    "stacked compute-dtype gradients), each checkpointed layer gathers its slice",
+    "whole-model": "the whole model is cast and gathered before the first layer",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """Everything static about a train step (hashable: the jit cache key, one compilation per spec)."""
@@ -130,30 +144,40 @@ class StepSpec:
     ring_variant: str
     loss_chunk_tokens: int
     optimizer: OptimizerConfig
-    # False: the whole compute-dtype model is gathered before the first layer even with checkpointing, the
-    # structure before issue 19 (tests/test_train_memory.py's negative control); see `next_token_loss`
-    gather_per_layer: bool = True
+    # a LAYER_WEIGHTS key: where a checkpointed step makes the layers' compute weights (the other keys are the
+    # structures issue 19 replaced: tests/test_train_memory.py's negative controls)
+    layer_weights: str = "in-layer"
     # a step whose loss or grad norm is not finite returns the state it was given (--skip-non-finite-steps)
     skip_non_finite: bool = False
 
 
 def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: jax.Array, positions: jax.Array,
                     spec: StepSpec, with_logits: bool = False):
-    """Mean next-token cross-entropy of the global batch (module docstring), from float32 master `params`; with
-    `with_logits`, (loss, float32 logits [B, S, vocab] in the batch's layout order, outside autodiff) for checks on
-    short sequences."""
+    """Mean next-token cross-entropy of the global batch (module docstring), from float32 master `params` in the
+    training state's layout (the decoder layers' weights stacked); with `with_logits`, (loss, float32 logits
+    [B, S, vocab] in the batch's layout order, outside autodiff) for checks on short sequences."""
+    dtype = DTYPES[spec.dtype]
     replicated = NamedSharding(spec.mesh, PartitionSpec())
 
     def gather(weight: jax.Array) -> jax.Array:
         return jax.lax.with_sharding_constraint(weight, replicated)
 
-    per_layer = spec.gather_per_layer and weights_regathered_for_backward(spec.remat)
-    compute = {name: p.astype(DTYPES[spec.dtype]) for name, p in params.items()}
-    compute = {name: p if per_layer and name.startswith("layers.") else gather(p) for name, p in compute.items()}
+    def compute(weight: jax.Array) -> jax.Array:
+        return gather(weight.astype(dtype))
+
+    structure = spec.layer_weights if weights_regathered_for_backward(spec.remat) else "whole-model"
+    in_layer = {"layer_weight_dtype": dtype if structure == "in-layer" else None,
+                "gather_layer_weight": None if structure == "whole-model" else gather}
+    if structure == "whole-model":
+        weights = {name: compute(p) for name, p in unstack_layers(params).items()}
+    else:
+        copy = structure == "stacked-copy"
+        weights = {name: (p.astype(dtype) if copy else p) if is_stacked(name) else compute(p)
+                   for name, p in params.items()}
     attention = ring_attention_fn(spec.mesh, backend=spec.attention_backend, variant=spec.ring_variant)
-    llama = Llama(spec.config, compute, attention, remat=spec.remat, gather_layer_weight=gather if per_layer else None)
+    llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer)
     hidden = llama.hidden_states(tokens, positions)
-    head = compute["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
+    head = weights["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
     valid_count = valid_target_count(*tokens.shape)
     loss = sharded_cross_entropy_sum(hidden, head, targets, spec.mesh, spec.loss_chunk_tokens) / valid_count
     if not with_logits:
@@ -164,8 +188,12 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
 # --- optimizer ----------------------------------------------------------------------------------------------------
 
 def clip_gradients(grads: dict[str, jax.Array], max_norm: float) -> tuple[dict[str, jax.Array], jax.Array]:
-    """(grads scaled by min(1, max_norm / (norm + 1e-6)), the global L2 norm before clipping): torch's formula."""
-    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values()))
+    """(grads scaled by min(1, max_norm / (norm + 1e-6)), the global L2 norm before clipping): torch's formula.
+    The squares are summed tensor by tensor (a stacked layer weight's layer by layer) in the order of the sorted
+    canonical names, the order of a per-name gradient dict out of JAX, so that the norm does not depend on the
+    training state's layout."""
+    squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for _, g in sorted(unstack_layers(grads).items())]
+    norm = jnp.sqrt(sum(squares))
     scale = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
     return {name: g * scale for name, g in grads.items()}, norm
 
@@ -182,12 +210,13 @@ def init_optimizer_state(params: dict[str, jax.Array]) -> dict[str, dict[str, ja
 def adamw_update(params: dict[str, jax.Array], grads: dict[str, jax.Array], state: dict[str, dict[str, jax.Array]],
                  coefficients: dict[str, jax.Array], config: OptimizerConfig
                  ) -> tuple[dict[str, jax.Array], dict[str, dict[str, jax.Array]]]:
-    """One torch.optim.AdamW step (module docstring); weight decay on 2-D parameters only. `coefficients` are the
-    step's host scalars (`weights.training.adamw_coefficients`, without "lr") as float32 arrays."""
+    """One torch.optim.AdamW step (module docstring); weight decay on 2-D parameters only (per layer, for the stacked
+    decoder-layer weights). `coefficients` are the step's host scalars (`weights.training.adamw_coefficients`,
+    without "lr") as float32 arrays."""
     new_params, exp_avg, exp_avg_sq = {}, {}, {}
     for name, p in params.items():
         g = grads[name]
-        if p.ndim == 2:
+        if p.ndim - is_stacked(name) == 2:
             p = p * coefficients["decay"]
         m = state["exp_avg"][name] + (1 - config.beta1) * (g - state["exp_avg"][name])  # torch's lerp
         v = state["exp_avg_sq"][name] * config.beta2 + (1 - config.beta2) * g * g
@@ -210,7 +239,7 @@ def train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: j
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params, optimizer = jax.tree.map(lambda new, old: jnp.where(finite, new, old), (params, optimizer),
                                          (state["model"], state["optimizer"]))
-    shardings = parameter_shardings(spec.mesh, parameter_shapes(spec.config))
+    shardings = parameter_shardings(spec.mesh, state_shapes(spec.config))
     keep = functools.partial(jax.tree.map, jax.lax.with_sharding_constraint)
     return {"model": keep(params, shardings),
             "optimizer": {k: keep(v, shardings) for k, v in optimizer.items()}}, loss, grad_norm
@@ -223,11 +252,29 @@ def step_scalars(coefficients: dict[str, float]) -> dict[str, jax.Array]:
 
 # --- the loop -----------------------------------------------------------------------------------------------------
 
+def state_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every parameter in the training state's layout (the decoder layers' weights stacked)."""
+    return stack_layers(parameter_shapes(config), stack=lambda shapes: (len(shapes), *shapes[0]))
+
+
 def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh) -> dict[str, jax.Array]:
-    """float32 parameters from a converted checkpoint or random preset weights, read one tensor at a time on the
-    host (random weights are drawn once per tensor, not once per device), each device receiving its own slice."""
-    return {name: put_sharded(source.tensor(name).astype(np.float32, copy=False), sharding)
-            for name, sharding in parameter_shardings(mesh, parameter_shapes(source.config)).items()}
+    """float32 parameters in the training state's layout from a converted checkpoint or random preset weights.
+    Each device receives its own slice: a stacked layer weight is read as each device's rows of every layer
+    (`tensor_slice`), any other one tensor at a time on the host (random weights are drawn once per tensor)."""
+    layer_names = stack_layers({name: name for name in source.names()}, stack=list)  # stack -> its layers' names
+    shapes = state_shapes(source.config)
+    shardings = parameter_shardings(mesh, shapes)
+
+    def load(name: str) -> jax.Array:
+        if not is_stacked(name):
+            return put_sharded(source.tensor(name).astype(np.float32, copy=False), shardings[name])
+
+        def rows(index: tuple[slice, ...]) -> np.ndarray:
+            return np.stack([source.tensor_slice(layer, index[1:]).astype(np.float32, copy=False)
+                             for layer in layer_names[name][index[0]]])
+        return jax.make_array_from_callback(shapes[name], shardings[name], rows)
+
+    return {name: load(name) for name in shapes}
 
 
 def peak_memory_bytes(mesh: Mesh) -> list[int]:
@@ -326,7 +373,7 @@ def memory_plan(spec: StepSpec, batch: int, seq_len: int) -> dict[str, int]:
     compiled for CPU devices is larger than the GPU's (CPU fuses less and keeps bf16 work in fp32: before issue 19
     the 8B step at 32k tokens on 4 devices planned 127 GiB of temporaries plus 22 GiB of state on CPU and peaked
     at 82 GiB on an H200), so compare CPU plans with each other."""
-    shapes = parameter_shapes(spec.config)
+    shapes = state_shapes(spec.config)
     shardings = parameter_shardings(spec.mesh, shapes)
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[name])
               for name, shape in shapes.items()}

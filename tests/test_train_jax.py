@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import orbax.checkpoint._src.path.atomicity as orbax_atomicity
 import pytest
 import torch
@@ -31,12 +32,13 @@ from compare.commands.train import main as train_main
 from compare.commands.train import training_batches
 from jax_impl import checkpointing
 from jax_impl.flash_attention import flash_attention
-from jax_impl.model import Llama, load_model, parameter_dict
+from jax_impl.model import Llama, load_model, parameter_dict, stack_layers, unstack_layers
 from jax_impl.model import next_token_loss as model_next_token_loss
 from jax_impl.parallel import make_mesh, sharded_batch
 from jax_impl.train import (StepSpec, adamw_update, clip_gradients, load_parameters, next_token_loss, run_training,
                             step_memory_plan)
-from weights import BadInputError, CheckpointError, RandomWeights, preset, write_converted_checkpoint
+from weights import (BadInputError, CheckpointError, RandomWeights, parameter_shapes, preset,
+                     write_converted_checkpoint)
 from weights.layout import LayoutError
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig
@@ -168,7 +170,7 @@ def test_stop_and_resume_equals_uninterrupted_run(runs, weights_dir, tmp_path, m
 @pytest.mark.slow
 def test_export_loads_in_transformers_and_reproduces_our_logits(runs):
     converted, hf = runs["fsdp2_sp2"].settings.export_paths
-    state = runs["fsdp2_sp2"].state["model"]
+    state = unstack_layers(runs["fsdp2_sp2"].state["model"])
     ours = load_model(converted)
     exported = parameter_dict(ours)
     assert set(exported) == set(state)
@@ -200,6 +202,7 @@ def test_chunked_sharded_loss_equals_the_model_loss_and_its_gradient():
 
     plain, plain_grads = jax.value_and_grad(plain_loss)({n: jnp.asarray(v) for n, v in source})
     np.testing.assert_allclose(float(chunked), float(plain), rtol=1e-6)  # summation order only
+    chunked_grads = unstack_layers(chunked_grads)
     for name in ("output.weight", "layers.0.attention.wq.weight"):
         np.testing.assert_allclose(np.asarray(chunked_grads[name]), np.asarray(plain_grads[name]), rtol=1e-4,
                                    atol=1e-7, err_msg=name)  # float32 sums of ~100 terms in another order
@@ -262,6 +265,32 @@ def test_save_attention_does_not_rerun_the_attention_forward(ring):
     assert launches["save-attention"] == launches["off"]
 
 
+@pytest.mark.parametrize("remat", ["save-attention", "full"])
+def test_the_layer_scan_backward_gives_jax_transpose_numbers(remat):
+    """bf16 layers over fp32 stacks: the scan's own backward (`jax_impl.remat.checkpointed_scan`, which returns
+    bf16 gradient stacks) against JAX's transpose of the scan over the same stacks cast before it: the same bf16
+    operations, so the same fp32 gradients bit for bit; and with save-attention no attention forward is rerun
+    (the forward kernels in the traced gradient: as many as JAX's transpose has)."""
+    config = preset("tiny")
+    params = stack_layers({name: jnp.asarray(value) for name, value in RandomWeights(config)})
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, (1, 16)))
+
+    def gradient(cast_in_layer: bool):
+        def loss(params):
+            weights = {name: p if cast_in_layer and name.startswith("layers.") else p.astype(jnp.bfloat16)
+                       for name, p in params.items()}
+            llama = Llama(config, weights, flash_attention, remat=remat,
+                          layer_weight_dtype=jnp.bfloat16 if cast_in_layer else None)
+            return model_next_token_loss(llama(tokens), tokens)
+        return jax.grad(loss)
+
+    ours, theirs = jax.jit(gradient(True))(params), jax.jit(gradient(False))(params)
+    for name in params:
+        np.testing.assert_array_equal(np.asarray(ours[name]), np.asarray(theirs[name]), err_msg=name)
+    forwards = [str(jax.make_jaxpr(gradient(cast))(params)).count("name=twinflash_forward") for cast in (True, False)]
+    assert forwards[0] == forwards[1] > 0
+
+
 def test_remat_keeps_only_layer_inputs():
     # XLA's memory plan of the backward: 8 layers at 4k tokens, whose per-layer activations (the plain attention's
     # [8, 4k, 4k] scores, the MLP's [4k, 2048]) dwarf the layer inputs. A Python loop of `nnx.remat` layers passed
@@ -298,6 +327,35 @@ def test_memory_plan_of_the_step_without_weights(capsys):
     assert train_main(["--backend", "torch", "--model", "tiny", "--seq-len", "64", "--steps", "1",
                        "--plan-memory"]) == 2
     assert "--plan-memory needs --backend jax" in capsys.readouterr().err
+
+
+def test_the_state_stacks_the_layers_in_layer_order_and_unstacks_in_canonical_order():
+    config = dataclasses.replace(preset("tiny"), num_layers=12)  # "layers.10" sorts before "layers.2" as text
+    named = {name: np.full(shape, i, np.float32) for i, (name, shape) in enumerate(parameter_shapes(config).items())}
+    shuffled = dict(sorted(named.items()))
+    stacked = stack_layers(shuffled)
+    wq = stacked["layers.*.attention.wq.weight"]
+    assert wq.shape == (12, *named["layers.0.attention.wq.weight"].shape)
+    assert [int(layer[0, 0]) for layer in wq] == [int(named[f"layers.{i}.attention.wq.weight"][0, 0])
+                                                  for i in range(12)]
+    assert list(unstack_layers(stack_layers(named))) == list(named)  # canonical order, as the checkpoint has it
+    assert all(np.array_equal(unstack_layers(stacked)[name], value) for name, value in named.items())
+
+
+def test_a_checkpoint_of_the_per_layer_state_layout_is_refused(tmp_path):
+    """A training checkpoint written before the state stacked the layers (one array per layer weight, no
+    "state_layout" in its metadata): one line naming the reason, before orbax's tree mismatch."""
+    source = RandomWeights(preset("tiny"))
+    state = {"model": load_parameters(source, make_mesh(MeshShape(), jax.devices()[:1]))}
+    manager = checkpointing.open_manager(tmp_path, keep=1)
+    old_state = {"model": {name: jnp.asarray(value) for name, value in source}}
+    manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(old_state),
+                                            meta=ocp.args.JsonSave({"step": 1})))
+    manager.wait_until_finished()
+    with pytest.raises(CheckpointError, match="one array per layer weight") as refused:
+        checkpointing.load_checkpoint(manager, checkpointing.latest_checkpoint(tmp_path), state)
+    assert "\n" not in str(refused.value)
+    manager.close()
 
 
 def test_bad_input_is_refused_before_training(weights_dir):

@@ -34,6 +34,7 @@ from safetensors.numpy import save_file
 from compare.harness.jobs import (PERTURBATION, Job, SetupClock, bench_units, exposed_seconds, is_collective_op,
                                   is_out_of_memory, job_batches, launched_at, mark_progress, mark_started,
                                   read_job_file, union_seconds, write_result)
+from jax_impl.model import stack_layers, unstack_layers
 from jax_impl.parallel import sharded_batch
 from jax_impl.train import Training, build_training, next_token_loss, peak_memory_bytes, step_scalars, train_step
 from weights.layout import inverse_order, layout_order
@@ -45,14 +46,17 @@ _forward_loss = jax.jit(next_token_loss, static_argnames=("spec",))
 
 
 def _perturb(run: Training, name: str | None) -> None:
-    if name is not None:
-        run.state["model"][name] = run.state["model"][name] * (1 + PERTURBATION)
+    if name is not None:  # the state stacks the layers' weights: perturbed by name, stacked again as it was
+        params = unstack_layers(run.state["model"])
+        params[name] = params[name] * (1 + PERTURBATION)
+        shardings = jax.tree.map(lambda p: p.sharding, run.state["model"])
+        run.state["model"] = jax.device_put(stack_layers(params), shardings)
 
 
 def _weight_sums(run: Training) -> dict[str, list[float]]:
     """float64 [sum, sum of squares] of every parameter as loaded."""
     sums = {}
-    for name, param in run.state["model"].items():
+    for name, param in unstack_layers(run.state["model"]).items():
         whole = np.asarray(param).astype(np.float64)
         sums[name] = [float(whole.sum()), float(np.square(whole).sum())]
     return sums
@@ -82,7 +86,7 @@ def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> d
                                                 with_logits=True)
         order = layout_order(job.seq_len, job.devices, RING_LAYOUT)
         arrays = {"logits": np.asarray(logits)[:, inverse_order(order)]}
-        arrays.update({f"grad/{name}": np.asarray(g) for name, g in grads.items()})
+        arrays.update({f"grad/{name}": np.asarray(g) for name, g in unstack_layers(grads).items()})
         curve = _train_steps(run, batches, range(settings.steps)) if job.mode == "train" else []
     save_file(arrays, str(work_dir / f"{job.id}.safetensors"))
     return {"status": "ok", "loss": float(loss), "loss_curve": curve, "weight_sums": sums,
