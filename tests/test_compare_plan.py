@@ -59,7 +59,7 @@ def test_the_memory_estimate_tracks_measured_peaks():
 
 def test_the_cpu_default_is_the_embedded_run():
     settings = _settings([], 0, None)
-    assert (settings.devices, settings.device_counts, settings.seq_lens) == (4, (1, 2, 4), (128, 256))
+    assert (settings.devices, settings.device_counts, settings.seq_lens) == (4, (1, 4), (128,))
     assert settings.platform == "cpu" and settings.device_memory_bytes is None
 
 

@@ -55,12 +55,12 @@ from weights.parallel import REMAT_MODES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
-    parser.add_argument("--seq-lens", type=lengths, help="context lengths, e.g. 8k,32k,128k (default: 128,256 on "
+    parser.add_argument("--seq-lens", type=lengths, help="context lengths, e.g. 8k,32k,128k (default: 128 on "
                         "CPU; on GPUs those of 8k,32k,128k that fit the model on the most devices)")
     parser.add_argument("--devices", type=integer(1),
                         help="devices to use (default: all GPUs, or 4 emulated CPU devices)")
     parser.add_argument("--device-counts", type=ints, help="benchmark device counts, e.g. 1,2,4 (default: 1, 2, "
-                        "4, ... up to --devices)")
+                        "4, ... up to --devices on GPUs; 1 and --devices on CPU)")
     parser.add_argument("--mode", choices=("forward", "train"), default="train")
     parser.add_argument("--steps", type=integer(1),
                         help="timed steps per point and loss-curve steps (default 2 CPU, 3 GPU)")
