@@ -4,9 +4,9 @@ is `plan.py`'s (which jobs run where), the launches of the backend workers and t
 `launches.py`'s, the verdicts `equivalence.py`'s, the benchmark arithmetic and the report `compare/report/`'s.
 
 Without GPUs and with no arguments it runs the embedded default: the tiny preset, 4 emulated CPU devices (gloo
-processes; XLA host devices; interpreted Triton and Pallas kernels), in a few minutes. A run pays its setup once
-(`plan.prepare_weights`: the weights made once; `launches`: one launch per backend and device count, shared
-compilation caches) and reports every job's setup beside its measured time; `progress.py` shows it live.
+processes; XLA host devices; interpreted Triton and Pallas kernels), in about 1½ minutes on 2 cores. A run pays its
+setup once (`plan.prepare_weights`: the weights made once; `launches`: one launch per backend and device count,
+shared compilation caches) and reports every job's setup beside its measured time; `progress.py` shows it live.
 
 Benchmark numbers, per backend x context length x device count (batch 1, the sequence split over all devices):
   step_s       median over `--steps` steps after a warm-up step: forward + backward + AdamW (train mode) or the
