@@ -43,7 +43,7 @@ def test_embedded_default_writes_a_passing_full_report(tmp_path):
     assert set(report["equivalence"]["loss_curves"]) == {"reference", "torch", "jax"}
     points = report["benchmark"]["points"]
     ours = [p for p in points if p["attention"] == "ours"]
-    assert {(p["backend"], p["devices"]) for p in ours} == {(b, d) for b in ("torch", "jax") for d in (1, 2, 4)}
+    assert {(p["backend"], p["devices"]) for p in ours} == {(b, d) for b in ("torch", "jax") for d in (1, 4)}
     assert all(p["status"] == "ok" and p["tokens_per_s"] > 0 and p["peak_memory_bytes"] > 0 for p in ours)
     assert all(p["comm_s"] > 0 and p["comm_bandwidth_gbps"] > 0 for p in ours if p["devices"] > 1)
     assert {p["status"] for p in points if p["attention"] == "vendor"} == {"unsupported"}  # no GPU here
@@ -75,11 +75,11 @@ def test_embedded_default_writes_a_passing_full_report(tmp_path):
     assert not (out / "work" / "weights").exists() and not (out / "work" / "cache").exists()  # removed after
     # one launch per backend and device count, and every job's setup beside its measured time
     assert sorted(p.name for p in (out / "work" / "logs").iterdir()) == sorted(
-        f"{b}-{d}.log" for b in ("torch", "jax") for d in (1, 2, 4))
+        f"{b}-{d}.log" for b in ("torch", "jax") for d in (1, 4))
     timed = [j for j in report["jobs"] if j["status"] == "ok"]
-    assert len(timed) == len(report["jobs"]) - 4  # the vendor kernels are unsupported here
+    assert len(timed) == len(report["jobs"]) - 2  # the vendor kernels are unsupported here
     assert all(j["weights_s"] >= 0 and j["measured_s"] > 0 for j in timed)
-    assert sum(j["launch_s"] > 0 for j in timed) == 6  # the first job of each launch pays its start
+    assert sum(j["launch_s"] > 0 for j in timed) == 4  # the first job of each launch pays its start
 
 
 @pytest.mark.slow

@@ -59,8 +59,10 @@ def test_the_memory_estimate_tracks_measured_peaks():
 
 def test_the_cpu_default_is_the_embedded_run():
     settings = _settings([], 0, None)
-    assert (settings.devices, settings.device_counts, settings.seq_lens) == (4, (1, 2, 4), (128, 256))
+    assert (settings.devices, settings.device_counts, settings.seq_lens) == (4, (1, 4), (128,))
     assert settings.platform == "cpu" and settings.device_memory_bytes is None
+    # on CPU one device and all of them: the points are no benchmark, every code path runs at those two counts
+    assert [_settings(["--devices", str(n)], 0, None).device_counts for n in (1, 2, 8)] == [(1,), (1, 2), (1, 8)]
 
 
 def test_weights_are_made_once_per_run_and_every_job_reads_them(tmp_path, monkeypatch):

@@ -4,9 +4,9 @@ is `plan.py`'s (which jobs run where), the launches of the backend workers and t
 `launches.py`'s, the verdicts `equivalence.py`'s, the benchmark arithmetic and the report `compare/report/`'s.
 
 Without GPUs and with no arguments it runs the embedded default: the tiny preset, 4 emulated CPU devices (gloo
-processes; XLA host devices; interpreted Triton and Pallas kernels), in a few minutes. A run pays its setup once
-(`plan.prepare_weights`: the weights made once; `launches`: one launch per backend and device count, shared
-compilation caches) and reports every job's setup beside its measured time; `progress.py` shows it live.
+processes; XLA host devices; interpreted Triton and Pallas kernels), in about 1½ minutes on 2 cores. A run pays its
+setup once (`plan.prepare_weights`: the weights made once; `launches`: one launch per backend and device count,
+shared compilation caches) and reports every job's setup beside its measured time; `progress.py` shows it live.
 
 Benchmark numbers, per backend x context length x device count (batch 1, the sequence split over all devices):
   step_s       median over `--steps` steps after a warm-up step: forward + backward + AdamW (train mode) or the
@@ -55,12 +55,12 @@ from weights.parallel import REMAT_MODES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
-    parser.add_argument("--seq-lens", type=lengths, help="context lengths, e.g. 8k,32k,128k (default: 128,256 on "
+    parser.add_argument("--seq-lens", type=lengths, help="context lengths, e.g. 8k,32k,128k (default: 128 on "
                         "CPU; on GPUs those of 8k,32k,128k that fit the model on the most devices)")
     parser.add_argument("--devices", type=integer(1),
                         help="devices to use (default: all GPUs, or 4 emulated CPU devices)")
     parser.add_argument("--device-counts", type=ints, help="benchmark device counts, e.g. 1,2,4 (default: 1, 2, "
-                        "4, ... up to --devices)")
+                        "4, ... up to --devices on GPUs; 1 and --devices on CPU)")
     parser.add_argument("--mode", choices=("forward", "train"), default="train")
     parser.add_argument("--steps", type=integer(1),
                         help="timed steps per point and loss-curve steps (default 2 CPU, 3 GPU)")

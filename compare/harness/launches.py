@@ -21,6 +21,11 @@ from compare.harness.plan import CompareSettings, group_launches
 from compare.launch import failure_reason, host_devices_env, owned_process, stop_process_tree, torchrun_launcher
 
 CACHE_DIR = "cache"  # under the run's work directory
+# JAX on CPU: XLA's code generation without LLVM's optimisations. A CPU point is no benchmark and its step takes
+# milliseconds, while compiling the train step (the Pallas kernels interpreted as loops) takes most of the JAX
+# side's time: at level 0 about half as long (tiny model: 11 -> 5 s per train step); the equivalence metrics move
+# by rounding only (< 1e-7, tolerances 1e-5 and up).
+CPU_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def cache_env(work_dir: Path) -> dict[str, str]:
@@ -49,6 +54,8 @@ def _launcher(backend: str, devices: int, platform: str, work_dir: Path) -> tupl
         return [*launcher, "-m", "compare.harness.worker_torch"], env | shared
     if platform == "cpu":
         env = host_devices_env(devices)
+        if "--xla_backend_optimization_level" not in env["XLA_FLAGS"]:  # a level the user chose is kept
+            env["XLA_FLAGS"] += f" {CPU_XLA_FLAGS}"
     else:  # the whole GPU for one process's jobs (JAX's default reserves 75 %), unless the user said otherwise
         env = dict(os.environ) | {"CUDA_VISIBLE_DEVICES": _first_gpus(devices)}
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")

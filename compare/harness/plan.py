@@ -1,9 +1,9 @@
 """The plan of `twinflash compare`: the run's settings from the arguments (validated, one typed `CompareSettings`),
-the default sweep that fits the machine (device counts 1, 2, 4, ... up to the devices present; on GPUs the context
-lengths whose points fit the device's memory), the weights every job reads (generated or referenced once per run),
-the up-front memory estimate that skips a point which cannot fit (recorded with its reason, not run), and the jobs
-themselves grouped into launches: one torchrun launch and one JAX process per backend and device count, each
-serving all of its points (equivalence first, then ours and vendor by growing length, the plain reference last).
+the default sweep that fits the machine (device counts 1, 2, 4, ... up to the devices present, on CPU 1 and 4; on
+GPUs the context lengths whose points fit the device's memory), the weights every job reads (generated or referenced
+once per run), the up-front memory estimate that skips a point which cannot fit (recorded with its reason, not run),
+and the jobs themselves grouped into launches: one torchrun launch and one JAX process per backend and device count,
+each serving all of its points (equivalence first, then ours and vendor by growing length, the plain reference last).
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ KERNELS = {"torch": {"ours": "triton", "vendor": "sdpa_cudnn", "reference": "ref
            "jax": {"ours": "pallas", "vendor": "cudnn", "reference": "reference"}}
 INSTALL_HINT = {"torch": "pip install 'torch>=2.11' triton (or reinstall twinflash: pip install -e .)",
                 "jax": "pip install 'jax>=0.10' flax orbax-checkpoint (or reinstall twinflash: pip install -e .)"}
-CPU_DEFAULTS = {"seq_lens": (128, 256), "devices": 4, "steps": 2, "dtype": "fp32"}
+# On CPU the points are no benchmark (interpreted kernels on emulated devices): one length and the device counts 1
+# and `devices` show every code path (one device, the ring, the ablation) and keep the bare run near 2 minutes on 2
+# cores; a 2-device point or a second length would each add ~30 s of interpreted kernels.
+CPU_DEFAULTS = {"seq_lens": (128,), "devices": 4, "steps": 2, "dtype": "fp32"}
 # 3 timed steps: the median of three; a 1B training step at 128k on 2 GPUs takes ~7 s, and every step more costs
 # ~15 s per such point over a sweep that must fit 10 minutes
 GPU_DEFAULTS = {"seq_lens": (8192, 32768, 131072), "steps": 3, "dtype": "bf16"}
@@ -137,8 +140,10 @@ def _available_backends(asked: list[str], explicit: bool) -> tuple[list[str], li
     return [b for b in asked if b not in missing], [f"{b} not installed: {INSTALL_HINT[b]}" for b in missing]
 
 
-def default_device_counts(devices: int) -> tuple[int, ...]:
-    """1, 2, 4, ... up to `devices`, and `devices` itself."""
+def default_device_counts(devices: int, gpus: int) -> tuple[int, ...]:
+    """On GPUs 1, 2, 4, ... up to `devices`, and `devices` itself; on CPU 1 and `devices` (CPU_DEFAULTS)."""
+    if not gpus:
+        return tuple(sorted({1, devices}))
     return tuple(sorted({2 ** i for i in range(devices.bit_length()) if 2 ** i <= devices} | {devices}))
 
 
@@ -151,7 +156,7 @@ def plan_settings(args: argparse.Namespace, gpus: int, device_memory_bytes: int 
         raise BadInputError(f"--devices must be >= 1, got {devices}")
     if gpus and devices > gpus:
         raise BadInputError(f"asked for {devices} devices, but this machine has {gpus} GPUs")
-    counts = tuple(sorted(set(args.device_counts))) if args.device_counts else default_device_counts(devices)
+    counts = tuple(sorted(set(args.device_counts))) if args.device_counts else default_device_counts(devices, gpus)
     if any(c < 1 or c > devices for c in counts):
         raise BadInputError(f"--device-counts must lie in 1..{devices}, got {args.device_counts}")
     config = open_weights(args.model).config

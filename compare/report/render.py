@@ -106,10 +106,10 @@ def _document(report: dict) -> list[tuple]:
 
 
 CPU_CAVEAT = ("The kernels ran in Triton's interpreter and in Pallas's interpret mode on {devices} emulated devices "
-              "(gloo processes for torch, XLA host devices for JAX): the timings below measure those interpreters "
-              "and the host, not the kernels, and rank nothing (no scaling efficiency, no speed-up, no best point, "
-              "no comparison with the peers). Peak memory is the worker process's peak host RSS so far. The "
-              "equivalence verdict holds on any machine.")
+              "(gloo processes for torch, XLA host devices for JAX, compiled without LLVM's optimisations): the "
+              "timings below measure those interpreters and the host, not the kernels, and rank nothing (no "
+              "scaling efficiency, no speed-up, no best point, no comparison with the peers). Peak memory is the "
+              "worker process's peak host RSS so far. The equivalence verdict holds on any machine.")
 
 
 def _setup(report: dict) -> list[tuple]:
