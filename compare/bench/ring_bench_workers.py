@@ -322,12 +322,13 @@ def _jax_comm_busy_s(step) -> float:
     import jax
 
     from compare.harness.jobs import union_seconds
-    from compare.harness.worker_jax import communication_intervals
+    from compare.harness.worker_jax import activity_intervals
 
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             jax.block_until_ready(step())
-        return union_seconds(communication_intervals(log_dir, jax.default_backend()))
+        communication, _compute = activity_intervals(log_dir, jax.default_backend())
+        return union_seconds(communication)
 
 
 def jax_ring_bytes_per_rank(task, world: int) -> int:
