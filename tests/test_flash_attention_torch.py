@@ -82,6 +82,26 @@ def _rule_violations(ours, naive, exact):
     return twins.flash_rule_violations(_numpy(ours), _numpy(naive), _numpy(exact))
 
 
+def _ring_pairs_violations(q, k, v, dout, causal, scale, backend):
+    """A 2-way ring over equal halves: each pair's backward given `backend`'s GLOBAL float32 out/lse, the pairs'
+    gradients summed (the ring's contract); {name: (error, naive error)} breaking the flash rule."""
+    out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32,
+                                       backend=backend)
+    grads = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v)]
+    first, second = slice(0, q.shape[1] // 2), slice(q.shape[1] // 2, None)
+    pairs = ([(first, first, True), (second, first, False), (second, second, True)] if causal
+             else [(slice(None), first, False), (slice(None), second, False)])
+    for rows, keys, pair_causal in pairs:
+        dq, dk, dv = flash_attention_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+                                              lse[:, :, rows].contiguous(), causal=pair_causal,
+                                              softmax_scale=scale, backend=backend)
+        grads[0][:, rows] += dq
+        grads[1][:, keys] += dk
+        grads[2][:, keys] += dv
+    ring = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+    return _rule_violations(ring, _naive(q, k, v, dout, causal, scale), _exact(q, k, v, dout, causal, scale))
+
+
 def _check_rule(q, k, v, dout, causal, scale=None):
     scale = scale or 1 / math.sqrt(q.shape[-1])
     exact = _exact(q, k, v, dout, causal, scale)

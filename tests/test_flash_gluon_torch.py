@@ -16,9 +16,9 @@ import math
 
 import pytest
 import torch
-from test_flash_attention_torch import _exact, _inputs, _naive, _ours, _rule_violations
+from test_flash_attention_torch import _exact, _inputs, _naive, _ours, _ring_pairs_violations, _rule_violations
 
-from torch_impl.flash_attention import flash_attention, flash_attention_backward, flash_attention_forward
+from torch_impl.flash_attention import flash_attention
 from torch_impl.flash_forward import KernelConfig, TritonConfig, triton_forward
 from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, GluonConfig, forward_config, gluon_forward
 
@@ -138,20 +138,5 @@ def test_gpu_ring_backward_from_gluon_out_and_lse(causal):
     sum to the full ones (the ring's contract)."""
     q, k, v, dout = _inputs(1, 1000, 1000, 8, 2, 128, torch.bfloat16, device="cuda")
     scale = 0.1
-    out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32,
-                                       backend="triton_gluon")
-    grads = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v)]
-    first, second = slice(0, 500), slice(500, None)
-    pairs = ([(first, first, True), (second, first, False), (second, second, True)] if causal
-             else [(slice(None), first, False), (slice(None), second, False)])
-    for rows, keys, pair_causal in pairs:
-        dq, dk, dv = flash_attention_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
-                                              lse[:, :, rows].contiguous(), causal=pair_causal,
-                                              softmax_scale=scale, backend="triton_gluon")
-        grads[0][:, rows] += dq
-        grads[1][:, keys] += dk
-        grads[2][:, keys] += dv
-    ring = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
-    exact, naive = _exact(q, k, v, dout, causal, scale), _naive(q, k, v, dout, causal, scale)
-    violations = _rule_violations(ring, naive, exact)
+    violations = _ring_pairs_violations(q, k, v, dout, causal, scale, backend="triton_gluon")
     assert not violations, f"(ring of gluon pairs, naive) errors beyond the rule: {violations}"
