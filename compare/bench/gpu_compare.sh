@@ -27,7 +27,8 @@ timeout "${COMPARE_TIMEOUT_S:-570}" python3 -m compare.cli compare --model "$mod
 status=$?
 echo "exit $status after $(( $(date +%s) - began )) s: twinflash compare --model $model $*" | tee -a "$OUT/compare.log"
 # the command removes the run's weights (5 GB for the 1B shape) and caches itself; again in case it was killed
-rm -rf "$run/work/weights" "$run/work/cache" "$run/work/check-model" "$run"/work/*.safetensors
+work="$run/work"
+rm -rf "$work"/weights "$work"/cache "$work"/check-model "$work"/*.safetensors
 find "$run/traces" -type f -size +3M -delete 2>/dev/null
 find "$run/traces" -type d -empty -delete 2>/dev/null
 cp "$run/report.md" "$run/report.json" "$OUT/" 2>/dev/null

@@ -56,6 +56,7 @@ IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"),
          "jax": ("pallas", "pallas_mosaic", "jax_cudnn", "pallas_mha", "tokamax")}
 TRITON_PATHS = ("triton_hopper", "triton_portable", "triton_gluon")  # measured only when --triton-paths names them
 EXTRA_IMPLS = {"jax": ("pallas_mosaic_one_kernel",)}  # measured only when --impls names them
+KNOWN_IMPLS = tuple(i for part in IMPLS for i in (*IMPLS[part], *EXTRA_IMPLS.get(part, ())))
 RATIOS = (("ours/FA2", "triton", "sdpa_flash"), ("ours/cuDNN", "triton", "sdpa_cudnn"),
           ("pallas/mha", "pallas", "pallas_mha"), ("pallas/jax-cuDNN", "pallas", "jax_cudnn"),
           ("mosaic/jax-cuDNN", "pallas_mosaic", "jax_cudnn"), ("mosaic/tokamax", "pallas_mosaic", "tokamax"),
@@ -125,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
     parser.add_argument("--parts", default="torch,jax",
                         help="subset of torch,jax; empty (--parts=) only merges the --rows-from files into one table")
-    parser.add_argument("--triton-paths", type=_triton_paths, default=(),
+    parser.add_argument("--triton-paths", type=_choice_list("Triton path(s)", TRITON_PATHS), default=(),
                         help=f"also time our forced Triton paths, a subset of {','.join(TRITON_PATHS)}")
-    parser.add_argument("--impls", type=_impls, help="only these implementations (default: every one of the parts; "
+    parser.add_argument("--impls", type=_choice_list("implementation(s)", KNOWN_IMPLS),
+                        help="only these implementations (default: every one of the parts; "
                         f"also {', '.join(i for extra in EXTRA_IMPLS.values() for i in extra)})")
     parser.add_argument("--jax-repeats", type=int, help="timed calls per JAX measurement (default 20, --quick 5)")
     parser.add_argument("--quick", action="store_true", help="smoke run: S=4k only, fewer repetitions")
@@ -139,23 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _triton_paths(text: str) -> tuple[str, ...]:
-    paths = tuple(p for p in text.split(",") if p)
-    unknown = [p for p in paths if p not in TRITON_PATHS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown Triton path(s) {', '.join(unknown)}; choose from "
-                                         f"{', '.join(TRITON_PATHS)}")
-    return paths
+def _choice_list(what: str, choices: tuple[str, ...]):
+    """An argument type: comma-separated names out of `choices`, as a tuple; one line naming the unknown ones."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n for n in text.split(",") if n)
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(choices)}")
+        return names
 
-
-def _impls(text: str) -> tuple[str, ...]:
-    known = [i for part in IMPLS for i in (*IMPLS[part], *EXTRA_IMPLS.get(part, ()))]
-    impls = tuple(i for i in text.split(",") if i)
-    unknown = [i for i in impls if i not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown implementation(s) {', '.join(unknown)}; choose from "
-                                         f"{', '.join(known)}")
-    return impls
+    return parse
 
 
 def _check_args(args) -> None:
