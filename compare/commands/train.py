@@ -50,8 +50,8 @@ from typing import Any
 import numpy as np
 
 from compare.args import SEED_MAX, OneLineParser, integer, number, with_error_contract
-from compare.launch import (PROGRESS_ENV, SETTINGS_FLAG, TORCHRUN_ENV, Interrupted, hand_off, host_devices_env,
-                            interruptible, progress_file, torchrun_launcher)
+from compare.launch import (JAX_GPU_MEMORY_FRACTION, PROGRESS_ENV, SETTINGS_FLAG, TORCHRUN_ENV, Interrupted, hand_off,
+                            host_devices_env, interruptible, progress_file, torchrun_launcher)
 from compare.nodes import Nodes, add_arguments as add_node_arguments, from_args as nodes_from_args
 from compare.nodes import launch_failure, torchrun_arguments
 from weights import PRESETS, BadInputError, LlamaConfig, open_weights
@@ -361,6 +361,7 @@ def _run_jax(settings: TrainSettings, scratch: Path, nodes: Nodes) -> int:
     process with that many emulated host devices (JAX fixes its CPU device count when it first starts). A run
     spanning nodes runs in a child process that joins the other nodes' (`jax.distributed`) before JAX starts,
     with this node's share of the mesh as its host devices on CPU (JAX is not started here)."""
+    os.environ.setdefault(*JAX_GPU_MEMORY_FRACTION)  # read when JAX starts its GPU backend, here or in a child
     if nodes.spans_hosts:
         if settings.plan_memory:
             raise BadInputError("--plan-memory plans one process's devices: run it without --nnodes")

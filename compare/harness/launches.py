@@ -18,7 +18,8 @@ from pathlib import Path
 
 from compare.harness import jobs as J
 from compare.harness.plan import CompareSettings, group_launches
-from compare.launch import failure_reason, host_devices_env, owned_process, stop_process_tree, torchrun_launcher
+from compare.launch import (JAX_GPU_MEMORY_FRACTION, failure_reason, host_devices_env, owned_process,
+                            stop_process_tree, torchrun_launcher)
 
 CACHE_DIR = "cache"  # under the run's work directory
 # JAX on CPU: XLA's code generation without LLVM's optimisations. A CPU point is no benchmark and its step takes
@@ -56,9 +57,9 @@ def _launcher(backend: str, devices: int, platform: str, work_dir: Path) -> tupl
         env = host_devices_env(devices)
         if "--xla_backend_optimization_level" not in env["XLA_FLAGS"]:  # a level the user chose is kept
             env["XLA_FLAGS"] += f" {CPU_XLA_FLAGS}"
-    else:  # the whole GPU for one process's jobs (JAX's default reserves 75 %), unless the user said otherwise
+    else:  # the GPU for one process's jobs (`JAX_GPU_MEMORY_FRACTION`)
         env = dict(os.environ) | {"CUDA_VISIBLE_DEVICES": _first_gpus(devices)}
-        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+        env.setdefault(*JAX_GPU_MEMORY_FRACTION)
     return [sys.executable, "-m", "compare.harness.worker_jax"], env | shared
 
 
