@@ -23,7 +23,11 @@
 # SMALL_MODEL, PARITY_LEN, LONG_LEN and SMALL_LEN replace the models and lengths of `all` (a CPU dry run:
 # BIG_MODEL=tiny SMALL_MODEL=tiny PARITY_LEN=64 LONG_LEN=128 SMALL_LEN=64).
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false
+# JAX as `twinflash train` runs it by default: XLA's allocator takes its share of each GPU up front
+# (compare.launch.JAX_GPU_MEMORY_FRACTION). Growing it on demand instead (XLA_PYTHON_CLIENT_PREALLOCATE=false, this
+# script's setting until 2026-11-23) fragments it: the 8B step at 96k tokens could not place its 46.75 GiB of
+# temporaries with under half of the allocator's memory in use.
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 OUT=${OUT:-$PWD/out}
 runs="$OUT/runs"
