@@ -1,0 +1,263 @@
+"""Hopper (sm_90) FlashAttention backward written in Gluon (`triton.experimental.gluon`, Triton 3.6): one kernel in
+FlashAttention-2/3's form, the twin in structure of the Gluon forward (`flash_gluon_forward.py`). The public API is
+`torch_impl.flash_attention`, backend "triton_gluon" (forced; it also runs the Gluon forward), or "triton" where
+`flash_attention.TRITON_PICKS_GLUON_BACKWARD` is on (`flash_attention._backward_path`).
+
+Why one kernel: the portable backward (`flash_backward.py`) runs two kernels, dK/dV and dQ, 4 + 3 matmuls for the
+5 that the backward's FLOP count credits, and tops out near 390 TF/s on H200. Here one program owns `block_n` keys
+of one (batch, KV head), keeps K and V in shared memory and dK, dV in float32 registers, and walks the query blocks
+of every query head of its group (GQA reads K/V once per KV head, dK/dV come out summed over the group). Each step
+of `block_m` query rows runs the five matmuls as asynchronous `warpgroup_mma`, keys on the rows so that K and V are
+the resident A operands:
+    S^T = K Q^T and dP^T = V dO^T (issued together);  P^T = exp2(S^T - lse) while dP^T is in flight;
+    dV += P^T dO and dK += dS^T Q (P^T, dS^T straight from registers);  dQ = dS K from dS^T staged in shared memory,
+added into a float32 dQ accumulator that all programs share by `gl.atomic_add` (Triton 3.6's Gluon has no TMA
+reduce-add on sm_90). The kernel runs `block_n // 16` warps: one warpgroup per 64 keys, which split the dQ matmul
+by columns. Q and dO tiles come in by TMA through a `num_stages`-deep ring guarded by mbarriers; the refill of a slot
+is issued right after the per-step barrier that tells both warpgroups are past the step that last read it (the
+barrier is needed anyway: the dQ matmul reads both warpgroups' halves of dS, which is double-buffered so the next
+step's store cannot overwrite it). LSE and delta are read per step with plain loads issued before the tile wait.
+
+Causal: a key block skips the query blocks that see none of it and masks only the diagonal ones (plus, in the last
+key block, the keys past the end); longest key blocks are the first ones, launched first by the grid's order.
+
+Contract as the portable backward: delta = rowsum(dout * out) from the `out` it is given (the portable
+preprocessing kernel), so a ring passing the global out/lse gets its exact share; P recomputed from the given lse
+(rows with lse -inf and padding rows get P = 0); bottom-right causal alignment; any lengths (descriptor loads read
+rows past the end as zero; dK/dV rows past the end are not stored); gradients in any float dtype, summed in float32.
+Gluon has no interpreter: CPU CI compiles this kernel for sm_90 (tests/test_triton_compile.py) where the installed
+Triton is the one it is written for, and GPU tests (tests/test_flash_gluon_backward_torch.py) hold it to the
+portable backward and a float64 oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from torch_impl.flash_backward import row_delta
+from torch_impl.flash_forward import LOG2E
+from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, jit
+from torch_impl.flash_hopper_forward import set_descriptor_allocator
+
+if GLUON_AVAILABLE:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonBackwardConfig:
+    """Launch shape of the Gluon backward: `block_n` resident keys per program (one warpgroup per 64 of them),
+    `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight."""
+    block_n: int = 128
+    block_m: int = 64
+    num_stages: int = 2
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // 16
+
+
+def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonBackwardConfig:
+    """The launch shape for a call class. D=128: 128 keys, 2 stages (K, V, two Q/dO stages and the two dS buffers
+    take 160 KiB of shared memory, 3 stages 192 of the 227 an sm_90 block may have). D=64: 3 stages (112 KiB).
+    Not yet measured on a GPU: the GPU tests run both stage counts, the bench the defaults."""
+    del causal, seq_bucket
+    return GluonBackwardConfig(num_stages=2 if head_dim == 128 else 3)
+
+
+@jit
+def _issue_tile_loads(q_desc, do_desc, q_bufs, do_bufs, ready, step, n_steps, first_block, blocks_per_head,
+                      first_head, HEAD_DIM: gl.constexpr):
+    """Start the TMA loads of step `step`'s Q and dO tiles into their ring slot (nothing past the last step)."""
+    num_stages: gl.constexpr = q_bufs.type.shape[0]
+    block_m: gl.constexpr = q_bufs.type.shape[1]
+    slot = step % num_stages
+    in_range = step < n_steps
+    head = first_head + step // blocks_per_head
+    row0 = (first_block + step % blocks_per_head) * block_m
+    mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=in_range)
+    tma.async_copy_global_to_shared(q_desc, [row0, head * HEAD_DIM], ready.index(slot), q_bufs.index(slot),
+                                    pred=in_range)
+    tma.async_copy_global_to_shared(do_desc, [row0, head * HEAD_DIM], ready.index(slot), do_bufs.index(slot),
+                                    pred=in_range)
+
+
+@jit
+def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
+                           stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                           stride_dob, stride_dos, stride_dqb, stride_dqs,
+                           stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                           n_kv_heads, seq_q, seq_k, softmax_scale,
+                           GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                           Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr):
+    NUM_WARPS: gl.constexpr = BLOCK_N // 16
+    K_STEP: gl.constexpr = 256 // Q.dtype.element_ty.primitive_bitwidth
+    # [keys, queries] tiles (S^T, dP^T) and the resident [keys, D] accumulators: one warpgroup per 64 keys.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, K_STEP])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, K_STEP])
+    kv_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout,
+                                                   k_width=32 // Q.dtype.element_ty.primitive_bitwidth)
+    # [queries, D] dQ tile: 64 rows, the warpgroups split its columns.
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                        instr_shape=[16, HEAD_DIM // (NUM_WARPS // 4), K_STEP])
+
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    col0 = gl.program_id(0) * BLOCK_N
+    n_heads = n_kv_heads * GROUP
+    first_head = kv_head * GROUP
+
+    # Query blocks this key block meets: [first_block, n_blocks), masked before full_block (query i sees key j
+    # iff j <= i + diagonal), and everywhere in the key block that runs past the end.
+    diagonal = seq_k - seq_q
+    n_blocks = gl.cdiv(seq_q, BLOCK_M)
+    if CAUSAL:
+        first_block = gl.minimum(gl.maximum(col0 - diagonal, 0) // BLOCK_M, n_blocks)
+        full_block = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(col0 + BLOCK_N - 1 - diagonal, 0), BLOCK_M),
+                                           first_block), n_blocks)
+    else:
+        first_block = 0
+        full_block = 0
+    full_block = gl.where(col0 + BLOCK_N > seq_k, n_blocks, full_block)
+    blocks_per_head = gl.maximum(n_blocks - first_block, 1)
+    n_steps = GROUP * (n_blocks - first_block)
+
+    k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
+                                        [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_desc = tma.make_tensor_descriptor(V + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh,
+                                        [seq_k, HEAD_DIM], [stride_vs, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    # Q and dO are [Sq, H * D] row-major per batch: one descriptor each serves every head of the group.
+    q_desc = tma.make_tensor_descriptor(Q + batch.to(gl.int64) * stride_qb, [seq_q, n_heads * HEAD_DIM],
+                                        [stride_qs, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_desc = tma.make_tensor_descriptor(DOut + batch.to(gl.int64) * stride_dob, [seq_q, n_heads * HEAD_DIM],
+                                         [stride_dos, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    k_buf = gl.allocate_shared_memory(K.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_buf = gl.allocate_shared_memory(V.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    ds_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [col0, 0], kv_ready, k_buf)
+    tma.async_copy_global_to_shared(v_desc, [col0, 0], kv_ready, v_buf)
+    for i in gl.static_range(NUM_STAGES - 1):
+        _issue_tile_loads(q_desc, do_desc, q_bufs, do_bufs, ready, i, n_steps, first_block, blocks_per_head,
+                          first_head, HEAD_DIM)
+
+    qk_scale = softmax_scale * LOG2E
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    dq_base = DQ + batch.to(gl.int64) * stride_dqb
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    mbarrier.wait(kv_ready, 0)
+    for step in range(n_steps):
+        slot = step % NUM_STAGES
+        head = first_head + step // blocks_per_head
+        block = first_block + step % blocks_per_head
+        rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        row_stats = (batch * n_heads + head).to(gl.int64) * seq_q + rows
+        lse = gl.load(Lse + row_stats, mask=rows < seq_q, other=float("inf"))
+        delta = gl.load(Delta + row_stats, mask=rows < seq_q, other=0.0)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that see no key: P = 0
+
+        mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
+        q_buf = q_bufs.index(slot)
+        do_buf = do_bufs.index(slot)
+        zeros_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+        s_t = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
+        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+        if block < full_block:
+            visible = gl.expand_dims(cols, 1) < seq_k
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(cols, 1) <= gl.expand_dims(rows, 0) + diagonal)
+            p_t = gl.where(visible, p_t, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(Q.dtype.element_ty), kv_operand), do_buf, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(Q.dtype.element_ty)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, kv_operand), q_buf, dk, is_async=True)
+        ds_buf = ds_bufs.index(step % 2)
+        ds_buf.store(ds_t)
+        fence_async_shared()
+        gl.thread_barrier()  # both warpgroups' dS halves are in; both are past the step before (its slot is free)
+        _issue_tile_loads(q_desc, do_desc, q_bufs, do_bufs, ready, step + NUM_STAGES - 1, n_steps, first_block,
+                          blocks_per_head, first_head, HEAD_DIM)
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
+        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+        dq_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dq_ptrs = (dq_base + gl.expand_dims(dq_rows.to(gl.int64) * stride_dqs, 1) + head * HEAD_DIM
+                   + gl.expand_dims(dq_cols, 0))
+        gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < seq_q, 1), sem="relaxed")
+
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(kv_ready)
+    out_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    in_bounds = gl.expand_dims(out_rows < seq_k, 1)
+    dk_ptrs = (DK + batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
+               + gl.expand_dims(out_rows.to(gl.int64) * stride_dks, 1) + gl.expand_dims(out_cols, 0))
+    dv_ptrs = (DV + batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+               + gl.expand_dims(out_rows.to(gl.int64) * stride_dvs, 1) + gl.expand_dims(out_cols, 0))
+    gl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=in_bounds)
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_bounds)
+
+
+def shared_layouts(dtype: torch.dtype, head_dim: int, config: GluonBackwardConfig):
+    """(Q/dO tile, K/V tile, dS^T tile) shared-memory layouts: the widest swizzle for each 16-bit tile."""
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([config.block_m, head_dim], element),
+            gl.NVMMASharedLayout.get_default_for([config.block_n, head_dim], element),
+            gl.NVMMASharedLayout.get_default_for([config.block_n, config.block_m], element))
+
+
+def _heads_packed(x: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] with each row's heads adjacent ([S, H * D] row-major per batch), copying only if needed."""
+    return x if x.stride(3) == 1 and x.stride(2) == x.shape[3] else x.contiguous()
+
+
+def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype,
+                   config: GluonBackwardConfig | None = None, delta: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the Gluon backward on validated inputs that `gluon_unsupported` accepts: (dq, dk, dv) in grad_dtype.
+    `delta` (rowsum(dout * out), float32 [B, H, Sq]) replaces the one computed from `out` (tests' negative
+    control)."""
+    batch, seq_q, n_heads, head_dim = q.shape
+    seq_k, n_kv_heads = k.shape[1], k.shape[2]
+    config = config or backward_config(head_dim, causal, 0)
+    q, dout = _heads_packed(q), _heads_packed(dout)
+    if delta is None:
+        delta = row_delta(out, dout)
+    dq = torch.zeros((batch, seq_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
+    dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=grad_dtype, device=q.device)
+    q_layout, kv_layout, ds_layout = shared_layouts(q.dtype, head_dim, config)
+    set_descriptor_allocator(q.device)
+    _gluon_backward_kernel[(triton.cdiv(seq_k, config.block_n), batch * n_kv_heads)](
+        q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        n_kv_heads, seq_q, seq_k, softmax_scale,
+        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
+        DS_LAYOUT=ds_layout, num_warps=config.num_warps)
+    dq = dq.mul_(softmax_scale)
+    return (dq if grad_dtype == torch.float32 else dq.to(grad_dtype)), dk, dv
