@@ -95,8 +95,9 @@ def _beyond_portable(q, k, v, dout, causal, scale, **kwargs):
     return {n: (ours[n], portable[n]) for n in ours if not ours[n] <= 2 * portable[n] + twins.KERNEL_ATOL}
 
 
-# Each head dim's default and the other stage count (the sweep's alternatives).
-CONFIGS = [GluonBackwardConfig(num_stages=2), GluonBackwardConfig(num_stages=3)]
+# 2 and 3 stages (each head dim's default is one of them), dQ by vector and by scalar atomics.
+CONFIGS = [GluonBackwardConfig(num_stages=2), GluonBackwardConfig(num_stages=3),
+           GluonBackwardConfig(num_stages=2, vector_atomics=False)]
 
 
 @pytest.mark.gpu

@@ -130,7 +130,8 @@ def test_gpu_gluon_configs_agree_with_portable_forward(config, head_dim):
 @needs_gluon_gpu
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gpu_gluon_against_cudnn(causal):
-    """Triton (the Gluon forward), the Gluon kernels both ways and cuDNN, each within the rule on the same inputs (GQA 4)."""
+    """Triton (the Gluon forward), the Gluon kernels both ways and cuDNN, each within the rule on the same inputs
+    (GQA 4)."""
     q, k, v, dout = _inputs(1, 2048, 2048, 16, 4, 128, torch.bfloat16, device="cuda")
     for backend in ("triton", "triton_gluon", "sdpa_cudnn"):
         _check_rule(q, k, v, dout, causal, backend=backend)

@@ -11,12 +11,15 @@ of `block_m` query rows runs the five matmuls as asynchronous `warpgroup_mma`, k
 the resident A operands:
     S^T = K Q^T and dP^T = V dO^T (issued together);  P^T = exp2(S^T - lse) while dP^T is in flight;
     dV += P^T dO and dK += dS^T Q (P^T, dS^T straight from registers);  dQ = dS K from dS^T staged in shared memory,
-added into a float32 dQ accumulator that all programs share by `gl.atomic_add` (Triton 3.6's Gluon has no TMA
-reduce-add on sm_90). The kernel runs `block_n // 16` warps: one warpgroup per 64 keys, which split the dQ matmul
-by columns. Q and dO tiles come in by TMA through a `num_stages`-deep ring guarded by mbarriers; the refill of a slot
-is issued right after the per-step barrier that tells both warpgroups are past the step that last read it (the
-barrier is needed anyway: the dQ matmul reads both warpgroups' halves of dS, which is double-buffered so the next
-step's store cannot overwrite it). LSE and delta are read per step with plain loads issued before the tile wait.
+added into a float32 dQ accumulator that all programs share by atomic reductions (Triton 3.6's Gluon has no TMA
+reduce-add on sm_90; `vector_atomics` adds pairs of floats by one inline-PTX `red.v2.f32`). The kernel runs
+`block_n // 16` warps: one warpgroup per 64 keys, which split the dQ matmul by columns. A step's dQ, dK and dV
+matmuls stay in flight into the next step, whose S^T matmul runs while the previous dQ goes out (software
+pipelining; registers are the limit at D=128, hence dP^T is issued only after that). Q and dO tiles come in by TMA
+through a `num_stages`-deep ring guarded by mbarriers; the refill of a slot is issued right after the per-step
+barrier that tells both warpgroups are past the step that last read it (the barrier is needed anyway: the dQ
+matmul reads both warpgroups' halves of dS, double-buffered so the next step's store cannot overwrite it while
+the other warpgroup's dQ still reads it). LSE and delta are read per step with plain loads before the tile wait.
 
 Causal: a key block skips the query blocks that see none of it and masks only the diagonal ones (plus, in the last
 key block, the keys past the end); longest key blocks are the first ones, launched first by the grid's order.
@@ -36,6 +39,7 @@ import dataclasses
 
 import torch
 import triton
+import triton.language as tl
 
 from torch_impl.flash_backward import row_delta
 from torch_impl.flash_forward import LOG2E
@@ -44,17 +48,19 @@ from torch_impl.flash_hopper_forward import set_descriptor_allocator
 
 if GLUON_AVAILABLE:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
 
 
 @dataclasses.dataclass(frozen=True)
 class GluonBackwardConfig:
     """Launch shape of the Gluon backward: `block_n` resident keys per program (one warpgroup per 64 of them),
-    `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight."""
+    `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight, `vector_atomics`
+    whether dQ is added by 8-byte vector reductions (inline PTX) rather than `gl.atomic_add`'s scalar ones."""
     block_n: int = 128
     block_m: int = 64
     num_stages: int = 2
+    vector_atomics: bool = True
 
     @property
     def num_warps(self) -> int:
@@ -86,6 +92,45 @@ def _issue_tile_loads(q_desc, do_desc, q_bufs, do_bufs, ready, step, n_steps, fi
                                     pred=in_range)
 
 
+# dQ += x for a pair (x0 at p0, x1 at p1) of one thread's dQ values: one 8-byte vector reduction where the pair is
+# two adjacent, aligned floats (as the wgmma accumulator layout holds them), else two scalar ones (inline assembly
+# does not promise which pairs it gets). Triton 3.6 emits only scalar float32 atomics.
+_PAIR_ATOMIC_ADD = tl.constexpr("""{
+.reg .pred adjacent;
+.reg .b64 next, misalign;
+add.s64 next, $2, 4;
+and.b64 misalign, $2, 7;
+setp.eq.s64 adjacent, next, $3;
+setp.eq.and.s64 adjacent, misalign, 0, adjacent;
+@adjacent red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};
+@!adjacent red.relaxed.gpu.global.add.f32 [$2], $4;
+@!adjacent red.relaxed.gpu.global.add.f32 [$3], $5;
+mov.b32 $0, 0;
+mov.b32 $1, 0;
+}""")
+
+
+@jit
+def _add_to_dq(dq, dq_base, step, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
+               VECTOR_ATOMICS: gl.constexpr):
+    """Add step `step`'s dQ block into the float32 accumulator [Sq, H * D] (of this batch) all programs share."""
+    block_m: gl.constexpr = dq.shape[0]
+    head_dim: gl.constexpr = dq.shape[1]
+    head = first_head + step // blocks_per_head
+    rows = (first_block + step % blocks_per_head) * block_m + gl.arange(0, block_m,
+                                                                        layout=gl.SliceLayout(1, dq.type.layout))
+    cols = gl.arange(0, head_dim, layout=gl.SliceLayout(0, dq.type.layout))
+    in_bounds = gl.expand_dims(rows < seq_q, 1)
+    if VECTOR_ATOMICS:  # rows past the end add 0 to the last row instead: the pairs' pointers stay adjacent
+        rows = gl.minimum(rows, seq_q - 1)
+    ptrs = dq_base + gl.expand_dims(rows.to(gl.int64) * stride_dqs, 1) + head * head_dim + gl.expand_dims(cols, 0)
+    if VECTOR_ATOMICS:
+        gl.inline_asm_elementwise(_PAIR_ATOMIC_ADD, "=r,=r,l,l,f,f", [ptrs.to(gl.int64), gl.where(in_bounds, dq, 0.0)],
+                                  dtype=gl.int32, is_pure=False, pack=2)
+    else:
+        gl.atomic_add(ptrs, dq, mask=in_bounds, sem="relaxed")
+
+
 @jit
 def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
                            stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -94,7 +139,8 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
                            n_kv_heads, seq_q, seq_k, softmax_scale,
                            GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                           Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr):
+                           VECTOR_ATOMICS: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+                           DS_LAYOUT: gl.constexpr):
     NUM_WARPS: gl.constexpr = BLOCK_N // 16
     K_STEP: gl.constexpr = 256 // Q.dtype.element_ty.primitive_bitwidth
     # [keys, queries] tiles (S^T, dP^T) and the resident [keys, D] accumulators: one warpgroup per 64 keys.
@@ -159,10 +205,13 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
 
     qk_scale = softmax_scale * LOG2E
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     dq_base = DQ + batch.to(gl.int64) * stride_dqb
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    zeros_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    zeros_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    # Loop-carried in flight: each step's dQ matmul (and dK, dV) completes under the next step's S^T and dP^T.
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    dq = warpgroup_mma_init(zeros_q)
     mbarrier.wait(kv_ready, 0)
     for step in range(n_steps):
         slot = step % NUM_STAGES
@@ -177,8 +226,13 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
         mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
         q_buf = q_bufs.index(slot)
         do_buf = do_bufs.index(slot)
-        zeros_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
         s_t = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
+        # The previous step's dQ, dK, dV are done (wgmma groups retire in order); its dQ goes out while S^T runs
+        # (dP^T is issued after it: both in flight beside dQ's addresses would spill registers at D=128).
+        dq, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(dq, dk, dv))
+        if step > 0:
+            _add_to_dq(dq, dq_base, step - 1, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
+                       VECTOR_ATOMICS)
         dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
@@ -194,16 +248,15 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
         ds_buf = ds_bufs.index(step % 2)
         ds_buf.store(ds_t)
         fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' dS halves are in; both are past the step before (its slot is free)
+        # Both warpgroups' dS halves are in, and both are past the previous step's matmuls: its Q/dO slot is free.
+        gl.thread_barrier()
         _issue_tile_loads(q_desc, do_desc, q_bufs, do_bufs, ready, step + NUM_STAGES - 1, n_steps, first_block,
                           blocks_per_head, first_head, HEAD_DIM)
-        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                           use_acc=False, is_async=True)
-        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-        dq_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        dq_ptrs = (dq_base + gl.expand_dims(dq_rows.to(gl.int64) * stride_dqs, 1) + head * HEAD_DIM
-                   + gl.expand_dims(dq_cols, 0))
-        gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < seq_q, 1), sem="relaxed")
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, zeros_q, use_acc=False, is_async=True)
+    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+    if n_steps > 0:
+        _add_to_dq(dq, dq_base, n_steps - 1, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
+                   VECTOR_ATOMICS)
 
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -257,7 +310,7 @@ def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         n_kv_heads, seq_q, seq_k, softmax_scale,
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
-        DS_LAYOUT=ds_layout, num_warps=config.num_warps)
+        BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, VECTOR_ATOMICS=config.vector_atomics,
+        Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, num_warps=config.num_warps)
     dq = dq.mul_(softmax_scale)
     return (dq if grad_dtype == torch.float32 else dq.to(grad_dtype)), dk, dv
