@@ -133,7 +133,7 @@ for head_dim in (128, 64):
         for config in (default, gb.GluonBackwardConfig(num_stages=5 - default.num_stages),
                        gb.GluonBackwardConfig(num_stages=default.num_stages, vector_atomics=False)):
             q_layout, kv_layout, ds_layout = gb.shared_layouts(torch.bfloat16, head_dim, config)
-            constexprs = dict(GROUP=4, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
+            constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
                               BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
                               VECTOR_ATOMICS=config.vector_atomics, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
                               DS_LAYOUT=ds_layout)

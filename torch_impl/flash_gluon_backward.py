@@ -136,8 +136,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
                            stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                            stride_dob, stride_dos, stride_dqb, stride_dqs,
                            stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                           n_kv_heads, seq_q, seq_k, softmax_scale,
-                           GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                           n_kv_heads, group, seq_q, seq_k, softmax_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                            VECTOR_ATOMICS: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
                            DS_LAYOUT: gl.constexpr):
@@ -158,8 +157,8 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
     batch = pid_bh // n_kv_heads
     kv_head = pid_bh % n_kv_heads
     col0 = gl.program_id(0) * BLOCK_N
-    n_heads = n_kv_heads * GROUP
-    first_head = kv_head * GROUP
+    n_heads = n_kv_heads * group
+    first_head = kv_head * group  # GQA: query heads [first_head, first_head + group) read this K/V head
 
     # Query blocks this key block meets: [first_block, n_blocks), masked before full_block (query i sees key j
     # iff j <= i + diagonal), and everywhere in the key block that runs past the end.
@@ -174,7 +173,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
         full_block = 0
     full_block = gl.where(col0 + BLOCK_N > seq_k, n_blocks, full_block)
     blocks_per_head = gl.maximum(n_blocks - first_block, 1)
-    n_steps = GROUP * (n_blocks - first_block)
+    n_steps = group * (n_blocks - first_block)
 
     k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
                                         [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
@@ -308,9 +307,8 @@ def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        n_kv_heads, seq_q, seq_k, softmax_scale,
-        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, VECTOR_ATOMICS=config.vector_atomics,
+        n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, softmax_scale,
+        HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, VECTOR_ATOMICS=config.vector_atomics,
         Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, num_warps=config.num_warps)
     dq = dq.mul_(softmax_scale)
     return (dq if grad_dtype == torch.float32 else dq.to(grad_dtype)), dk, dv
