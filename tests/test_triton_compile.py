@@ -113,8 +113,9 @@ for head_dim in (128, 64):
 
 
 # The Gluon backward at both head dims with 2 and 3 stages and scalar dq atomics (the GPU tests launch each), causal
-# and not: the warpgroup matmuls, TMA loads and dq's float32 reductions must be in its PTX; its registers (ptxas's
-# count, whose spills it reports) and shared memory must fit one sm_90 block.
+# and not: the warpgroup matmuls, TMA loads and dq's float32 reductions must be in its PTX; ptxas must keep the
+# matmuls asynchronous (it serializes them all when it cannot prove a pipeline safe, and says so); its registers
+# (ptxas's count, whose spills it reports) and shared memory must fit one sm_90 block.
 _COMPILE_GLUON_BACKWARD = r"""
 import contextlib, io, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
@@ -132,12 +133,12 @@ for head_dim in (128, 64):
         default = gb.backward_config(head_dim, causal, 65536)
         for config in (default, gb.GluonBackwardConfig(num_stages=5 - default.num_stages),
                        gb.GluonBackwardConfig(num_stages=default.num_stages, vector_atomics=False)):
-            q_layout, kv_layout, ds_layout = gb.shared_layouts(torch.bfloat16, head_dim, config)
+            q_layout, kv_layout, ds_layout, stats_layout = gb.shared_layouts(torch.bfloat16, head_dim, config)
             constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
                               BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
                               VECTOR_ATOMICS=config.vector_atomics, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
-                              DS_LAYOUT=ds_layout)
-            fp32 = {"Lse", "Delta", "DQ", "DK", "DV"}
+                              DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout)
+            fp32 = {"Lse2", "Lse", "Delta", "DQ", "DK", "DV"}
             signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name in fp32 else "*bf16"
                          if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
             source = GluonASTSource(fn=fn, signature=signature,
@@ -151,6 +152,8 @@ for head_dim in (128, 64):
             for op in ("wgmma.mma_async", "cp.async.bulk.tensor", reduction):
                 if op not in kernel.asm["ptx"]:
                     sys.exit(f"{name}: no {op} in its PTX")
+            if "wgmma.mma_async instructions are serialized" in log.getvalue():
+                sys.exit(f"{name}: ptxas serialized its wgmma: {log.getvalue()}")
             registers = int(re.search(r"Used (\d+) registers", log.getvalue()).group(1))
             spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
             threads = 32 * config.num_warps

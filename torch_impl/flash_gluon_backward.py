@@ -14,12 +14,14 @@ the resident A operands:
 added into a float32 dQ accumulator that all programs share by atomic reductions (Triton 3.6's Gluon has no TMA
 reduce-add on sm_90; `vector_atomics` adds pairs of floats by one inline-PTX `red.v2.f32`). The kernel runs
 `block_n // 16` warps: one warpgroup per 64 keys, which split the dQ matmul by columns. A step's dQ, dK and dV
-matmuls stay in flight into the next step, whose S^T matmul runs while the previous dQ goes out (software
-pipelining; registers are the limit at D=128, hence dP^T is issued only after that). Q and dO tiles come in by TMA
-through a `num_stages`-deep ring guarded by mbarriers; the refill of a slot is issued right after the per-step
+matmuls stay in flight into the next step, until its S^T matmul is done; then the previous dQ goes out (at D=64
+while dP^T runs), and the softmax runs while dP^T does. Registers are the limit at D=128 (255 a thread, dK and dV
+take 128): the compile check (tests/test_triton_compile.py) holds ptxas to keeping every wgmma asynchronous.
+Q and dO tiles, and the row statistics (lse in log2 units, delta: padded copies, so one TMA row each) come in by
+TMA through a `num_stages`-deep ring guarded by mbarriers; the refill of a slot is issued right after the per-step
 barrier that tells both warpgroups are past the step that last read it (the barrier is needed anyway: the dQ
 matmul reads both warpgroups' halves of dS, double-buffered so the next step's store cannot overwrite it while
-the other warpgroup's dQ still reads it). LSE and delta are read per step with plain loads before the tile wait.
+the other warpgroup's dQ still reads it).
 
 Causal: a key block skips the query blocks that see none of it and masks only the diagonal ones (plus, in the last
 key block, the keys past the end); longest key blocks are the first ones, launched first by the grid's order.
@@ -36,6 +38,7 @@ portable backward and a float64 oracle.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
@@ -76,20 +79,24 @@ def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonBackwa
 
 
 @jit
-def _issue_tile_loads(q_desc, do_desc, q_bufs, do_bufs, ready, step, n_steps, first_block, blocks_per_head,
-                      first_head, HEAD_DIM: gl.constexpr):
-    """Start the TMA loads of step `step`'s Q and dO tiles into their ring slot (nothing past the last step)."""
+def _issue_tile_loads(descs, bufs, ready, step, n_steps, first_block, blocks_per_head, first_head, seq_pad):
+    """Start the TMA loads of step `step`'s tiles (Q, dO: [block_m, D]; lse2, delta: [block_m]) into their ring
+    slot (nothing past the last step)."""
+    q_desc, do_desc, lse_desc, delta_desc = descs
+    q_bufs, do_bufs, lse_bufs, delta_bufs = bufs
     num_stages: gl.constexpr = q_bufs.type.shape[0]
     block_m: gl.constexpr = q_bufs.type.shape[1]
+    head_dim: gl.constexpr = q_bufs.type.shape[2]
     slot = step % num_stages
+    bar = ready.index(slot)
     in_range = step < n_steps
     head = first_head + step // blocks_per_head
     row0 = (first_block + step % blocks_per_head) * block_m
-    mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=in_range)
-    tma.async_copy_global_to_shared(q_desc, [row0, head * HEAD_DIM], ready.index(slot), q_bufs.index(slot),
-                                    pred=in_range)
-    tma.async_copy_global_to_shared(do_desc, [row0, head * HEAD_DIM], ready.index(slot), do_bufs.index(slot),
-                                    pred=in_range)
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes, pred=in_range)
+    tma.async_copy_global_to_shared(q_desc, [row0, head * head_dim], bar, q_bufs.index(slot), pred=in_range)
+    tma.async_copy_global_to_shared(do_desc, [row0, head * head_dim], bar, do_bufs.index(slot), pred=in_range)
+    tma.async_copy_global_to_shared(lse_desc, [head * seq_pad + row0], bar, lse_bufs.index(slot), pred=in_range)
+    tma.async_copy_global_to_shared(delta_desc, [head * seq_pad + row0], bar, delta_bufs.index(slot), pred=in_range)
 
 
 # dQ += x for a pair (x0 at p0, x1 at p1) of one thread's dQ values: one 8-byte vector reduction where the pair is
@@ -132,15 +139,16 @@ def _add_to_dq(dq, dq_base, step, first_block, blocks_per_head, first_head, seq_
 
 
 @jit
-def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
+def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
                            stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                            stride_dob, stride_dos, stride_dqb, stride_dqs,
                            stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                           n_kv_heads, group, seq_q, seq_k, softmax_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                           VECTOR_ATOMICS: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
-                           DS_LAYOUT: gl.constexpr):
+                           n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
+                           CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, VECTOR_ATOMICS: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                           KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, STATS_LAYOUT: gl.constexpr):
     NUM_WARPS: gl.constexpr = BLOCK_N // 16
+    DP_BEFORE_DQ_OUT: gl.constexpr = HEAD_DIM <= 64
     K_STEP: gl.constexpr = 256 // Q.dtype.element_ty.primitive_bitwidth
     # [keys, queries] tiles (S^T, dP^T) and the resident [keys, D] accumulators: one warpgroup per 64 keys.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -184,11 +192,19 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
                                         [stride_qs, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_desc = tma.make_tensor_descriptor(DOut + batch.to(gl.int64) * stride_dob, [seq_q, n_heads * HEAD_DIM],
                                          [stride_dos, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    # lse (log2 units) and delta, [H * seq_pad] per batch, padded with lse +inf (P = 0) and delta 0.
+    stats = (batch * n_heads).to(gl.int64) * seq_pad
+    lse_desc = tma.make_tensor_descriptor(Lse2 + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
+    delta_desc = tma.make_tensor_descriptor(Delta + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
     k_buf = gl.allocate_shared_memory(K.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_buf = gl.allocate_shared_memory(V.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
     q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     ds_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_LAYOUT)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_LAYOUT)
+    descs = (q_desc, do_desc, lse_desc, delta_desc)
+    bufs = (q_bufs, do_bufs, lse_bufs, delta_bufs)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
@@ -199,8 +215,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
     tma.async_copy_global_to_shared(k_desc, [col0, 0], kv_ready, k_buf)
     tma.async_copy_global_to_shared(v_desc, [col0, 0], kv_ready, v_buf)
     for i in gl.static_range(NUM_STAGES - 1):
-        _issue_tile_loads(q_desc, do_desc, q_bufs, do_bufs, ready, i, n_steps, first_block, blocks_per_head,
-                          first_head, HEAD_DIM)
+        _issue_tile_loads(descs, bufs, ready, i, n_steps, first_block, blocks_per_head, first_head, seq_pad)
 
     qk_scale = softmax_scale * LOG2E
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
@@ -217,23 +232,23 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
         head = first_head + step // blocks_per_head
         block = first_block + step % blocks_per_head
         rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        row_stats = (batch * n_heads + head).to(gl.int64) * seq_q + rows
-        lse = gl.load(Lse + row_stats, mask=rows < seq_q, other=float("inf"))
-        delta = gl.load(Delta + row_stats, mask=rows < seq_q, other=0.0)
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # rows that see no key: P = 0
-
         mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
         q_buf = q_bufs.index(slot)
         do_buf = do_bufs.index(slot)
         s_t = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
-        # The previous step's dQ, dK, dV are done (wgmma groups retire in order); its dQ goes out while S^T runs
-        # (dP^T is issued after it: both in flight beside dQ's addresses would spill registers at D=128).
-        dq, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(dq, dk, dv))
+        # The previous step's dQ, dK, dV and this S^T done, the previous dQ goes out. (Reading an accumulator
+        # across the loop's back edge under a partial wait makes ptxas serialize every wgmma.) At D=64 dP^T runs
+        # meanwhile; at D=128 it is issued after: its accumulator beside dQ's would leave ptxas too few registers
+        # to keep the wgmma asynchronous.
+        dq, dk, dv, s_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv, s_t))
+        if DP_BEFORE_DQ_OUT:
+            dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
         if step > 0:
             _add_to_dq(dq, dq_base, step - 1, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
                        VECTOR_ATOMICS)
-        dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
-        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+        if not DP_BEFORE_DQ_OUT:
+            dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
+        lse2 = lse_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
         if block < full_block:
             visible = gl.expand_dims(cols, 1) < seq_k
@@ -242,6 +257,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
             p_t = gl.where(visible, p_t, 0.0)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(Q.dtype.element_ty), kv_operand), do_buf, dv, is_async=True)
         dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+        delta = delta_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(Q.dtype.element_ty)
         dk = warpgroup_mma(gl.convert_layout(ds_t, kv_operand), q_buf, dk, is_async=True)
         ds_buf = ds_bufs.index(step % 2)
@@ -249,8 +265,8 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
         fence_async_shared()
         # Both warpgroups' dS halves are in, and both are past the previous step's matmuls: its Q/dO slot is free.
         gl.thread_barrier()
-        _issue_tile_loads(q_desc, do_desc, q_bufs, do_bufs, ready, step + NUM_STAGES - 1, n_steps, first_block,
-                          blocks_per_head, first_head, HEAD_DIM)
+        _issue_tile_loads(descs, bufs, ready, step + NUM_STAGES - 1, n_steps, first_block, blocks_per_head,
+                          first_head, seq_pad)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, zeros_q, use_acc=False, is_async=True)
     dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
     if n_steps > 0:
@@ -272,11 +288,25 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
 
 
 def shared_layouts(dtype: torch.dtype, head_dim: int, config: GluonBackwardConfig):
-    """(Q/dO tile, K/V tile, dS^T tile) shared-memory layouts: the widest swizzle for each 16-bit tile."""
+    """(Q/dO tile, K/V tile, dS^T tile, row statistics) shared-memory layouts: the widest swizzle for each 16-bit
+    tile, none for the float32 rows."""
     element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return (gl.NVMMASharedLayout.get_default_for([config.block_m, head_dim], element),
             gl.NVMMASharedLayout.get_default_for([config.block_n, head_dim], element),
-            gl.NVMMASharedLayout.get_default_for([config.block_n, config.block_m], element))
+            gl.NVMMASharedLayout.get_default_for([config.block_n, config.block_m], element),
+            gl.NVMMASharedLayout.get_default_for([config.block_m], gl.float32))
+
+
+def padded_row_stats(lse: torch.Tensor, delta: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse in log2 units, delta), float32 [B, H, Sq rounded up to block_m] for the kernel's TMA loads: rows that
+    see no key (lse -inf) and padding rows get lse +inf, so their P = 0, and padding rows delta 0."""
+    batch, n_heads, seq_q = lse.shape
+    seq_pad = triton.cdiv(seq_q, block_m) * block_m
+    lse2 = torch.full((batch, n_heads, seq_pad), math.inf, dtype=torch.float32, device=lse.device)
+    lse2[..., :seq_q] = torch.where(lse == -math.inf, math.inf, lse * LOG2E.value)
+    delta_pad = torch.zeros((batch, n_heads, seq_pad), dtype=torch.float32, device=lse.device)
+    delta_pad[..., :seq_q] = delta
+    return lse2, delta_pad
 
 
 def _heads_packed(x: torch.Tensor) -> torch.Tensor:
@@ -300,15 +330,17 @@ def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq = torch.zeros((batch, seq_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
     dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=grad_dtype, device=q.device)
-    q_layout, kv_layout, ds_layout = shared_layouts(q.dtype, head_dim, config)
+    lse2, delta = padded_row_stats(lse, delta, config.block_m)
+    q_layout, kv_layout, ds_layout, stats_layout = shared_layouts(q.dtype, head_dim, config)
     set_descriptor_allocator(q.device)
     _gluon_backward_kernel[(triton.cdiv(seq_k, config.block_n), batch * n_kv_heads)](
-        q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv,
+        q, k, v, dout, lse2, delta, dq, dk, dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, softmax_scale,
+        n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, lse2.shape[-1], softmax_scale,
         HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, VECTOR_ATOMICS=config.vector_atomics,
-        Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, num_warps=config.num_warps)
+        Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout,
+        num_warps=config.num_warps)
     dq = dq.mul_(softmax_scale)
     return (dq if grad_dtype == torch.float32 else dq.to(grad_dtype)), dk, dv
