@@ -41,42 +41,6 @@ def test_forced_gluon_backward_refuses_what_it_cannot_run():
 
 # ------------------------------------------------------------------------------------------------------ GPU
 
-# (B, Sq, Sk, H, Hkv, D): GQA 4 and 32 (Hkv 8 and 1 of 32), odd lengths with Sq < Sk and Sq == Sk, Sq > Sk
-# (causal rows that see no key), and a batch of 2 with one partial key block.
-GPU_CASES = [(1, 1000, 1500, 32, 8, 128), (1, 1000, 1500, 32, 1, 64), (1, 777, 777, 32, 1, 128),
-             (1, 777, 777, 32, 8, 64), (1, 1500, 1000, 8, 8, 128), (2, 200, 90, 4, 2, 64)]
-
-
-def _case_id(case):
-    return "b{}-sq{}-sk{}-h{}-kv{}-d{}".format(*case)
-
-
-@pytest.mark.gpu
-@needs_gluon_gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gpu_gluon_backward_matches_exact_within_twice_naive_error(causal, case):
-    q, k, v, dout = _inputs(*case, torch.bfloat16, device="cuda")
-    scale = 1 / math.sqrt(q.shape[-1])
-    exact = _exact(q, k, v, dout, causal, scale)
-    ours = _ours(q, k, v, dout, causal, scale, backend="triton_gluon")
-    violations = _rule_violations(ours, _naive(q, k, v, dout, causal, scale), exact)
-    assert not violations, f"(triton_gluon, naive) errors beyond the rule: {violations}"
-    twins.assert_unseen_rows_zero(_numpy(ours), _numpy(exact))
-
-
-@pytest.mark.gpu
-@needs_gluon_gpu
-@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[3]], ids=_case_id)
-def test_gpu_gluon_backward_float16(case):
-    q, k, v, dout = _inputs(*case, torch.float16, device="cuda")
-    scale = 1 / math.sqrt(q.shape[-1])
-    for causal in (True, False):
-        ours = _ours(q, k, v, dout, causal, scale, backend="triton_gluon")
-        violations = _rule_violations(ours, _naive(q, k, v, dout, causal, scale), _exact(q, k, v, dout, causal, scale))
-        assert not violations, f"(triton_gluon fp16, naive) errors beyond the rule: {violations}"
-
-
 def _pair_backward_errors(backward, q, k, v, dout, causal, scale, **kwargs):
     """Max |error| of dq, dk, dv (float32) against float64, from the portable forward's float32 out/lse given as
     the external ones (a ring's global out/lse)."""
@@ -120,3 +84,39 @@ def test_gpu_wrong_delta_breaks_the_check():
     out, lse = triton_forward(q, k, v, causal=True, softmax_scale=0.1, out_dtype=torch.float32)
     beyond = _beyond_portable(q, k, v, dout, True, 0.1, delta=row_delta(out, dout) + 0.5)
     assert set(beyond) == {"dq", "dk"}, beyond
+
+
+# (B, Sq, Sk, H, Hkv, D): GQA 4 and 32 (Hkv 8 and 1 of 32), odd lengths with Sq < Sk and Sq == Sk, Sq > Sk
+# (causal rows that see no key), and a batch of 2 with one partial key block.
+GPU_CASES = [(1, 1000, 1500, 32, 8, 128), (1, 1000, 1500, 32, 1, 64), (1, 777, 777, 32, 1, 128),
+             (1, 777, 777, 32, 8, 64), (1, 1500, 1000, 8, 8, 128), (2, 200, 90, 4, 2, 64)]
+
+
+def _case_id(case):
+    return "b{}-sq{}-sk{}-h{}-kv{}-d{}".format(*case)
+
+
+@pytest.mark.gpu
+@needs_gluon_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_gluon_backward_matches_exact_within_twice_naive_error(causal, case):
+    q, k, v, dout = _inputs(*case, torch.bfloat16, device="cuda")
+    scale = 1 / math.sqrt(q.shape[-1])
+    exact = _exact(q, k, v, dout, causal, scale)
+    ours = _ours(q, k, v, dout, causal, scale, backend="triton_gluon")
+    violations = _rule_violations(ours, _naive(q, k, v, dout, causal, scale), exact)
+    assert not violations, f"(triton_gluon, naive) errors beyond the rule: {violations}"
+    twins.assert_unseen_rows_zero(_numpy(ours), _numpy(exact))
+
+
+@pytest.mark.gpu
+@needs_gluon_gpu
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[3]], ids=_case_id)
+def test_gpu_gluon_backward_float16(case):
+    q, k, v, dout = _inputs(*case, torch.float16, device="cuda")
+    scale = 1 / math.sqrt(q.shape[-1])
+    for causal in (True, False):
+        ours = _ours(q, k, v, dout, causal, scale, backend="triton_gluon")
+        violations = _rule_violations(ours, _naive(q, k, v, dout, causal, scale), _exact(q, k, v, dout, causal, scale))
+        assert not violations, f"(triton_gluon fp16, naive) errors beyond the rule: {violations}"

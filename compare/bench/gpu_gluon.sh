@@ -15,6 +15,10 @@
 #   tests   ($TESTS_S, 80 s)  the gpu tests of $TEST_FILES (tests/test_flash_gluon_torch.py; contract against fp64,
 #                   portable, cuDNN), those matching $TESTS_K when set
 # Everything lands in $OUT (default ./out): one log and JSON per stage; the stage summary is printed last.
+# The Gluon backward's run (issue 13; about 410 s at most):
+#   SWEEP_DIRECTION=backward SWEEP_S=50 TESTS_S=120 BENCH_S=180 HEAD_DIM=128,64 TRITON_PATHS=triton_gluon \
+#   TEST_FILES="tests/test_flash_gluon_backward_torch.py tests/test_flash_gluon_torch.py" \
+#   TESTS_K="backward or ring or cudnn" timeout 418 bash compare/bench/gpu_gluon.sh smoke,sweep,tests,bench
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$PWD/out}
