@@ -87,7 +87,7 @@ if wanted bench; then
     stage "$name" "${BENCH_S:-160}" python3 -m compare.cli bench kernels --parts torch --seq-lens "$SEQ_LENS" \
         --kv-heads 32,8 --causal "$CAUSAL" --head-dim "$HEAD_DIM" ${TRITON_PATHS:+--triton-paths "$TRITON_PATHS"} \
         --part-timeout-s $(( ${BENCH_S:-160} - 20 )) --out "$OUT/$name.json"
-    python3 - "$OUT/$name.json" <<'TABLE'
+    [ -f "$OUT/$name.json" ] && python3 - "$OUT/$name.json" <<'TABLE'
 import json, sys
 rows = [r for r in json.load(open(sys.argv[1]))["rows"] if "fwdbwd_ms" in r]
 impls = list(dict.fromkeys(r["impl"] for r in rows))
