@@ -9,7 +9,7 @@ of one (batch, KV head), keeps K and V in shared memory and dK, dV in float32 re
 of every query head of its group (GQA reads K/V once per KV head, dK/dV come out summed over the group). Each step
 of `block_m` query rows runs the five matmuls as asynchronous `warpgroup_mma`, keys on the rows so that K and V are
 the resident A operands:
-    S^T = K Q^T and dP^T = V dO^T (issued together);  P^T = exp2(S^T - lse) while dP^T is in flight;
+    S^T = K Q^T, then dP^T = V dO^T;  P^T = exp2(S^T - lse) while dP^T is in flight;
     dV += P^T dO and dK += dS^T Q (P^T, dS^T straight from registers);  dQ = dS K from dS^T staged in shared memory,
 added into a float32 dQ accumulator that all programs share by atomic reductions (Triton 3.6's Gluon has no TMA
 reduce-add on sm_90; `vector_atomics` adds pairs of floats by one inline-PTX `red.v2.f32`). The kernel runs
@@ -30,6 +30,7 @@ Contract as the portable backward: delta = rowsum(dout * out) from the `out` it 
 preprocessing kernel), so a ring passing the global out/lse gets its exact share; P recomputed from the given lse
 (rows with lse -inf and padding rows get P = 0); bottom-right causal alignment; any lengths (descriptor loads read
 rows past the end as zero; dK/dV rows past the end are not stored); gradients in any float dtype, summed in float32.
+Torch only, no JAX twin: JAX's sm_90 backward is the Pallas Mosaic GPU kernel (`jax_impl/flash_hopper_backward.py`).
 Gluon has no interpreter: CPU CI compiles this kernel for sm_90 (tests/test_triton_compile.py) where the installed
 Triton is the one it is written for, and GPU tests (tests/test_flash_gluon_backward_torch.py) hold it to the
 portable backward and a float64 oracle.
@@ -225,7 +226,8 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     dq_base = DQ + batch.to(gl.int64) * stride_dqb
     zeros_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zeros_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    # Loop-carried in flight: each step's dQ matmul (and dK, dV) completes under the next step's S^T and dP^T.
+    # Loop-carried in flight: each step's dQ, dK and dV matmuls run on while the next step waits for its tiles and
+    # issues S^T.
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
     dq = warpgroup_mma_init(zeros_q)
@@ -342,7 +344,8 @@ def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, lse2.shape[-1], softmax_scale,
-        HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, VECTOR_ATOMICS=config.vector_atomics,
+        HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        NUM_STAGES=config.num_stages, VECTOR_ATOMICS=config.vector_atomics,
         Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout,
         num_warps=config.num_warps)
     dq = dq.mul_(softmax_scale)
