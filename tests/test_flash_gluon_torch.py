@@ -48,14 +48,20 @@ def test_triton_backend_picks_per_direction(monkeypatch):
     q, k, v = (torch.randn(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3))
     for forced in ("triton_hopper", "triton_portable", "triton_gluon"):
         assert fa._forward_path(forced, q, k, v, None) == forced
-    assert fa._backward_path("triton_hopper") == "triton_hopper"
-    # The one-kernel Hopper backward trails the portable one on H200, so only forcing it runs it.
-    assert fa._backward_path("triton") == fa._backward_path("triton_gluon") == "triton_portable"
+        assert fa._backward_path(forced, q, k, v, None) == forced
     monkeypatch.setattr(fa, "gluon_unsupported", lambda *_: None)  # as on an sm_90 GPU with Triton 3.6
     assert fa._forward_path("triton", q, k, v, None) == "triton_gluon"
     assert fa._forward_path("triton", q, k, v, PORTABLE) == "triton_portable"  # a config means the portable kernels
+    # The Gluon backward only with the switch on (until measured faster than the portable one); the tl one-kernel
+    # Hopper backward trails the portable one on H200, so only forcing it runs it.
+    monkeypatch.setattr(fa, "TRITON_PICKS_GLUON_BACKWARD", False)
+    assert fa._backward_path("triton", q, k, v, None) == "triton_portable"
+    monkeypatch.setattr(fa, "TRITON_PICKS_GLUON_BACKWARD", True)
+    assert fa._backward_path("triton", q, k, v, None) == "triton_gluon"
+    assert fa._backward_path("triton", q, k, v, PORTABLE) == "triton_portable"
     monkeypatch.setattr(fa, "gluon_unsupported", lambda *_: "needs an sm_90 (Hopper) GPU")
     assert fa._forward_path("triton", q, k, v, None) == "triton_portable"
+    assert fa._backward_path("triton", q, k, v, None) == "triton_portable"
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
@@ -124,7 +130,8 @@ def test_gpu_gluon_configs_agree_with_portable_forward(config, head_dim):
 @needs_gluon_gpu
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gpu_gluon_against_cudnn(causal):
-    """Gluon forward (with the portable backward) and cuDNN, both within the rule on the same inputs (GQA 4)."""
+    """Triton (the Gluon forward), the Gluon kernels both ways and cuDNN, each within the rule on the same inputs
+    (GQA 4)."""
     q, k, v, dout = _inputs(1, 2048, 2048, 16, 4, 128, torch.bfloat16, device="cuda")
     for backend in ("triton", "triton_gluon", "sdpa_cudnn"):
         _check_rule(q, k, v, dout, causal, backend=backend)

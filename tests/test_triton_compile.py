@@ -6,7 +6,8 @@ a GPU when it is given the target, so each kernel is compiled here, ahead of tim
 the wrappers use, causal and not; nothing is launched. The compiled PTX must hold the matrix instructions the
 kernel is built around (a kernel whose dots were lost would still compile). A kernel given a block size its
 `tl.arange` cannot take must fail to compile: the negative control that the check compiles for real. The Gluon
-forward compiles only where the installed Triton is the release it is written for (the GPU image's 3.6), else skips.
+kernels compile only where the installed Triton is the release they are written for (the GPU image's 3.6), else
+skip; the Gluon backward's registers (from ptxas) and shared memory must also fit an sm_90 block.
 """
 
 from __future__ import annotations
@@ -111,6 +112,59 @@ for head_dim in (128, 64):
 """
 
 
+# The Gluon backward at both head dims with 2 and 3 stages and scalar dq atomics (the GPU tests launch each), causal
+# and not: the warpgroup matmuls, TMA loads and dq's float32 reductions must be in its PTX; ptxas must keep the
+# matmuls asynchronous (it serializes them all when it cannot prove a pipeline safe, and says so); its registers
+# (ptxas's count, whose spills it reports) and shared memory must fit one sm_90 block.
+_COMPILE_GLUON_BACKWARD = r"""
+import contextlib, io, os, re, sys
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached kernel would skip ptxas and its log
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+import torch_impl.flash_gluon_backward as gb
+
+SM90_REGISTERS, SM90_SHARED_BYTES = 65536, 227 * 1024  # per block
+fn = gb._gluon_backward_kernel
+for head_dim in (128, 64):
+    for causal in (True, False):
+        default = gb.backward_config(head_dim, causal, 65536)
+        for config in (default, gb.GluonBackwardConfig(num_stages=5 - default.num_stages),
+                       gb.GluonBackwardConfig(num_stages=default.num_stages, vector_atomics=False)):
+            q_layout, kv_layout, ds_layout, stats_layout = gb.shared_layouts(torch.bfloat16, head_dim, config)
+            constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
+                              BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
+                              VECTOR_ATOMICS=config.vector_atomics, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
+                              DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout)
+            fp32 = {"Lse2", "Lse", "Delta", "DQ", "DK", "DV"}
+            signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name in fp32 else "*bf16"
+                         if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
+            source = GluonASTSource(fn=fn, signature=signature,
+                                    constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+            log = io.StringIO()
+            with contextlib.redirect_stdout(log):
+                kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                        options={"num_warps": config.num_warps})
+            name = f"gluon backward D={head_dim} causal={causal} {config}"
+            reduction = "red.relaxed.gpu.global.add.v2.f32" if config.vector_atomics else "atom.global.gpu.relaxed.add"
+            for op in ("wgmma.mma_async", "cp.async.bulk.tensor", reduction):
+                if op not in kernel.asm["ptx"]:
+                    sys.exit(f"{name}: no {op} in its PTX")
+            if "wgmma.mma_async instructions are serialized" in log.getvalue():
+                sys.exit(f"{name}: ptxas serialized its wgmma: {log.getvalue()}")
+            registers = int(re.search(r"Used (\d+) registers", log.getvalue()).group(1))
+            spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
+            threads = 32 * config.num_warps
+            if registers * threads > SM90_REGISTERS or kernel.metadata.shared > SM90_SHARED_BYTES:
+                sys.exit(f"{name}: {registers} registers x {threads} threads, {kernel.metadata.shared} B shared "
+                         f"exceed an sm_90 block")
+            print(f"compiled {name}: {registers} registers, {spills.group(1) if spills else 0} B spilled, "
+                  f"{kernel.metadata.shared} B shared", flush=True)
+"""
+
+
 def _compile(block_d: int, script: str = _COMPILE) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-c", script, str(block_d)], cwd=ROOT, env=env, capture_output=True,
@@ -135,3 +189,12 @@ def test_gluon_forward_compiles_for_sm90():
     done = _compile(block_d=128, script=_COMPILE_GLUON)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled gluon forward") == 4
+
+
+@pytest.mark.skipif(not GLUON_AVAILABLE, reason=f"the Gluon kernel is written for Triton {GLUON_TRITON_VERSION} "
+                                                f"(Gluon's API changes between releases)")
+def test_gluon_backward_compiles_for_sm90_within_its_registers_and_shared_memory():
+    done = _compile(block_d=128, script=_COMPILE_GLUON_BACKWARD)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert done.stdout.count("compiled gluon backward") == 12, done.stdout
+    print(done.stdout)

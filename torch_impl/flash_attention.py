@@ -6,8 +6,10 @@ Backends (`backend=`):
   "triton"      ours, the default: per direction the fastest of our Triton paths that runs the call, as measured
                 on H200 (`_forward_path`, `_backward_path`); GQA native, any lengths, head dims 32/64/96/128/256,
                 bf16/fp16/fp32.
-  "triton_gluon"     forces the Gluon sm_90 forward (`flash_gluon_forward.py`: warp-specialised TMA producer, two
-                ping-pong consumer warpgroups; Triton 3.6, head dims 64/128, bf16/fp16) with the portable backward.
+  "triton_gluon"     forces the Gluon sm_90 kernels both ways (Triton 3.6, head dims 64/128, bf16/fp16): the forward
+                (`flash_gluon_forward.py`: warp-specialised TMA producer, two ping-pong consumer warpgroups) and the
+                one-kernel backward (`flash_gluon_backward.py`: K/V resident, five async wgmma per query block, dQ
+                by float32 atomics).
   "triton_hopper"    forces the sm_90 path both ways (`flash_hopper_forward.py`, `flash_hopper_backward.py`: TMA
                 descriptors, one FA3-style backward kernel); head dims 64/128, bf16/fp16.
   "triton_portable"  forces the portable `tl` kernels (`flash_forward.py`, `flash_backward.py`), which the CPU
@@ -39,6 +41,7 @@ import torch
 from torch_impl.attention import reference_attention_backward, reference_attention_forward
 from torch_impl.flash_backward import triton_backward
 from torch_impl.flash_forward import KernelConfig, TritonConfig, interpreter_problem, triton_forward
+from torch_impl.flash_gluon_backward import gluon_backward
 from torch_impl.flash_gluon_forward import gluon_forward, gluon_unsupported
 from torch_impl.flash_hopper_backward import hopper_backward
 from torch_impl.flash_hopper_forward import hopper_forward, hopper_unsupported
@@ -53,6 +56,9 @@ _TRITON_BACKENDS = ("triton", "triton_hopper", "triton_portable", "triton_gluon"
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Whether backend "triton" runs the Gluon backward where it runs the inputs (else the portable one). Off until the
+# H200 measurement of issue #13 shows it faster than the portable backward (~390 TF/s credited).
+TRITON_PICKS_GLUON_BACKWARD = False
 _FLASH_ATTN_MISSING = "backend 'flash_attn' needs the optional flash-attn package: pip install 'twinflash[flash-attn]'"
 
 
@@ -238,10 +244,16 @@ def _forward_path(backend, q, k, v, config) -> str:
     return "triton_gluon" if config is None and gluon_unsupported(q, k, v) is None else "triton_portable"
 
 
-def _backward_path(backend) -> str:
-    """The backward kernels a Triton backend runs: the one-kernel Hopper backward only when forced (it trails the
-    portable two-kernel form on H200, ~310-345 TF/s against ~400), else the portable ones."""
-    return "triton_hopper" if backend == "triton_hopper" else "triton_portable"
+def _backward_path(backend, q, k, v, config) -> str:
+    """The backward kernels a Triton backend runs: the forced ones (the tl one-kernel Hopper backward only then: it
+    trails the portable two-kernel form on H200, ~310-345 TF/s against ~400), or for "triton" the Gluon backward
+    when TRITON_PICKS_GLUON_BACKWARD is on and it runs the inputs with no portable `config`, else the portable
+    ones."""
+    if backend in ("triton_hopper", "triton_gluon", "triton_portable"):
+        return backend
+    if TRITON_PICKS_GLUON_BACKWARD and config is None and gluon_unsupported(q, k, v) is None:
+        return "triton_gluon"
+    return "triton_portable"
 
 
 def _forward(q, k, v, causal, scale, out_dtype, backend, config):
@@ -265,7 +277,10 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, config, grad_dtyp
     if backend in _TRITON_BACKENDS:
         # dout joins q, k, v as a tensor-core operand, so it takes their dtype.
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout.to(q.dtype), q, k, v, out))
-        if _backward_path(backend) == "triton_hopper":
+        path = _backward_path(backend, q, k, v, config)
+        if path == "triton_gluon":
+            return gluon_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
+        if path == "triton_hopper":
             return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
         return triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype,
                                config=config)

@@ -1,11 +1,13 @@
-"""Config sweep of the Gluon sm_90 forward (`torch_impl.flash_gluon_forward`) on one GPU
-(`python -m compare.bench.gluon_sweep`), beside the portable Triton forward and SDPA cuDNN in the same process.
+"""Config sweep of the Gluon sm_90 kernels (`torch_impl.flash_gluon_forward`, `torch_impl.flash_gluon_backward`) on
+one GPU (`python -m compare.bench.gluon_sweep`), beside the portable Triton kernel (and for the forward SDPA cuDNN)
+in the same process.
 
 For each head dim (--head-dims) and causal setting (--causal), bf16, B=1, S (--seq-len), H (--heads), Hkv
-(--kv-heads): the forward alone, timed with triton.testing.do_bench (median, CUDA events) as `kernel_bench` times
-it; TFLOP/s from `weights.flops.attention_flops`. Every Gluon config's output is compared with the portable
-forward's (max_abs_diff, float32 out), so a fast wrong config stands out; a config that does not fit (shared
-memory) or fails is recorded as an error row and the sweep goes on. Prints one JSON object per row, writes them all
+(--kv-heads): one direction (--direction) alone, timed with triton.testing.do_bench (median, CUDA events) as
+`kernel_bench` times it; TFLOP/s from `weights.flops.attention_flops` (the backward credited 2.5 forwards). Every
+Gluon config's result is compared with the portable kernel's (max_abs_diff: float32 out, or float32 dq/dk/dv from
+the Gluon forward's out/lse), so a fast wrong config stands out; a config that does not fit (shared memory) or
+fails is recorded as an error row and the sweep goes on. Prints one JSON object per row, writes them all
 to --out after each row (a run cut short keeps what it measured), and a table last.
 """
 
@@ -31,6 +33,15 @@ def candidates(head_dim: int, causal: bool):
     return list(dict.fromkeys(space))
 
 
+def backward_candidates(head_dim: int, causal: bool):
+    """GluonBackwardConfigs to time: the default first, the other ring depth, scalar dq atomics."""
+    from torch_impl.flash_gluon_backward import GluonBackwardConfig, backward_config
+
+    default = backward_config(head_dim, causal, 0)
+    return [default, GluonBackwardConfig(**{**vars(default), "num_stages": 5 - default.num_stages}),
+            GluonBackwardConfig(**{**vars(default), "vector_atomics": False})]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m compare.bench.gluon_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=16384)
@@ -38,6 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=32)
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
+    parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -65,16 +77,25 @@ def main(argv=None) -> int:
                 for _ in range(2))
         scale = head_dim ** -0.5
         heads_major = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
+        dout = torch.randn_like(q)
         for causal in causals:
             flops = attention_flops(1, args.heads, args.seq_len, args.seq_len, head_dim, causal, False)
             point = dict(S=args.seq_len, heads=args.heads, kv_heads=args.kv_heads, head_dim=head_dim, causal=causal)
+            key = "fwd" if args.direction == "forward" else "bwd"
+            flops *= 1.0 if args.direction == "forward" else 2.5
 
             def timed(name, fn, **extra):
                 try:
                     ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                    record(impl=name, **point, fwd_ms=ms, fwd_tflops=flops / (ms * 1e-3) / 1e12, **extra)
+                    record(impl=name, **point, **{f"{key}_ms": ms, f"{key}_tflops": flops / (ms * 1e-3) / 1e12},
+                           **extra)
                 except Exception as err:  # a config that does not fit is a result, not a crash
                     record(impl=name, **point, error=f"{type(err).__name__}: {err}"[:300], **extra)
+
+            if args.direction == "backward":
+                _sweep_backward(timed, record, point, q, k, v, dout, causal, scale)
+                torch.cuda.empty_cache()
+                continue
 
             want, _ = triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
             timed("triton_portable", lambda: triton_forward(q, k, v, causal=causal, softmax_scale=scale,
@@ -95,13 +116,40 @@ def main(argv=None) -> int:
                       config=str(config), max_abs_diff=diff)
             torch.cuda.empty_cache()
 
-    print(f"{'D':>4} {'causal':>6} {'impl':<16} {'TF/s':>7} {'diff':>9}  config")
+    print(f"{'D':>4} {'causal':>6} {'impl':<16} {args.direction[:3] + ' TF/s':>8} {'diff':>9}  config")
     for row in rows:
-        tflops = f"{row['fwd_tflops']:7.1f}" if "fwd_tflops" in row else "  error"
+        tflops = row.get("fwd_tflops", row.get("bwd_tflops"))
+        tflops = f"{tflops:8.1f}" if tflops is not None else "   error"
         diff = f"{row['max_abs_diff']:9.2e}" if "max_abs_diff" in row else " " * 9
         print(f"{row['head_dim']:>4} {str(row['causal']):>6} {row['impl']:<16} {tflops} {diff}  "
               f"{row.get('config', '')}{row.get('error', '')[:100]}")
     return 0
+
+
+def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale):
+    """The portable backward, then each Gluon backward config, from the Gluon forward's out/lse; bf16 gradients
+    timed, float32 ones compared with the portable kernel's."""
+    import torch
+
+    from torch_impl.flash_backward import triton_backward
+    from torch_impl.flash_gluon_backward import gluon_backward
+    from torch_impl.flash_gluon_forward import gluon_forward
+
+    out, lse = gluon_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=q.dtype)
+    want = triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=torch.float32)
+    timed("triton_portable", lambda: triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                                     grad_dtype=q.dtype))
+    for config in backward_candidates(q.shape[-1], causal):
+        try:
+            got = gluon_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                 grad_dtype=torch.float32, config=config)
+            diff = max((g - w).abs().max().item() for g, w in zip(got, want))
+        except Exception as err:
+            record(impl="triton_gluon", **point, config=str(config), error=f"{type(err).__name__}: {err}"[:300])
+            continue
+        timed("triton_gluon", lambda: gluon_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                                     grad_dtype=q.dtype, config=config),
+              config=str(config), max_abs_diff=diff)
 
 
 if __name__ == "__main__":

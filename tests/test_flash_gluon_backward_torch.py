@@ -1,0 +1,122 @@
+"""Tests of the Gluon sm_90 backward (`torch_impl/flash_gluon_backward.py`; backend "triton_gluon", and "triton" when
+`flash_attention.TRITON_PICKS_GLUON_BACKWARD` is on).
+
+Gluon has no interpreter: on CPU only the refusal is tested here (tests/test_triton_compile.py compiles the kernel
+for sm_90 where the installed Triton is the one it is written for). The `gpu` tests hold it to the flash rule of
+`test_flash_attention_torch.py` (error against a float64 oracle <= 2x the error of a naive same-dtype
+implementation + KERNEL_ATOL): GQA 4 and 32 (Hkv 8 and 1 of 32 query heads), lengths that are no multiple of any
+block, Sq > Sk (causal rows that see no key: zero dq) and Sq < Sk, causal and not, D 64 and 128, bf16 and fp16;
+the pair-level backward from an external float32 out/lse (the ring's path) with float32 gradients against the
+portable backward on the same inputs, for every config; and a negative control (a wrong delta) that must fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import kernel_twins as twins
+import pytest
+import torch
+from test_flash_attention_torch import _exact, _inputs, _naive, _numpy, _ours, _rule_violations
+
+from torch_impl.flash_attention import flash_attention_backward
+from torch_impl.flash_backward import row_delta, triton_backward
+from torch_impl.flash_forward import triton_forward
+from torch_impl.flash_gluon_backward import GluonBackwardConfig, gluon_backward
+from torch_impl.flash_gluon_forward import GLUON_AVAILABLE
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+needs_gluon_gpu = pytest.mark.skipif(not (ON_HOPPER and GLUON_AVAILABLE),
+                                     reason="needs an sm_90 GPU and the Triton release the Gluon kernel is written for")
+
+
+def test_forced_gluon_backward_refuses_what_it_cannot_run():
+    q, k, v, dout = (torch.randn(1, 16, 2, 32, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.zeros(1, 2, 16, device=DEVICE)
+    expected = "head dims" if ON_HOPPER and GLUON_AVAILABLE else "triton_gluon"
+    with pytest.raises(ValueError, match=expected):  # D = 32 (and on CPU: no interpreter for Gluon)
+        flash_attention_backward(dout, q, k, v, q, lse, causal=True, softmax_scale=None, backend="triton_gluon")
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+def _pair_backward_errors(backward, q, k, v, dout, causal, scale, **kwargs):
+    """Max |error| of dq, dk, dv (float32) against float64, from the portable forward's float32 out/lse given as
+    the external ones (a ring's global out/lse)."""
+    out, lse = triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
+    grads = backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=torch.float32, **kwargs)
+    assert all(g.dtype == torch.float32 for g in grads)
+    exact = _exact(q, k, v, dout, causal, scale)
+    return {name: (g.double() - exact[name]).abs().max().item() for name, g in zip(("dq", "dk", "dv"), grads)}
+
+
+def _beyond_portable(q, k, v, dout, causal, scale, **kwargs):
+    """{name: (gluon error, portable error)} breaking gluon error <= 2x portable error + KERNEL_ATOL: both
+    round P and dS to the input dtype for their matmuls, so neither is the more exact by more than that."""
+    ours = _pair_backward_errors(gluon_backward, q, k, v, dout, causal, scale, **kwargs)
+    portable = _pair_backward_errors(triton_backward, q, k, v, dout, causal, scale)
+    return {n: (ours[n], portable[n]) for n in ours if not ours[n] <= 2 * portable[n] + twins.KERNEL_ATOL}
+
+
+# 2 and 3 stages (each head dim's default is one of them), dQ by vector and by scalar atomics.
+CONFIGS = [GluonBackwardConfig(num_stages=2), GluonBackwardConfig(num_stages=3),
+           GluonBackwardConfig(num_stages=2, vector_atomics=False)]
+
+
+@pytest.mark.gpu
+@needs_gluon_gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_gpu_gluon_backward_from_external_out_lse_against_portable(config, head_dim):
+    q, k, v, dout = _inputs(2, 1000, 1300, 8, 2, head_dim, torch.bfloat16, device="cuda")
+    for causal in (True, False):
+        beyond = _beyond_portable(q, k, v, dout, causal, 0.1, config=config)
+        assert not beyond, f"(gluon, portable) errors beyond 2x: {beyond}"
+
+
+@pytest.mark.gpu
+@needs_gluon_gpu
+def test_gpu_wrong_delta_breaks_the_check():
+    """Negative control: delta shifted by 0.5 (dS = P (dP - delta)) breaks dq and dk but not dv, so the checks
+    above can fail."""
+    q, k, v, dout = _inputs(1, 700, 900, 8, 2, 128, torch.bfloat16, device="cuda")
+    out, lse = triton_forward(q, k, v, causal=True, softmax_scale=0.1, out_dtype=torch.float32)
+    beyond = _beyond_portable(q, k, v, dout, True, 0.1, delta=row_delta(out, dout) + 0.5)
+    assert set(beyond) == {"dq", "dk"}, beyond
+
+
+# (B, Sq, Sk, H, Hkv, D): GQA 4 and 32 (Hkv 8 and 1 of 32), odd lengths with Sq < Sk and Sq == Sk, Sq > Sk
+# (causal rows that see no key), and a batch of 2 with one partial key block.
+GPU_CASES = [(1, 1000, 1500, 32, 8, 128), (1, 1000, 1500, 32, 1, 64), (1, 777, 777, 32, 1, 128),
+             (1, 777, 777, 32, 8, 64), (1, 1500, 1000, 8, 8, 128), (2, 200, 90, 4, 2, 64)]
+
+
+def _case_id(case):
+    return "b{}-sq{}-sk{}-h{}-kv{}-d{}".format(*case)
+
+
+@pytest.mark.gpu
+@needs_gluon_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_gluon_backward_matches_exact_within_twice_naive_error(causal, case):
+    q, k, v, dout = _inputs(*case, torch.bfloat16, device="cuda")
+    scale = 1 / math.sqrt(q.shape[-1])
+    exact = _exact(q, k, v, dout, causal, scale)
+    ours = _ours(q, k, v, dout, causal, scale, backend="triton_gluon")
+    violations = _rule_violations(ours, _naive(q, k, v, dout, causal, scale), exact)
+    assert not violations, f"(triton_gluon, naive) errors beyond the rule: {violations}"
+    twins.assert_unseen_rows_zero(_numpy(ours), _numpy(exact))
+
+
+@pytest.mark.gpu
+@needs_gluon_gpu
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[3]], ids=_case_id)
+def test_gpu_gluon_backward_float16(case):
+    q, k, v, dout = _inputs(*case, torch.float16, device="cuda")
+    scale = 1 / math.sqrt(q.shape[-1])
+    for causal in (True, False):
+        ours = _ours(q, k, v, dout, causal, scale, backend="triton_gluon")
+        violations = _rule_violations(ours, _naive(q, k, v, dout, causal, scale), _exact(q, k, v, dout, causal, scale))
+        assert not violations, f"(triton_gluon fp16, naive) errors beyond the rule: {violations}"

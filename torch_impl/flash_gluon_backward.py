@@ -1,0 +1,352 @@
+"""Hopper (sm_90) FlashAttention backward written in Gluon (`triton.experimental.gluon`, Triton 3.6): one kernel in
+FlashAttention-2/3's form, the twin in structure of the Gluon forward (`flash_gluon_forward.py`). The public API is
+`torch_impl.flash_attention`, backend "triton_gluon" (forced; it also runs the Gluon forward), or "triton" where
+`flash_attention.TRITON_PICKS_GLUON_BACKWARD` is on (`flash_attention._backward_path`).
+
+Why one kernel: the portable backward (`flash_backward.py`) runs two kernels, dK/dV and dQ, 4 + 3 matmuls for the
+5 that the backward's FLOP count credits, and tops out near 390 TF/s on H200. Here one program owns `block_n` keys
+of one (batch, KV head), keeps K and V in shared memory and dK, dV in float32 registers, and walks the query blocks
+of every query head of its group (GQA reads K/V once per KV head, dK/dV come out summed over the group). Each step
+of `block_m` query rows runs the five matmuls as asynchronous `warpgroup_mma`, keys on the rows so that K and V are
+the resident A operands:
+    S^T = K Q^T, then dP^T = V dO^T;  P^T = exp2(S^T - lse) while dP^T is in flight;
+    dV += P^T dO and dK += dS^T Q (P^T, dS^T straight from registers);  dQ = dS K from dS^T staged in shared memory,
+added into a float32 dQ accumulator that all programs share by atomic reductions (Triton 3.6's Gluon has no TMA
+reduce-add on sm_90; `vector_atomics` adds pairs of floats by one inline-PTX `red.v2.f32`). The kernel runs
+`block_n // 16` warps: one warpgroup per 64 keys, which split the dQ matmul by columns. A step's dQ, dK and dV
+matmuls stay in flight into the next step, until its S^T matmul is done; then the previous dQ goes out (at D=64
+while dP^T runs), and the softmax runs while dP^T does. Registers are the limit at D=128 (255 a thread, dK and dV
+take 128): the compile check (tests/test_triton_compile.py) holds ptxas to keeping every wgmma asynchronous.
+Q and dO tiles, and the row statistics (lse in log2 units, delta: padded copies, so one TMA row each) come in by
+TMA through a `num_stages`-deep ring guarded by mbarriers; the refill of a slot is issued right after the per-step
+barrier that tells both warpgroups are past the step that last read it (the barrier is needed anyway: the dQ
+matmul reads both warpgroups' halves of dS, double-buffered so the next step's store cannot overwrite it while
+the other warpgroup's dQ still reads it).
+
+Causal: a key block skips the query blocks that see none of it and masks only the diagonal ones (plus, in the last
+key block, the keys past the end); longest key blocks are the first ones, launched first by the grid's order.
+
+Contract as the portable backward: delta = rowsum(dout * out) from the `out` it is given (the portable
+preprocessing kernel), so a ring passing the global out/lse gets its exact share; P recomputed from the given lse
+(rows with lse -inf and padding rows get P = 0); bottom-right causal alignment; any lengths (descriptor loads read
+rows past the end as zero; dK/dV rows past the end are not stored); gradients in any float dtype, summed in float32.
+Torch only, no JAX twin: JAX's sm_90 backward is the Pallas Mosaic GPU kernel (`jax_impl/flash_hopper_backward.py`).
+Gluon has no interpreter: CPU CI compiles this kernel for sm_90 (tests/test_triton_compile.py) where the installed
+Triton is the one it is written for, and GPU tests (tests/test_flash_gluon_backward_torch.py) hold it to the
+portable backward and a float64 oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_impl.flash_backward import row_delta
+from torch_impl.flash_forward import LOG2E
+from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, jit
+from torch_impl.flash_hopper_forward import set_descriptor_allocator
+
+if GLUON_AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonBackwardConfig:
+    """Launch shape of the Gluon backward: `block_n` resident keys per program (one warpgroup per 64 of them),
+    `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight, `vector_atomics`
+    whether dQ is added by 8-byte vector reductions (inline PTX) rather than `gl.atomic_add`'s scalar ones."""
+    block_n: int = 128
+    block_m: int = 64
+    num_stages: int = 2
+    vector_atomics: bool = True
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // 16
+
+
+def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonBackwardConfig:
+    """The launch shape for a call class. D=128: 128 keys, 2 stages (K, V, two Q/dO stages and the two dS buffers
+    take 160 KiB of shared memory, 3 stages 192 of the 227 an sm_90 block may have). D=64: 3 stages (112 KiB).
+    Not yet measured on a GPU: the GPU tests run both stage counts, the bench the defaults."""
+    del causal, seq_bucket
+    return GluonBackwardConfig(num_stages=2 if head_dim == 128 else 3)
+
+
+@jit
+def _issue_tile_loads(descs, bufs, ready, step, n_steps, first_block, blocks_per_head, first_head, seq_pad):
+    """Start the TMA loads of step `step`'s tiles (Q, dO: [block_m, D]; lse2, delta: [block_m]) into their ring
+    slot (nothing past the last step)."""
+    q_desc, do_desc, lse_desc, delta_desc = descs
+    q_bufs, do_bufs, lse_bufs, delta_bufs = bufs
+    num_stages: gl.constexpr = q_bufs.type.shape[0]
+    block_m: gl.constexpr = q_bufs.type.shape[1]
+    head_dim: gl.constexpr = q_bufs.type.shape[2]
+    slot = step % num_stages
+    bar = ready.index(slot)
+    in_range = step < n_steps
+    head = first_head + step // blocks_per_head
+    row0 = (first_block + step % blocks_per_head) * block_m
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes, pred=in_range)
+    tma.async_copy_global_to_shared(q_desc, [row0, head * head_dim], bar, q_bufs.index(slot), pred=in_range)
+    tma.async_copy_global_to_shared(do_desc, [row0, head * head_dim], bar, do_bufs.index(slot), pred=in_range)
+    tma.async_copy_global_to_shared(lse_desc, [head * seq_pad + row0], bar, lse_bufs.index(slot), pred=in_range)
+    tma.async_copy_global_to_shared(delta_desc, [head * seq_pad + row0], bar, delta_bufs.index(slot), pred=in_range)
+
+
+# dQ += x for a pair (x0 at p0, x1 at p1) of one thread's dQ values: one 8-byte vector reduction where the pair is
+# two adjacent, aligned floats (as the wgmma accumulator layout holds them), else two scalar ones (inline assembly
+# does not promise which pairs it gets). Triton 3.6 emits only scalar float32 atomics.
+_PAIR_ATOMIC_ADD = tl.constexpr("""{
+.reg .pred adjacent;
+.reg .b64 next, misalign;
+add.s64 next, $2, 4;
+and.b64 misalign, $2, 7;
+setp.eq.s64 adjacent, next, $3;
+setp.eq.and.s64 adjacent, misalign, 0, adjacent;
+@adjacent red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};
+@!adjacent red.relaxed.gpu.global.add.f32 [$2], $4;
+@!adjacent red.relaxed.gpu.global.add.f32 [$3], $5;
+mov.b32 $0, 0;
+mov.b32 $1, 0;
+}""")
+
+
+@jit
+def _add_to_dq(dq, dq_base, step, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
+               VECTOR_ATOMICS: gl.constexpr):
+    """Add step `step`'s dQ block into the float32 accumulator [Sq, H * D] (of this batch) all programs share."""
+    block_m: gl.constexpr = dq.shape[0]
+    head_dim: gl.constexpr = dq.shape[1]
+    head = first_head + step // blocks_per_head
+    rows = (first_block + step % blocks_per_head) * block_m + gl.arange(0, block_m,
+                                                                        layout=gl.SliceLayout(1, dq.type.layout))
+    cols = gl.arange(0, head_dim, layout=gl.SliceLayout(0, dq.type.layout))
+    in_bounds = gl.expand_dims(rows < seq_q, 1)
+    if VECTOR_ATOMICS:  # rows past the end add 0 to the last row instead: the pairs' pointers stay adjacent
+        rows = gl.minimum(rows, seq_q - 1)
+    ptrs = dq_base + gl.expand_dims(rows.to(gl.int64) * stride_dqs, 1) + head * head_dim + gl.expand_dims(cols, 0)
+    if VECTOR_ATOMICS:
+        gl.inline_asm_elementwise(_PAIR_ATOMIC_ADD, "=r,=r,l,l,f,f", [ptrs.to(gl.int64), gl.where(in_bounds, dq, 0.0)],
+                                  dtype=gl.int32, is_pure=False, pack=2)
+    else:
+        gl.atomic_add(ptrs, dq, mask=in_bounds, sem="relaxed")
+
+
+# Lengths and head counts are not specialized on (divisible by 16, equal to 1): one compile per head dim, causal
+# setting, config and dtype serves every shape, so the GPU tests' odd lengths run the very kernels the bench times.
+@(gluon.jit(do_not_specialize=("n_kv_heads", "group", "seq_q", "seq_k")) if GLUON_AVAILABLE else jit)
+def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
+                           stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                           stride_dob, stride_dos, stride_dqb, stride_dqs,
+                           stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                           n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
+                           CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, VECTOR_ATOMICS: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                           KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, STATS_LAYOUT: gl.constexpr):
+    NUM_WARPS: gl.constexpr = BLOCK_N // 16
+    DP_BEFORE_DQ_OUT: gl.constexpr = HEAD_DIM <= 64
+    K_STEP: gl.constexpr = 256 // Q.dtype.element_ty.primitive_bitwidth
+    # [keys, queries] tiles (S^T, dP^T) and the resident [keys, D] accumulators: one warpgroup per 64 keys.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, K_STEP])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, K_STEP])
+    kv_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout,
+                                                   k_width=32 // Q.dtype.element_ty.primitive_bitwidth)
+    # [queries, D] dQ tile: 64 rows, the warpgroups split its columns.
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                        instr_shape=[16, HEAD_DIM // (NUM_WARPS // 4), K_STEP])
+
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    col0 = gl.program_id(0) * BLOCK_N
+    n_heads = n_kv_heads * group
+    first_head = kv_head * group  # GQA: query heads [first_head, first_head + group) read this K/V head
+
+    # Query blocks this key block meets: [first_block, n_blocks), masked before full_block (query i sees key j
+    # iff j <= i + diagonal), and everywhere in the key block that runs past the end.
+    diagonal = seq_k - seq_q
+    n_blocks = gl.cdiv(seq_q, BLOCK_M)
+    if CAUSAL:
+        first_block = gl.minimum(gl.maximum(col0 - diagonal, 0) // BLOCK_M, n_blocks)
+        full_block = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(col0 + BLOCK_N - 1 - diagonal, 0), BLOCK_M),
+                                           first_block), n_blocks)
+    else:
+        first_block = 0
+        full_block = 0
+    full_block = gl.where(col0 + BLOCK_N > seq_k, n_blocks, full_block)
+    blocks_per_head = gl.maximum(n_blocks - first_block, 1)
+    n_steps = group * (n_blocks - first_block)
+
+    k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
+                                        [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_desc = tma.make_tensor_descriptor(V + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh,
+                                        [seq_k, HEAD_DIM], [stride_vs, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    # Q and dO are [Sq, H * D] row-major per batch: one descriptor each serves every head of the group.
+    q_desc = tma.make_tensor_descriptor(Q + batch.to(gl.int64) * stride_qb, [seq_q, n_heads * HEAD_DIM],
+                                        [stride_qs, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_desc = tma.make_tensor_descriptor(DOut + batch.to(gl.int64) * stride_dob, [seq_q, n_heads * HEAD_DIM],
+                                         [stride_dos, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    # lse (log2 units) and delta, [H * seq_pad] per batch, padded with lse +inf (P = 0) and delta 0.
+    stats = (batch * n_heads).to(gl.int64) * seq_pad
+    lse_desc = tma.make_tensor_descriptor(Lse2 + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
+    delta_desc = tma.make_tensor_descriptor(Delta + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
+    k_buf = gl.allocate_shared_memory(K.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_buf = gl.allocate_shared_memory(V.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    ds_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_LAYOUT)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_LAYOUT)
+    descs = (q_desc, do_desc, lse_desc, delta_desc)
+    bufs = (q_bufs, do_bufs, lse_bufs, delta_bufs)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [col0, 0], kv_ready, k_buf)
+    tma.async_copy_global_to_shared(v_desc, [col0, 0], kv_ready, v_buf)
+    for i in gl.static_range(NUM_STAGES - 1):
+        _issue_tile_loads(descs, bufs, ready, i, n_steps, first_block, blocks_per_head, first_head, seq_pad)
+
+    qk_scale = softmax_scale * LOG2E
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    dq_base = DQ + batch.to(gl.int64) * stride_dqb
+    zeros_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    zeros_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    # Loop-carried in flight: each step's dQ, dK and dV matmuls run on while the next step waits for its tiles and
+    # issues S^T.
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    dq = warpgroup_mma_init(zeros_q)
+    mbarrier.wait(kv_ready, 0)
+    for step in range(n_steps):
+        slot = step % NUM_STAGES
+        head = first_head + step // blocks_per_head
+        block = first_block + step % blocks_per_head
+        rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
+        q_buf = q_bufs.index(slot)
+        do_buf = do_bufs.index(slot)
+        s_t = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
+        # The previous step's dQ, dK, dV and this S^T done, the previous dQ goes out. (Reading an accumulator
+        # across the loop's back edge under a partial wait makes ptxas serialize every wgmma.) At D=64 dP^T runs
+        # meanwhile; at D=128 it is issued after: its accumulator beside dQ's would leave ptxas too few registers
+        # to keep the wgmma asynchronous.
+        dq, dk, dv, s_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv, s_t))
+        if DP_BEFORE_DQ_OUT:
+            dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
+        if step > 0:
+            _add_to_dq(dq, dq_base, step - 1, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
+                       VECTOR_ATOMICS)
+        if not DP_BEFORE_DQ_OUT:
+            dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
+        lse2 = lse_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+        if block < full_block:
+            visible = gl.expand_dims(cols, 1) < seq_k
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(cols, 1) <= gl.expand_dims(rows, 0) + diagonal)
+            p_t = gl.where(visible, p_t, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(Q.dtype.element_ty), kv_operand), do_buf, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+        delta = delta_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
+        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(Q.dtype.element_ty)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, kv_operand), q_buf, dk, is_async=True)
+        ds_buf = ds_bufs.index(step % 2)
+        ds_buf.store(ds_t)
+        fence_async_shared()
+        # Both warpgroups' dS halves are in, and both are past the previous step's matmuls: its Q/dO slot is free.
+        gl.thread_barrier()
+        _issue_tile_loads(descs, bufs, ready, step + NUM_STAGES - 1, n_steps, first_block, blocks_per_head,
+                          first_head, seq_pad)
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, zeros_q, use_acc=False, is_async=True)
+    dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
+    if n_steps > 0:
+        _add_to_dq(dq, dq_base, n_steps - 1, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
+                   VECTOR_ATOMICS)
+
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(kv_ready)
+    out_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    in_bounds = gl.expand_dims(out_rows < seq_k, 1)
+    dk_ptrs = (DK + batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
+               + gl.expand_dims(out_rows.to(gl.int64) * stride_dks, 1) + gl.expand_dims(out_cols, 0))
+    dv_ptrs = (DV + batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+               + gl.expand_dims(out_rows.to(gl.int64) * stride_dvs, 1) + gl.expand_dims(out_cols, 0))
+    gl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=in_bounds)
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_bounds)
+
+
+def shared_layouts(dtype: torch.dtype, head_dim: int, config: GluonBackwardConfig):
+    """(Q/dO tile, K/V tile, dS^T tile, row statistics) shared-memory layouts: the widest swizzle for each 16-bit
+    tile, none for the float32 rows."""
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([config.block_m, head_dim], element),
+            gl.NVMMASharedLayout.get_default_for([config.block_n, head_dim], element),
+            gl.NVMMASharedLayout.get_default_for([config.block_n, config.block_m], element),
+            gl.NVMMASharedLayout.get_default_for([config.block_m], gl.float32))
+
+
+def padded_row_stats(lse: torch.Tensor, delta: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse in log2 units, delta), float32 [B, H, Sq rounded up to block_m] for the kernel's TMA loads: rows that
+    see no key (lse -inf) and padding rows get lse +inf, so their P = 0, and padding rows delta 0."""
+    batch, n_heads, seq_q = lse.shape
+    seq_pad = triton.cdiv(seq_q, block_m) * block_m
+    lse2 = torch.full((batch, n_heads, seq_pad), math.inf, dtype=torch.float32, device=lse.device)
+    lse2[..., :seq_q] = torch.where(lse == -math.inf, math.inf, lse * LOG2E.value)
+    delta_pad = torch.zeros((batch, n_heads, seq_pad), dtype=torch.float32, device=lse.device)
+    delta_pad[..., :seq_q] = delta
+    return lse2, delta_pad
+
+
+def _heads_packed(x: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] with each row's heads adjacent ([S, H * D] row-major per batch), copying only if needed."""
+    return x if x.stride(3) == 1 and x.stride(2) == x.shape[3] else x.contiguous()
+
+
+def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype,
+                   config: GluonBackwardConfig | None = None, delta: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the Gluon backward on validated inputs that `gluon_unsupported` accepts: (dq, dk, dv) in grad_dtype.
+    `delta` (rowsum(dout * out), float32 [B, H, Sq]) replaces the one computed from `out` (tests' negative
+    control)."""
+    batch, seq_q, n_heads, head_dim = q.shape
+    seq_k, n_kv_heads = k.shape[1], k.shape[2]
+    config = config or backward_config(head_dim, causal, 0)
+    q, dout = _heads_packed(q), _heads_packed(dout)
+    if delta is None:
+        delta = row_delta(out, dout)
+    dq = torch.zeros((batch, seq_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
+    dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=grad_dtype, device=q.device)
+    lse2, delta = padded_row_stats(lse, delta, config.block_m)
+    q_layout, kv_layout, ds_layout, stats_layout = shared_layouts(q.dtype, head_dim, config)
+    set_descriptor_allocator(q.device)
+    _gluon_backward_kernel[(triton.cdiv(seq_k, config.block_n), batch * n_kv_heads)](
+        q, k, v, dout, lse2, delta, dq, dk, dv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, lse2.shape[-1], softmax_scale,
+        HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        NUM_STAGES=config.num_stages, VECTOR_ATOMICS=config.vector_atomics,
+        Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout,
+        num_warps=config.num_warps)
+    dq = dq.mul_(softmax_scale)
+    return (dq if grad_dtype == torch.float32 else dq.to(grad_dtype)), dk, dv
