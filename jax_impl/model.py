@@ -19,7 +19,9 @@ The decoder layers' weights come one per canonical name ("layers.<i>.<suffix>") 
 checkpointed layers takes as it is instead of stacking a copy.
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
-RoPE angles in float32 cast to the compute dtype, logits returned as float32.
+RoPE angles in float32 cast to the compute dtype, logits returned as float32. In bf16 the RMSNorm weight multiply
+and the embedding lookup are computed from float32 views (the same values), so that their weights' gradients, sums
+over every token, accumulate in float32 as torch's reductions and CUDA embedding backward do.
 """
 
 from __future__ import annotations
