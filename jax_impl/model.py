@@ -19,7 +19,9 @@ The decoder layers' weights come one per canonical name ("layers.<i>.<suffix>") 
 checkpointed layers takes as it is instead of stacking a copy.
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
-RoPE angles in float32 cast to the compute dtype, logits returned as float32.
+RoPE angles in float32 cast to the compute dtype, logits returned as float32. In bf16 the RMSNorm weight multiply
+and the embedding lookup are computed from float32 views (the same values), so that their weights' gradients, sums
+over every token, accumulate in float32 as torch's reductions and CUDA embedding backward do.
 """
 
 from __future__ import annotations
@@ -103,7 +105,10 @@ class Embedding(nnx.Module):
         self.weight = nnx.Param(weight)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], tokens, axis=0)
+        # the rows are picked from a float32 view (the same values): the gradient's scatter-add over the tokens then
+        # accumulates in float32, as torch's CUDA embedding backward does, instead of in bf16
+        weight = self.weight[...]
+        return jnp.take(weight.astype(jnp.float32), tokens, axis=0).astype(weight.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -114,7 +119,12 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * normed.astype(x.dtype)
+        # weight * normed in x's dtype, each product rounded once as a same-dtype multiply does, but multiplied in
+        # float32: the weight's gradient, a sum over every token, then accumulates in float32 as torch's does (a
+        # bf16 sum over the tokens lost ~5x more: tests/test_train_precision.py)
+        weight = self.weight[...]
+        product = weight.astype(jnp.float32) * normed.astype(x.dtype).astype(jnp.float32)
+        return product.astype(jnp.promote_types(weight.dtype, x.dtype))
 
 
 def rotary_cos_sin(inv_freq: jax.Array, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -19,10 +19,17 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
              arguments (no recompilation when they change). Written out rather than optax so the arithmetic is
              torch's operation for operation.
   precision  fp32 master weights and optimizer state; with bf16 the loss casts the (sharded) parameters to bf16
-             before use, so the gathers move bf16 and the gradients come back fp32 through the cast. Unlike the
-             torch twin (FSDP2 reduce_dtype=fp32), the cross-device sums of the weight gradients happen in the
-             matmuls' output dtype, bf16: XLA reduces a gradient where its matmul contracts over the sharded
-             batch/sequence dims. fp32 runs are unaffected.
+             before use, so the gathers move bf16 and the gradients come back fp32 through the cast. A device's
+             sums over its tokens accumulate in float32 as torch's do: the matmuls', and the RMSNorm weights' and
+             the embedding's gradients (`jax_impl/model.py`; summed in bf16 they lost ~5x more than torch's,
+             tests/test_train_precision.py). Unlike the torch twin (FSDP2 reduce_dtype=fp32), the cross-device
+             sums of the weight gradients happen in bf16 and the optimizer gets their bf16-rounded value: XLA
+             reduces a gradient where its matmul contracts over the sharded batch/sequence dims, in the dtype of
+             the bf16 weight's cotangent (an fp32 sum needs a matmul whose backward sees the fp32 master, with the
+             layer scan's gradient stacks kept bf16 for memory). On sp=2 a bf16 sum of two bf16 partial gradients
+             is one rounding of their exact sum; emulated on the torch side it moved the loss by 0.024 % (mean over
+             20 steps, 1B width cut to 2 layers, 256 tokens, CPU), a third of either backend's attention-kernel
+             floor there (compare/results/bf16-drift-check-2026-11-23-cpu.json). fp32 runs are unaffected.
 
 Weights for the compute: each parameter is cast to the compute dtype in its fp32 shard and constrained to be
 replicated where it is used, so XLA all-gathers it over the mesh and reduce-scatters its gradient back into the
