@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 
@@ -20,7 +21,7 @@ from compare.cli import main as cli_main
 from compare.commands.train import settings_from_args
 from compare.harness import jobs as J
 from compare.harness import noise_floor as N
-from compare.harness.launches import run_jobs
+from compare.harness.launches import CPU_XLA_FLAGS, run_jobs
 from compare.harness.plan import CompareSettings
 from compare.report.render import render_html, render_markdown
 from compare.report.write import validate_report, write_report
@@ -198,7 +199,8 @@ def _train_losses(backend: str, steps: int, seq_len: int, out) -> list[float]:
 
 
 @pytest.mark.slow
-def test_curve_jobs_train_as_twinflash_train_and_a_perturbed_weight_pushes_the_ratio_far_above_the_limit(tmp_path):
+def test_curve_jobs_train_as_twinflash_train_and_a_perturbed_weight_pushes_the_ratio_far_above_the_limit(
+        tmp_path, monkeypatch):
     """Real tiny bf16 trainings on 2 emulated CPU devices, run as curve jobs by the compare workers (one torchrun
     launch, one JAX process): torch with ours and with the reference (the floor), JAX with ours, and JAX with ours
     with the final norm scaled by 1 % (`--perturb jax:norm.weight`). The JAX floor is left out to save a run: the
@@ -217,15 +219,18 @@ def test_curve_jobs_train_as_twinflash_train_and_a_perturbed_weight_pushes_the_r
     run_jobs(clean + [perturbed], settings, work, timeout_s=900, on_done=lambda job: None)
     records = {job.id: N.run_record(job, J.read_result(work, job.id)) for job in clean + [perturbed]}
     assert all(r["status"] == "ok" and len(r["losses"]) == steps for r in records.values()), records
+    # the same settings, batches, weights and step function in another process: the same floats. The compare's JAX
+    # process on CPU compiles at XLA's backend optimisation level 0 (launches.CPU_XLA_FLAGS), which rounds
+    # differently from the default level (measured: equal first loss, later ones up to 4e-5 relative apart), so the
+    # command's JAX child gets that level too (it inherits XLA_FLAGS)
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip())
     for backend in ("torch", "jax"):
-        # the same settings, batches, weights and step function in another process: the same floats (measured
-        # bit-equal; 1e-6 relative allows one float32 rounding of the reported loss, far below the floor's ~1e-3)
         expected = _train_losses(backend, steps, seq_len, tmp_path / f"train-{backend}")
-        assert records[f"noise-floor-{backend}-ours"]["losses"] == pytest.approx(expected, rel=1e-6, abs=0)
+        assert records[f"noise-floor-{backend}-ours"]["losses"] == expected, backend
     config = PRESETS["tiny"]
     honest = N.noise_floor_section(floor, [records[j.id] for j in clean], config)
     broken = N.noise_floor_section(floor, [records[j.id] for j in clean[:2]] + [
         {**records[perturbed.id], "name": "jax-ours"}], config)
     assert honest["floor"] > 0  # the two kernels differ in bf16: a floor was measured, not FLOOR_MIN
-    assert honest["consistent"], honest["verdict"]  # measured ratio ~1.0
-    assert broken["ratio"] > 10 and not broken["consistent"], broken["verdict"]  # measured ratio ~55
+    assert honest["consistent"], honest["verdict"]  # measured ratio ~1.06
+    assert broken["ratio"] > 10 and not broken["consistent"], broken["verdict"]  # measured ratio ~18
