@@ -1,6 +1,7 @@
 """The plan of `twinflash compare` (compare/harness/plan.py), without running a job: the default sweep that fits
 the machine (1, 2, 4 and 8 reported GPUs; the CPU default), the points skipped up front for memory, the weights
-made once per run and read by every job, one launch per backend and device count, and the exposed-communication
+made once per run and read by every job, one launch per backend and device count (the bf16 noise floor's curve
+jobs inside them, beside the points of their shape), and the exposed-communication
 arithmetic (never more than the communication, nor than the step)."""
 
 from __future__ import annotations
@@ -99,6 +100,26 @@ def test_one_launch_per_backend_and_device_count(tmp_path):
             "reference")  # the plain reference last
     reference = next(g for b, d, g in launches if (b, d) == ("torch", 1))
     assert reference[0].id == "reference-equivalence"
+
+
+def test_the_noise_floor_runs_in_the_launches_beside_the_points_of_their_shape(tmp_path):
+    """The bare 2-GPU compare: the four bf16 trainings join the 2-device launches (no process, weights or compile
+    of their own), each right after the benchmark point of its length and kernel."""
+    from compare.harness import noise_floor as N
+
+    args = build_parser().parse_args(["compare", "--model", "llama3.2-1b"])
+    settings = dataclasses.replace(P.plan_settings(args, 2, H200_BYTES), weights="llama3.2-1b")
+    jobs = P.plan_jobs(settings, settings.weights, tmp_path)
+    curves = N.plan_jobs(N.plan(args, settings), settings, settings.weights)
+    launches = P.group_launches(jobs + curves)
+    assert [(b, d) for b, d, _ in launches] == [(b, d) for b, d, _ in P.group_launches(jobs)]  # no launch more
+    for backend, devices, group in launches:
+        ids = [job.id for job in group]
+        for attention in ("ours", "vendor"):
+            if devices == 2:
+                after = ids[ids.index(f"{backend}-s8192-d2-{attention}") + 1]
+                assert after == f"noise-floor-{backend}-{attention}"
+        assert all(job.kind != "curve" for job in group) or devices == 2
 
 
 def test_exposed_communication_is_the_part_no_compute_hides():

@@ -1,19 +1,27 @@
 """The bf16 noise floor of `twinflash compare` (compare/harness/noise_floor.py, compare/report/noise_floor.py): the
 per-step arithmetic on hand-made loss lists, the verdict and its edge cases, the section in the report (schema,
-both renderings, the plot), the default optimizer settings by model size, and (slow) the negative control on real
-tiny bf16 trainings: one weight scaled by 1 % in one backend pushes the ratio far above the limit."""
+both renderings, the plot), the default optimizer settings by model size, the runs as curve jobs of the compare run
+(their settings are `twinflash train`'s for the same arguments), and (slow) real tiny bf16 trainings run by the
+compare workers: a curve job's losses are the `twinflash train` command's, and the negative control (one weight
+scaled by 1 % in one backend pushes the ratio far above the limit)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import dataclasses
+import json
 import math
+import os
 
 import pytest
 
+from compare.cli import build_parser
 from compare.cli import main as cli_main
+from compare.commands.train import settings_from_args
+from compare.harness import jobs as J
 from compare.harness import noise_floor as N
+from compare.harness.launches import CPU_XLA_FLAGS, run_jobs
 from compare.harness.plan import CompareSettings
 from compare.report.render import render_html, render_markdown
 from compare.report.write import validate_report, write_report
@@ -97,8 +105,8 @@ def test_missing_runs_give_no_ratio():
     assert section["verdict"].startswith("not measured: a noise floor")
 
 
-def test_plan_runs_only_in_bf16_train_mode_with_the_platform_defaults(tmp_path):
-    args = argparse.Namespace(noise_floor_steps=None, noise_floor_seq_len=None, noise_floor_run_limit_s=None)
+def test_plan_runs_only_in_bf16_train_mode_with_the_platform_defaults():
+    args = argparse.Namespace(noise_floor_steps=None, noise_floor_seq_len=None)
     settings = _settings(platform="gpu", mode="train", dtype="bf16", devices=4, backends=("torch", "jax"))
     floor = N.plan(args, settings)
     assert (floor["seq_len"], floor["steps"], floor["devices"]) == (8192, 50, 2)
@@ -109,16 +117,39 @@ def test_plan_runs_only_in_bf16_train_mode_with_the_platform_defaults(tmp_path):
     for changed in ({"dtype": "fp32"}, {"mode": "forward"}):
         assert N.plan(args, dataclasses.replace(settings, **changed)) is None
     assert N.plan(argparse.Namespace(**{**vars(args), "noise_floor_steps": 0}), settings) is None
-    argv = N.train_argv(floor["runs"][1], "llama3.2-1b", floor, tmp_path)
-    assert argv[:5] == ["train", "--backend", "torch", "--attention-backend", "sdpa_cudnn"]
-    assert " ".join(argv).endswith(f"--mesh fsdp=1,sp=2 --dtype bf16 --data text --seed 0 --out {tmp_path}")
+    assert N.plan_jobs(None, settings, "tiny") == []
+
+
+def test_each_run_is_a_curve_job_with_the_settings_of_twinflash_train():
+    """A curve job's training description is the one `twinflash train --data text --seed 0 --mesh fsdp=1,sp=2
+    --dtype bf16` builds (model, batches' shape, mesh, default optimizer, kernel, compiled step); --perturb marks
+    both runs of its backend and neither of the other's."""
+    args = argparse.Namespace(noise_floor_steps=None, noise_floor_seq_len=None)
+    settings = dataclasses.replace(_settings(platform="gpu", mode="train", dtype="bf16", devices=4,
+                                             backends=("torch", "jax")), perturb=("jax", "norm.weight"))
+    jobs = N.plan_jobs(N.plan(args, settings), settings, "tiny")
+    assert [j.id for j in jobs] == [f"noise-floor-{b}-{a}" for b in ("torch", "jax") for a in ("ours", "vendor")]
+    assert {(j.kind, j.devices, j.seq_len, j.steps, j.dtype, j.mode) for j in jobs} == {
+        ("curve", 2, 8192, 50, "bf16", "train")}
+    assert [j.perturb for j in jobs] == [None, None, "norm.weight", "norm.weight"]
+    for job in jobs:
+        train = build_parser().parse_args(
+            ["train", "--backend", job.backend, "--attention-backend", job.attention_backend, "--model", "tiny",
+             "--seq-len", "8192", "--steps", "50", "--mesh", "fsdp=1,sp=2", "--dtype", "bf16", "--data", "text",
+             "--seed", "0"])
+        assert job.settings() == settings_from_args(train, 2)
+        record = N.run_record(job, {"status": "ok", "losses": [1.0] * 50, "seconds": 3.0, "setup": {}})
+        assert (record["name"], record["status"], record["seconds"]) == (job.id.removeprefix("noise-floor-"), "ok", 3.0)
+    short = N.run_record(jobs[0], {"status": "ok", "losses": [1.0] * 3, "seconds": 3.0})
+    assert short["status"] == "error" and "3 of 50 steps" in short["message"]  # never a silent short curve
+    failed = N.run_record(jobs[0], {"status": "oom", "message": "CUDA out of memory (log: work/logs/torch-2.log)"})
+    assert failed["status"] == "oom" and failed["losses"] == [] and "0 of 50 steps" in failed["message"]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--noise-floor-seq-len", "8k,16k"], "--noise-floor-seq-len"),
     (["--noise-floor-seq-len", "127", "--dtype", "bf16"], "127"),  # the ring's zigzag layout cannot split it
     (["--noise-floor-steps", "-1"], "--noise-floor-steps"),
-    (["--noise-floor-run-limit-s", "0"], "--noise-floor-run-limit-s"),
 ])
 def test_bad_noise_floor_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     out = tmp_path / "report"
@@ -159,22 +190,47 @@ def test_default_optimizer_by_model_size():
 PERTURBED = "norm.weight"  # the final norm: every logit scales by 1 %, so the loss moves at every step
 
 
+def _train_losses(backend: str, steps: int, seq_len: int, out) -> list[float]:
+    """The per-step losses of the `twinflash train` command a curve job stands for (ours, on 2 devices)."""
+    assert cli_main(["train", "--backend", backend, "--model", "tiny", "--seq-len", str(seq_len), "--steps",
+                     str(steps), "--mesh", "fsdp=1,sp=2", "--dtype", "bf16", "--data", "text", "--seed", "0",
+                     "--out", str(out)]) == 0
+    return [json.loads(line)["loss"] for line in (out / "train.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
-def test_a_weight_perturbed_in_one_backend_pushes_the_ratio_far_above_the_limit(tmp_path):
-    """Real tiny bf16 trainings on 2 emulated CPU devices: torch with ours and with the reference (the floor), JAX
-    with ours, and JAX with ours on weights whose final norm is scaled by 1 % (`--perturb jax:norm.weight`). The
-    JAX floor is left out to save a run: the ratio divides by the torch floor."""
-    args = argparse.Namespace(noise_floor_steps=8, noise_floor_seq_len=64, noise_floor_run_limit_s=None)
+def test_curve_jobs_train_as_twinflash_train_and_a_perturbed_weight_pushes_the_ratio_far_above_the_limit(
+        tmp_path, monkeypatch):
+    """Real tiny bf16 trainings on 2 emulated CPU devices, run as curve jobs by the compare workers (one torchrun
+    launch, one JAX process): torch with ours and with the reference (the floor), JAX with ours, and JAX with ours
+    with the final norm scaled by 1 % (`--perturb jax:norm.weight`). The JAX floor is left out to save a run: the
+    ratio divides by the torch floor. The clean runs with our kernels must reproduce `twinflash train`'s losses."""
+    steps, seq_len = 6, 64
+    args = argparse.Namespace(noise_floor_steps=steps, noise_floor_seq_len=seq_len)
     settings = _settings(platform="cpu", mode="train", dtype="bf16", devices=2, backends=("torch", "jax"))
     floor = N.plan(args, settings)
     floor["runs"] = [run for run in floor["runs"] if run.name != "jax-reference"]
-    clean = N.run_trainings(floor, settings, "tiny", tmp_path / "clean", math.inf, lambda record: None)
-    perturbed = N.run_trainings({**floor, "runs": [floor["runs"][2]]}, dataclasses.replace(settings, perturb=("jax", PERTURBED)),
-                                "tiny", tmp_path / "perturbed", math.inf, lambda record: None)
-    assert all(r["status"] == "ok" and len(r["losses"]) == 8 for r in clean + perturbed), clean + perturbed
+    clean = N.plan_jobs(floor, settings, "tiny")
+    (perturbed,) = N.plan_jobs({**floor, "runs": [floor["runs"][2]]},
+                               dataclasses.replace(settings, perturb=("jax", PERTURBED)), "tiny")
+    perturbed = dataclasses.replace(perturbed, id=f"{perturbed.id}-perturbed")
+    work = tmp_path / "work"
+    work.mkdir()
+    run_jobs(clean + [perturbed], settings, work, timeout_s=900, on_done=lambda job: None)
+    records = {job.id: N.run_record(job, J.read_result(work, job.id)) for job in clean + [perturbed]}
+    assert all(r["status"] == "ok" and len(r["losses"]) == steps for r in records.values()), records
+    # the same settings, batches, weights and step function in another process: the same floats. The compare's JAX
+    # process on CPU compiles at XLA's backend optimisation level 0 (launches.CPU_XLA_FLAGS), which rounds
+    # differently from the default level (measured: equal first loss, later ones up to 4e-5 relative apart), so the
+    # command's JAX child gets that level too (it inherits XLA_FLAGS)
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip())
+    for backend in ("torch", "jax"):
+        expected = _train_losses(backend, steps, seq_len, tmp_path / f"train-{backend}")
+        assert records[f"noise-floor-{backend}-ours"]["losses"] == expected, backend
     config = PRESETS["tiny"]
-    honest = N.noise_floor_section(floor, clean, config)
-    broken = N.noise_floor_section(floor, clean[:2] + perturbed, config)
+    honest = N.noise_floor_section(floor, [records[j.id] for j in clean], config)
+    broken = N.noise_floor_section(floor, [records[j.id] for j in clean[:2]] + [
+        {**records[perturbed.id], "name": "jax-ours"}], config)
     assert honest["floor"] > 0  # the two kernels differ in bf16: a floor was measured, not FLOOR_MIN
-    assert honest["consistent"], honest["verdict"]  # measured ratio ~1.0
-    assert broken["ratio"] > 10 and not broken["consistent"], broken["verdict"]  # measured ratio ~55
+    assert honest["consistent"], honest["verdict"]  # measured ratio ~1.06
+    assert broken["ratio"] > 10 and not broken["consistent"], broken["verdict"]  # measured ratio ~18

@@ -2,8 +2,9 @@
 # Issue 22's GPU acceptance on a 2x H200 host (the device tool's nvidia-h200-x2), run from the repository root with
 # the image's python3 (the checkout on PYTHONPATH): `twinflash compare --no-bench` of the Llama-3.2-1B shape, i.e. the
 # bf16 noise floor with its defaults (8k, 50 steps of text, fsdp=1 x sp=2, the default optimizer: torch triton /
-# sdpa_cudnn, JAX pallas / cudnn; it runs first) and the float32 equivalence checks (S=1k, 16 layers, 2 GPUs).
-# Expected ~7-9 minutes (4 trainings of ~60-90 s with start-up and compilation, then 3 equivalence jobs); the whole
+# sdpa_cudnn, JAX pallas / cudnn; jobs of the 2-GPU launches, after each backend's equivalence job) and the float32
+# equivalence checks (S=1k, 16 layers, 2 GPUs). Expected a few minutes (3 launches; each training compiles its step
+# once and takes ~10-20 s of steps); the whole
 # command under TIMEOUT_S (default 590, one 10-minute device call), the compare stops launching at TIME_LIMIT_S
 # (default 540; float32 jobs it did not reach are reported as not run).
 #   bash compare/bench/gpu_noise_floor.sh [EXTRA COMPARE ARGS...]

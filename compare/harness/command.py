@@ -177,17 +177,15 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     console.print(f"weights: {settings.model} -> {os.path.relpath(settings.weights, out)} in "
                   f"{time.perf_counter() - began:.3g} s, read by every job", highlight=False, soft_wrap=True)
     check_path = check_model(settings, work_dir)
-    jobs = plan_jobs(settings, check_path, trace_dir)
+    jobs = plan_jobs(settings, check_path, trace_dir) + noise_floor.plan_jobs(bf16_floor, settings, check_path)
     view = RunProgress(jobs, work_dir, console)
 
     def on_done(job: J.Job) -> None:
         view.done(job, J.read_result(work_dir, job.id))
 
-    interrupted, left, bf16 = None, 0, None
+    interrupted, left = None, 0
     with view.shown():
         try:
-            bf16 = noise_floor.run_noise_floor(bf16_floor, settings, check_path, work_dir, deadline,
-                                               lambda line: console.print(line, markup=False, highlight=False))
             run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline)
         except Interrupted as stop:  # the launch is stopped; the report shows what finished
             interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
@@ -210,8 +208,11 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         equivalence = equivalence_section(loaded, seq_len=settings.check_seq_len, devices=settings.devices,
                                           layers=settings.check_layers, reference_description=REFERENCE)
-    if bf16 is not None:
-        equivalence["bf16"] = bf16
+    if bf16_floor is not None:
+        equivalence["bf16"] = noise_floor.noise_floor_section(
+            bf16_floor, [noise_floor.run_record(job, results[job.id]) for job in jobs if job.kind == "curve"],
+            open_weights(check_path).config)
+        console.print(f"bf16 noise floor: {equivalence['bf16']['verdict']}", markup=False, highlight=False)
     points = [benchmark_point(job, results[job.id], config, settings) for job in jobs if job.kind == "bench"]
     add_scaling(points, settings.platform)
     report = report_dict(settings=settings, config=config, equivalence=equivalence, points=points,

@@ -1,5 +1,5 @@
 """The work `twinflash compare` hands to its backend processes, and what they hand back. Owns `Job` (one
-equivalence check or one benchmark point), the job file a launch reads, the files a job leaves in the work
+equivalence check, one benchmark point or one loss curve of the bf16 noise floor), the job file a launch reads, the files a job leaves in the work
 directory (`<id>.started` before it runs, rewritten with its progress as it goes, `<id>.json` and for an
 equivalence check `<id>.safetensors` after), the inputs both backends build the same way (`job_batches`,
 `Job.settings`), the setup clock of a job (`SetupClock`: launch, weights, compile, beside the measured time), and
@@ -19,7 +19,11 @@ Equivalence jobs (fp32) record: the loaded weights' float64 sum and sum of squar
 misread weight shows up by name), the next-token loss and the full logits of the first batch, every parameter's
 gradient of that loss, and in train mode the loss of each of `steps` optimizer steps. Benchmark jobs record the
 median step time, the forward time, the communication time of one profiled step, throughput inputs and the peak
-memory per device.
+memory per device. Curve jobs (the bf16 noise floor's trainings, compare/harness/noise_floor.py) train exactly as
+`twinflash train --data text --seed S --mesh fsdp=1,sp=devices --dtype DTYPE --steps N` does (its batches,
+`compare.commands.train.training_batches`; its optimizer, `weights.schedule.default_optimizer`; the backend's
+`build_training` and train step) inside the launch of their backend and device count, so that they reuse its
+process, weights and compiled steps; they record the loss of every step and the job's wall time.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
+from compare.commands.train import training_batches
 from weights import open_weights
 from weights.atomic import write_text_atomically
 from weights.data import random_batches, text_batches
 from weights.parallel import MeshShape
-from weights.schedule import OptimizerConfig
+from weights.schedule import OptimizerConfig, default_optimizer
 from weights.settings import TrainSettings
 
 LAUNCHED_AT_ENV = "TWINFLASH_LAUNCHED_AT"  # time.time() when the harness started a worker process
@@ -51,7 +56,7 @@ _COLLECTIVE_OP = re.compile(r"(all[-_]gather|all[-_]reduce|reduce[-_]scatter|psu
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One unit of a backend's work. `kind`: "equivalence" or "bench"; `attention`: the harness's name of the
+    """One unit of a backend's work. `kind`: "equivalence", "bench" or "curve"; `attention`: the harness's name of the
     kernel family ("ours", "vendor", "reference") and `attention_backend` the backend's own kernel name."""
 
     id: str
@@ -72,8 +77,15 @@ class Job:
     skip: str | None = None  # why the point is not attempted (decided up front by the plan), recorded as its result
 
     def settings(self) -> TrainSettings:
-        """The training description of this job: batch 1, the sequence split over all `devices` (fsdp=1)."""
+        """The training description of this job: batch 1, the sequence split over all `devices` (fsdp=1); a curve
+        job's is the one `twinflash train` builds from the same arguments (its default optimizer)."""
         steps = max(self.steps, 1)
+        if self.kind == "curve":
+            hidden_size = open_weights(self.model, self.seed).config.hidden_size
+            return TrainSettings(backend=self.backend, model=self.model, seq_len=self.seq_len, steps=steps,
+                                 mesh=MeshShape(sp=self.devices), batch=1, dtype=self.dtype, seed=self.seed,
+                                 data="text", optimizer=default_optimizer(hidden_size, steps),
+                                 activation_checkpointing=self.remat, attention_backend=self.attention_backend)
         optimizer = OptimizerConfig(lr=EQUIVALENCE_LR, warmup_steps=0, total_steps=steps)
         # an equivalence check runs its few steps eagerly (torch on GPUs): compiling them would cost more than they
         # take, and the reference it is held against is eager too
@@ -86,9 +98,12 @@ class Job:
 
 def job_batches(job: Job) -> np.ndarray:
     """int64 [steps + 1, 1, seq_len]: real text for equivalence checks, random tokens for benchmarks (one more
-    batch than steps: the benchmark's warm-up step)."""
+    batch than steps: the benchmark's warm-up step); a curve job's [steps, 1, seq_len] are `twinflash train`'s."""
     settings = job.settings()
-    vocab = open_weights(job.model, job.seed).config.vocab_size
+    config = open_weights(job.model, job.seed).config
+    if job.kind == "curve":
+        return training_batches(settings, config)
+    vocab = config.vocab_size
     make = text_batches if settings.data == "text" else random_batches
     return make(settings.steps + 1, 1, job.seq_len, vocab, job.seed)
 

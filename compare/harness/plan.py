@@ -3,7 +3,8 @@ the default sweep that fits the machine (device counts 1, 2, 4, ... up to the de
 GPUs the context lengths whose points fit the device's memory), the weights every job reads (generated or referenced
 once per run), the up-front memory estimate that skips a point which cannot fit (recorded with its reason, not run),
 and the jobs themselves grouped into launches: one torchrun launch and one JAX process per backend and device count,
-each serving all of its points (equivalence first, then ours and vendor by growing length, the plain reference last).
+each serving all of its points (equivalence first, then ours and vendor by growing length, the plain reference last;
+the bf16 noise floor's curve jobs, planned by `noise_floor.py`, beside the points of their shape).
 """
 
 from __future__ import annotations
@@ -269,11 +270,13 @@ def plan_jobs(settings: CompareSettings, check_model_path: str, trace_dir: Path)
 def group_launches(jobs: list[J.Job]) -> list[tuple[str, int, list[J.Job]]]:
     """[(backend, devices, jobs)]: one launch per backend and device count, in the order the first job of each
     appears; inside a launch the equivalence job first, then our and the vendor's kernels by growing length, the
-    plain reference last (the largest, and the likeliest to run out of memory: a torch launch ends on an OOM)."""
+    plain reference last (the largest, and the likeliest to run out of memory: a torch launch ends on an OOM). A
+    curve job (the bf16 noise floor) follows the benchmark point of its length and kernel, whose compiled step and
+    tuned kernels it reuses."""
     groups: dict[tuple[str, int], list[J.Job]] = {}
     for job in jobs:
         groups.setdefault((job.backend, job.devices), []).append(job)
-    order = {"equivalence": 0, "ours": 1, "vendor": 1, "reference": 2}
+    order = {"ours": 1, "vendor": 1, "reference": 2}
     return [(backend, devices, sorted(group, key=lambda j: (j.kind != "equivalence", order[j.attention],
-                                                            j.seq_len, j.attention == "vendor")))
+                                                            j.seq_len, j.attention == "vendor", j.kind == "curve")))
             for (backend, devices), group in groups.items()]

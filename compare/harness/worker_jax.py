@@ -1,7 +1,8 @@
 """The JAX backend's side of `twinflash compare`: runs the jobs of a job file (`compare/harness/jobs.py`) in this one
 process, each job over the first `devices` of JAX's devices (fsdp=1, sp=devices). Twin of
 `compare/harness/worker_torch.py`; the models, kernels, ring and training step are `jax_impl`'s own, built by
-`jax_impl.train.build_training` exactly as `twinflash train` builds them.
+`jax_impl.train.build_training` exactly as `twinflash train` builds them (a curve job of the bf16 noise floor
+trains as `twinflash train` does: the same settings, batches and `train_step`).
 
 `python -m compare.harness.worker_jax JOBFILE` (on CPU with XLA_FLAGS asking for the host devices, which the harness
 sets). One process serves every job of its device count (their compiled functions stay cached between jobs, and
@@ -93,6 +94,24 @@ def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> d
     save_file(arrays, str(work_dir / f"{job.id}.safetensors"))
     return {"status": "ok", "loss": float(loss), "loss_curve": curve, "weight_sums": sums,
             "setup": clock.result()}
+
+
+def curve(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
+    """A curve job (compare/harness/jobs.py): `twinflash train`'s steps on its batches, the loss of each."""
+    settings = job.settings()
+    batches = job_batches(job)
+    run = build_training(settings, devices)
+    clock.weights_loaded()
+    _perturb(run, job.perturb)
+    losses, seconds = [], []
+    for step in range(settings.steps):
+        mark_progress(work_dir, job, step, settings.steps, f"step {step + 1}/{settings.steps}")
+        began = time.perf_counter()
+        losses += _train_steps(run, batches, range(step, step + 1))
+        seconds.append(time.perf_counter() - began)
+    steady = statistics.median(seconds[1:]) if len(seconds) > 1 else None
+    return {"status": "ok", "losses": losses, "seconds": time.time() - clock.began,
+            "setup": clock.result(seconds[0] if steady else None, steady)}
 
 
 _SPAN_LINES = ("XLA Modules", "Steps", "XLA TraceMe")  # lines whose events span whole steps, not kernels
@@ -199,8 +218,8 @@ def main(argv: list[str]) -> int:
         clock = SetupClock(started_at)
         started_at = None  # the process's start is the first job's setup alone
         try:
-            result = (equivalence if job.kind == "equivalence" else bench)(job, work_dir, jax.devices()[:job.devices],
-                                                                            clock)
+            result = {"equivalence": equivalence, "bench": bench, "curve": curve}[job.kind](
+                job, work_dir, jax.devices()[:job.devices], clock)
         except Exception as failure:  # recorded in the report; the sweep goes on
             message = f"{type(failure).__name__}: {failure}"
             traceback.print_exc()

@@ -1,7 +1,8 @@
 """The torch backend's side of `twinflash compare`: runs the jobs of a job file (`compare/harness/jobs.py`) on this
 torchrun launch's ranks, one process per device, each job over all of them (fsdp=1, sp=world). Twin of
 `compare/harness/worker_jax.py`; the models, kernels, ring and training step are `torch_impl`'s own, built by
-`torch_impl.train.build_training` exactly as `twinflash train` builds them.
+`torch_impl.train.build_training` exactly as `twinflash train` builds them (a curve job of the bf16 noise floor
+trains as `twinflash train` does: the same settings, batches and `train_step`).
 
 `python -m torch.distributed.run --nproc-per-node=P -m compare.harness.worker_torch JOBFILE`. Rank 0 writes the files;
 a failing job raises, which ends the launch (see compare/harness/jobs.py).
@@ -96,6 +97,29 @@ def equivalence(job: Job, work_dir: Path, device: torch.device, clock: SetupCloc
         save_file({"logits": logits, **grads}, str(work_dir / f"{job.id}.safetensors"))
         write_result(work_dir, job, {"status": "ok", "loss": loss, "loss_curve": curve, "weight_sums": sums,
                                      "setup": clock.result()})
+
+
+def curve(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> None:
+    """A curve job (compare/harness/jobs.py): `twinflash train`'s steps on its batches, the loss of each."""
+    settings = job.settings()
+    batches = job_batches(job)
+    run = build_training(settings, device)
+    clock.weights_loaded()
+    _perturb(run, job.perturb)
+    count = valid_target_count(settings.batch, job.seq_len)
+    rank0 = dist.get_rank() == 0
+    losses, seconds = [], []
+    for step in range(settings.steps):
+        if rank0:
+            mark_progress(work_dir, job, step, settings.steps, f"step {step + 1}/{settings.steps}")
+        began = time.perf_counter()
+        losses.append(train_step(run.model, run.optimizer, *local_batch(batches[step], run.mesh, device), step,
+                                 count)[0])  # waits for the step
+        seconds.append(time.perf_counter() - began)
+    if rank0:
+        steady = statistics.median(seconds[1:]) if len(seconds) > 1 else None
+        write_result(work_dir, job, {"status": "ok", "losses": losses, "seconds": time.time() - clock.began,
+                                     "setup": clock.result(seconds[0] if steady else None, steady)})
 
 
 def _synchronize(device: torch.device) -> None:
@@ -205,7 +229,7 @@ def main(argv: list[str]) -> int:
                 mark_started(work_dir, job)
             clock = SetupClock(started_at)
             started_at = None  # the launch's start is the first job's setup alone
-            (equivalence if job.kind == "equivalence" else bench)(job, work_dir, device, clock)
+            {"equivalence": equivalence, "bench": bench, "curve": curve}[job.kind](job, work_dir, device, clock)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)

@@ -33,7 +33,8 @@ def blocks(report: dict) -> list[tuple]:
     opt = bf16["optimizer"]
     doc = [("h", 3, "bf16: torch vs JAX beside a measured noise floor"),
            ("p", [f"{bf16['steps']} training steps of text (seed {bf16['seed']}) at S={fmt_seq(bf16['seq_len'])}, "
-                  f"fsdp=1 × sp={bf16['devices']}, bf16, each run a `twinflash train` with its default optimizer "
+                  f"fsdp=1 × sp={bf16['devices']}, bf16, each run a job of this compare run that trains as "
+                  f"`twinflash train --data text` does, with its default optimizer "
                   f"(peak lr {opt['lr']:g}, {opt['warmup_steps']} warmup steps, cosine to "
                   f"{opt['min_lr_ratio']:g} × the peak), the same weights and batches. Noise floor: one backend "
                   "trained twice with two correct attention kernels; relative difference per step "
