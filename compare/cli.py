@@ -16,7 +16,8 @@ from pathlib import Path
 
 from compare.args import SEED_MAX, OneLineParser, integer, with_error_contract
 from compare.commands import train
-from compare.harness import command as compare_command
+from compare.harness import across_nodes, command as compare_command
+from compare.harness.plan import gpu_count, gpu_memory_bytes, plan_settings
 from compare.nodes import add_arguments as add_node_arguments, from_args as nodes_from_args
 from weights import PRESETS, BadInputError
 from weights.atomic import atomic_file, check_new_file, check_output_dir
@@ -104,10 +105,24 @@ def cmd_train(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    if nodes_from_args(args).spans_hosts:
-        raise BadInputError("`twinflash compare` runs on one host so far: its job loop does not span nodes yet "
-                            "(`twinflash train` does: README, On a cluster)")
-    return compare_command.run_command(args, args.argv)
+    """One node's command; spanning nodes, node 0 runs the compare (`across_nodes.lead_run`) and the others their
+    side of the launches that span them (`across_nodes.follow`)."""
+    nodes = nodes_from_args(args)
+    if not nodes.spans_hosts:
+        return compare_command.run_command(args, args.argv)
+    if args.out is None:
+        raise BadInputError(f"--nnodes {nodes.count}: give --out, the same directory on every node, on a file system "
+                            "all nodes see (node 0 writes the report there; the nodes exchange their work through it)")
+    if nodes.rank == 0:
+        return across_nodes.lead_run(args, nodes, compare_command.run_command)
+    gpus = gpu_count()  # the same plan as node 0's, so that bad input ends every node at once
+    settings = plan_settings(args, gpus * nodes.count, gpu_memory_bytes() if gpus else None)
+    across_nodes.check_placement(settings, nodes, gpus)
+    try:
+        return across_nodes.follow(args, nodes, args.out.resolve(), settings.platform)
+    except across_nodes.NodeFailure as failure:
+        print(f"twinflash: {failure.line}", file=sys.stderr)
+        return failure.code
 
 
 def build_parser() -> argparse.ArgumentParser:

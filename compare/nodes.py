@@ -140,15 +140,16 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ)
     return Nodes(count=count, rank=rank, coordinator=coordinator, timeout_s=args.rendezvous_timeout_s)
 
 
-def torchrun_arguments(nodes: Nodes) -> list[str]:
+def torchrun_arguments(nodes: Nodes, launch_id: str = "") -> list[str]:
     """torchrun's rendezvous arguments for this node (`compare.launch.torchrun_launcher` adds the processes per
     node): c10d at the coordinator, hosted by node 0, every wait bounded by the timeout; no restarts (a failed rank
-    ends the run)."""
+    ends the run). `launch_id` tells apart the launches of one run (`twinflash compare` starts one per backend and
+    device count)."""
     seconds = int(nodes.timeout_s)
     conf = (f"join_timeout={seconds},last_call_timeout=1,close_timeout={seconds},read_timeout={seconds},"
             f"is_host={str(nodes.hosts_rendezvous).lower()}")
     return [f"--nnodes={nodes.count}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={nodes.coordinator}", f"--rdzv-id=twinflash-{nodes.coordinator}",
+            f"--rdzv-endpoint={nodes.coordinator}", f"--rdzv-id={launch_id or 'twinflash'}-{nodes.coordinator}",
             f"--rdzv-conf={conf}", "--max-restarts=0"]
 
 
