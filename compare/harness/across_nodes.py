@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from compare.harness import jobs as J
+from compare.harness.plan import CompareSettings
 from compare.launch import Interrupted, interruptible, owned_process, stop_process_tree
 from compare.nodes import Nodes, launch_failure
 from weights import BadInputError
@@ -77,7 +78,7 @@ def placement(devices: int, per_node: int) -> tuple[int, int]:
     return nodes, devices // nodes
 
 
-def check_placement(settings, nodes: Nodes, gpus: int) -> int:
+def check_placement(settings: CompareSettings, nodes: Nodes, gpus: int) -> int:
     """Devices per node of a compare over `nodes`, every launch placeable (`placement`) and, on GPUs, each node's
     share present; bad input otherwise."""
     per_node = nodes.devices_per_node(settings.devices)
@@ -169,10 +170,10 @@ class SpanningLaunch:
 
 
 class Lead:
-    """Node 0 of a compare (or, with one node, a stand-in that does nothing): the arrival of the others, the
-    launches that span them, the end of the run."""
+    """Node 0 of a compare spanning nodes (with one node, a stand-in that does nothing): the arrival of the
+    others, the launches that span them, the end of the run."""
 
-    def __init__(self, nodes: Nodes = Nodes(), arguments: dict | None = None):
+    def __init__(self, nodes: Nodes, arguments: dict | None = None):
         self.nodes, self.arguments = nodes, arguments
         self.per_node: int | None = None
         self.directory: Path | None = None
@@ -184,8 +185,9 @@ class Lead:
         """The GPUs the plan may use: every node's."""
         return gpus * self.nodes.count
 
-    def planned(self, settings, gpus: int):
-        """`settings` checked for the nodes (`check_placement`), with a note on the placement in the report."""
+    def planned(self, settings: CompareSettings, gpus: int) -> CompareSettings:
+        """`settings` checked for the nodes (`check_placement`), with a note on the placement (printed as the run
+        starts)."""
         if not self.nodes.spans_hosts:
             return settings
         self.per_node = check_placement(settings, self.nodes, gpus)

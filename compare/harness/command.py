@@ -45,6 +45,7 @@ from compare.harness.plan import (WEIGHTS_DIR, check_model, gpu_count, gpu_memor
                                   prepare_weights)
 from compare.harness.progress import RunProgress
 from compare.launch import Interrupted, interruptible
+from compare.nodes import Nodes
 from compare.report.data import add_scaling, benchmark_point, job_timing, report_dict
 from compare.report.fields import fmt_seq
 from compare.report.write import load_peers, write_report
@@ -139,12 +140,12 @@ def _summary_table(report: dict, width: int):
         columns.remove(max(columns, key=lambda c: c[2]))
 
 
-def run_command(args: argparse.Namespace, argv: list[str], lead: Lead = Lead()) -> int:
+def run_command(args: argparse.Namespace, argv: list[str], lead: Lead | None = None) -> int:
     """`twinflash compare` after argument parsing (on node 0 of a run spanning nodes: `lead`); raises
     BadInputError for bad input."""
     with interruptible():
         try:
-            return _run(args, argv, lead)
+            return _run(args, argv, lead or Lead(Nodes()))
         except Interrupted as stop:  # outside the jobs' run (before it, or while the report was being written)
             print(f"twinflash: compare interrupted ({stop.signal_name}) outside its jobs' run; no report written",
                   file=sys.stderr)

@@ -6,7 +6,8 @@ inductor's; directories under the run's work directory), the relaunch loop after
 was running is recorded as OOM, error or timeout from the log and the rest runs in a new launch), the points the
 plan skipped (recorded with their reason, never launched), and the time limit. A launch over more devices than a
 node has spans nodes (`across_nodes`: node 0's side runs here, the others' on their nodes). Launches are
-`compare.launch`'s owned processes: an `Interrupted` propagates with the launch stopped, and the command records the jobs left.
+`compare.launch`'s owned processes: an `Interrupted` propagates with the launch stopped, and the command records
+the jobs left.
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ def side_launcher(backend: str, devices: int, platform: str, work_dir: Path, ren
 Spanning = Callable[[Path], tuple[SpanningLaunch, tuple[list[str], dict[str, str]]]]
 
 
-def _spanning(lead: Lead, backend: str, devices: int, platform: str, work_dir: Path) -> Spanning | None:
+def _spanning(lead: Lead | None, backend: str, devices: int, platform: str, work_dir: Path) -> Spanning | None:
     """None for a launch on node 0 alone; else what announces each launch to the other nodes and gives node 0's
     side of it."""
-    if not lead.spans(devices):
+    if lead is None or not lead.spans(devices):
         return None
 
     def announce(job_file: Path):
@@ -95,7 +96,7 @@ def _record_not_run(jobs: list[J.Job], work_dir: Path, on_done) -> None:
 
 def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_dir: Path, log: Path,
                timeout_s: float, on_done, deadline: float = math.inf, spanning: Spanning | None = None,
-               lead: Lead = Lead()) -> None:
+               lead: Lead | None = None) -> None:
     """Runs `jobs` on `devices` through `backend`'s worker, relaunching after a failure with the jobs left. A job
     that was running when its launch failed gets status oom / error / timeout from the log; if a launch fails
     before any job started, every job left gets the error. At `deadline` (time.monotonic) the launch is stopped
@@ -110,6 +111,7 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
         job_file = work_dir / f"jobs-{remaining[0].id}.json"
         J.write_job_file(job_file, remaining, work_dir)
         span, (command, env) = spanning(job_file) if spanning else (None, (command, env))
+        launched = list(remaining)
         offset = log.stat().st_size if log.exists() else 0
         launch_env = env | {J.LAUNCHED_AT_ENV: repr(time.time())}
         with open(log, "a") as out, owned_process([*command, str(job_file)], stdout=out, stderr=out,
@@ -117,7 +119,8 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
             timed_out, last = False, time.monotonic()
             while process.poll() is None:
                 time.sleep(0.2)
-                lead.check()
+                if lead is not None:
+                    lead.check()
                 finished = [j for j in remaining if J.read_result(work_dir, j.id) is not None]
                 for job in finished:
                     on_done(job)
@@ -130,8 +133,7 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
             text.seek(offset)
             tail = text.read()[-3000:]
         if span is not None:  # the other nodes' sides end too (a result their rank 0 writes last may come now)
-            lead.finish(span, tail, process.returncode, timed_out,
-                        any(J.started(work_dir, j.id) for j in remaining) or len(remaining) < len(jobs))
+            lead.finish(span, tail, process.returncode, timed_out, any(J.started(work_dir, j.id) for j in launched))
         for job in [j for j in remaining if J.read_result(work_dir, j.id) is not None]:
             on_done(job)
             remaining.remove(job)
@@ -150,7 +152,7 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
 
 
 def run_jobs(jobs: list[J.Job], settings: CompareSettings, work_dir: Path, timeout_s: float, on_done,
-             deadline: float = math.inf, lead: Lead = Lead()) -> None:
+             deadline: float = math.inf, lead: Lead | None = None) -> None:
     """The points the plan skipped are recorded (vendor kernels off-GPU as unsupported, points beyond the device's
     memory as skipped); the rest run in one launch per backend and device count (`plan.group_launches`), over
     several nodes where `lead` places them so."""
