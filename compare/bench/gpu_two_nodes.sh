@@ -94,6 +94,11 @@ import json, pathlib, sys
 runs, out, backends, gpu, commit, wall, stages = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), *sys.argv[3:]
 
 
+def portable(line):
+    """A log line as results keep it: the output folder named $OUT, not by its path on the machine."""
+    return line.replace(str(out.parent), "$OUT")[-300:]
+
+
 def read(run):
     log = runs / f"{run}.log"
     jsonl = runs / run / "train.jsonl"
@@ -104,7 +109,7 @@ def read(run):
             "tokens_per_s": steady[len(steady) // 2] if steady else None,
             "mfu": sorted(r["mfu"] or 0 for r in records[1:])[len(records[1:]) // 2] if records[1:] else None,
             "peak_memory_gib": max(max(r["peak_memory_bytes"]) for r in records) / 2**30 if records else None,
-            "twinflash_lines": [line[-300:] for line in text.splitlines() if line.startswith("twinflash:")]}
+            "twinflash_lines": [portable(line) for line in text.splitlines() if line.startswith("twinflash:")]}
 
 
 def compare():
@@ -116,7 +121,7 @@ def compare():
     for rank in (0, 1):
         log = runs / f"compare-node{rank}.log"
         text = log.read_text(errors="replace") if log.exists() else ""
-        nodes.append([line[-300:] for line in text.splitlines() if line.startswith("twinflash:")])
+        nodes.append([portable(line) for line in text.splitlines() if line.startswith("twinflash:")])
     return {"exits": exits.read_text().split()[1::2] if exits.exists() else None, "node_lines": nodes,
             "equivalence_passed": data["equivalence"]["passed"] if data else None,
             "points": [{k: p[k] for k in ("backend", "devices", "seq_len", "status", "step_s", "tokens_per_s")}
