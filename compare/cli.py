@@ -17,6 +17,7 @@ from pathlib import Path
 from compare.args import SEED_MAX, OneLineParser, integer, with_error_contract
 from compare.commands import train
 from compare.harness import across_nodes, command as compare_command
+from compare.harness.launches import side_launcher
 from compare.harness.plan import gpu_count, gpu_memory_bytes, plan_settings
 from compare.nodes import add_arguments as add_node_arguments, from_args as nodes_from_args
 from weights import PRESETS, BadInputError
@@ -118,11 +119,12 @@ def cmd_compare(args) -> int:
     gpus = gpu_count()  # the same plan as node 0's, so that bad input ends every node at once
     settings = plan_settings(args, gpus * nodes.count, gpu_memory_bytes() if gpus else None)
     across_nodes.check_placement(settings, nodes, gpus)
-    try:
-        return across_nodes.follow(args, nodes, args.out.resolve(), settings.platform)
-    except across_nodes.NodeFailure as failure:
-        print(f"twinflash: {failure.line}", file=sys.stderr)
-        return failure.code
+    out = args.out.resolve()
+
+    def launcher(backend: str, devices: int, rendezvous, launch_id: str):
+        return side_launcher(backend, devices, settings.platform, out / "work", rendezvous, launch_id)
+
+    return across_nodes.follow(args, nodes, out, launcher)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -307,18 +307,15 @@ def _follower_job_file(spec: dict, scratch: Path) -> Path:
     return path
 
 
-def _run_side(spec: dict, number: int, nodes: Nodes, directory: Path, work_dir: Path, platform: str,
+def _run_side(spec: dict, number: int, nodes: Nodes, directory: Path, work_dir: Path, launcher: SideLauncher,
               watch: Heartbeats) -> dict:
     """This node's side of launch `number`, until it ends; stopped when the lead's side ended with a failure,
     `nodes.timeout_s` after the lead's ended otherwise, or when the run ended."""
-    from compare.harness.launches import side_launcher
-
     rendezvous = dataclasses.replace(nodes, count=spec["nodes"])
     log = work_dir / "logs" / f"{spec['backend']}-{spec['devices']}.node{nodes.rank}.log"
     with tempfile.TemporaryDirectory(prefix="twinflash-node-") as scratch:
         job_file = _follower_job_file(spec, Path(scratch))
-        command, env = side_launcher(spec["backend"], spec["per_node"], platform, work_dir, rendezvous,
-                                     spec["launch_id"])
+        command, env = launcher(spec["backend"], spec["per_node"], rendezvous, spec["launch_id"])
         with open(log, "a") as out, owned_process([*command, str(job_file)], stdout=out, stderr=out,
                                                   env=env | {J.LAUNCHED_AT_ENV: repr(time.time())}) as process:
             ended_at = None
@@ -337,18 +334,26 @@ def _run_side(spec: dict, number: int, nodes: Nodes, directory: Path, work_dir: 
     return {"exit": process.returncode, "code": code, "line": line}
 
 
-def follow(args: argparse.Namespace, nodes: Nodes, out: Path, platform: str) -> int:
+# (backend, devices on this node, this node's place in the launch, launch id) -> (worker command, environment):
+# `launches.side_launcher` for the run's platform and work directory
+SideLauncher = Callable[[str, int, Nodes, str], tuple[list[str], dict[str, str]]]
+
+
+def follow(args: argparse.Namespace, nodes: Nodes, out: Path, launcher: SideLauncher) -> int:
     """A follower's command: arrive, run this node's side of each launch that spans it, end when the lead does.
-    Returns its exit code (0: its part done; the report, its verdict and exit code are node 0's). Interrupted, it
-    stops its side and says so in one line (node 0 then finds it lost)."""
+    Returns its exit code (0: its part done; the report, its verdict and exit code are node 0's) once one line said
+    why it ended. Interrupted, it stops its side and says so (node 0 then finds it lost)."""
     try:
-        return _follow(args, nodes, out, platform)
+        return _follow(args, nodes, out, launcher)
+    except NodeFailure as failure:
+        print(f"twinflash: {failure.line}", file=sys.stderr)
+        return failure.code
     except Interrupted as stop:
         print(f"twinflash: {nodes.who()}: interrupted ({stop.signal_name})", file=sys.stderr)
         return stop.exit_code
 
 
-def _follow(args: argparse.Namespace, nodes: Nodes, out: Path, platform: str) -> int:
+def _follow(args: argparse.Namespace, nodes: Nodes, out: Path, launcher: SideLauncher) -> int:
     directory = out / "work" / NODES_DIR
     who = nodes.who()
     run = _wait_for(directory / "run.json", nodes.timeout_s)
@@ -374,7 +379,7 @@ def _follow(args: argparse.Namespace, nodes: Nodes, out: Path, platform: str) ->
                 time.sleep(POLL_S)
                 continue
             if nodes.rank < spec["nodes"]:
-                side = _run_side(spec, number, nodes, directory, out / "work", platform, watch)
+                side = _run_side(spec, number, nodes, directory, out / "work", launcher, watch)
                 _write_json(directory / f"launch-{number}.node{nodes.rank}.json", side)
             number += 1
     if end["line"] is not None:
