@@ -162,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="both backends, same weights and devices: equivalence + benchmark "
                                   "report (no arguments on a CPU machine: tiny model, 4 emulated devices)")
     compare_command.add_arguments(compare)
-    add_node_arguments(compare)
+    add_node_arguments(compare, "--devices counts every node's devices (default on GPUs: all of them); a launch "
+                       "of more devices than a node has spans nodes, the others run on node 0; --out is required, "
+                       "on a file system every node sees (node 0 writes the report there)")
     compare.set_defaults(func=cmd_compare)
 
     bench = commands.add_parser("bench", help="GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs)",
