@@ -6,7 +6,8 @@ process, each job over the first `devices` of JAX's devices (fsdp=1, sp=devices)
 `python -m compare.harness.worker_jax JOBFILE` (on CPU with XLA_FLAGS asking for the host devices, which the harness
 sets). One process serves every job of its device count (their compiled functions stay cached between jobs, and
 the run's persistent compilation cache serves a relaunch). An out-of-memory or other error of a job is recorded as
-its result and the next job runs.
+its result and the next job runs. In a launch spanning nodes (`compare/harness/across_nodes.py`) one such process
+runs on each node, joined by `jax.distributed`, and arrays that span them are gathered where read whole.
 
 Peak memory on GPUs: the allocator's peak cannot be reset between the jobs of a process, so a job's peak is that
 counter where it rose during the job, else (an earlier job of the process peaked higher) the bytes in use when its
