@@ -288,9 +288,9 @@ def lead_run(args: argparse.Namespace, nodes: Nodes, run: Callable[[argparse.Nam
         print(f"twinflash: {failure.line}", file=sys.stderr)
         return failure.code
     except BaseException as error:
-        lead.end(1, f"node 0 ended with {type(error).__name__}: {str(error)[:300]}")
+        lead.end(1, f"{type(error).__name__}: {str(error)[:300]}")
         raise
-    lead.end(code, None if code in (EXIT_OK, EXIT_CHECK_FAILED) else f"node 0 ended with exit code {code}")
+    lead.end(code, None if code in (EXIT_OK, EXIT_CHECK_FAILED) else f"its exit code {code}")
     return code
 
 
