@@ -16,7 +16,9 @@ from pathlib import Path
 
 from compare.args import SEED_MAX, OneLineParser, integer, with_error_contract
 from compare.commands import train
-from compare.harness import command as compare_command
+from compare.harness import across_nodes, command as compare_command
+from compare.harness.launches import side_launcher
+from compare.harness.plan import gpu_count, gpu_memory_bytes, plan_settings
 from compare.nodes import add_arguments as add_node_arguments, from_args as nodes_from_args
 from weights import PRESETS, BadInputError
 from weights.atomic import atomic_file, check_new_file, check_output_dir
@@ -104,10 +106,25 @@ def cmd_train(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    if nodes_from_args(args).spans_hosts:
-        raise BadInputError("`twinflash compare` runs on one host so far: its job loop does not span nodes yet "
-                            "(`twinflash train` does: README, On a cluster)")
-    return compare_command.run_command(args, args.argv)
+    """One node's command; spanning nodes, node 0 runs the compare (`across_nodes.lead_run`) and the others their
+    side of the launches that span them (`across_nodes.follow`)."""
+    nodes = nodes_from_args(args)
+    if not nodes.spans_hosts:
+        return compare_command.run_command(args, args.argv)
+    if args.out is None:
+        raise BadInputError(f"--nnodes {nodes.count}: give --out, the same directory on every node, on a file system "
+                            "all nodes see (node 0 writes the report there; the nodes exchange their work through it)")
+    if nodes.rank == 0:
+        return across_nodes.lead_run(args, nodes, compare_command.run_command)
+    gpus = gpu_count()  # the same plan as node 0's, so that bad input ends every node at once
+    settings = plan_settings(args, gpus * nodes.count, gpu_memory_bytes() if gpus else None)
+    across_nodes.check_placement(settings, nodes, gpus)
+    out = args.out.resolve()
+
+    def launcher(backend: str, devices: int, rendezvous, launch_id: str):
+        return side_launcher(backend, devices, settings.platform, out / "work", rendezvous, launch_id)
+
+    return across_nodes.follow(args, nodes, out, launcher)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="both backends, same weights and devices: equivalence + benchmark "
                                   "report (no arguments on a CPU machine: tiny model, 4 emulated devices)")
     compare_command.add_arguments(compare)
-    add_node_arguments(compare)
+    add_node_arguments(compare, "--devices counts every node's devices (default on GPUs: all of them); a launch "
+                       "of more devices than a node has spans nodes, the others run on node 0; --out is required, "
+                       "on a file system every node sees (node 0 writes the report there)")
     compare.set_defaults(func=cmd_compare)
 
     bench = commands.add_parser("bench", help="GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs)",

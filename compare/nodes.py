@@ -90,13 +90,17 @@ class Nodes:
                    coordinator=environ[ENV["coordinator"]], timeout_s=float(environ[ENV["timeout_s"]]))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+TRAIN_PLACEMENT = ("With --mesh fsdp=A,sp=B the sequence-parallel ring runs inside a node and FSDP across nodes: the "
+                   "ring moves K/V every layer and belongs on the fast links inside a node (NVLink), FSDP gathers "
+                   "each layer's weights once and tolerates the network; --mesh sp=B,fsdp=A asks for the other "
+                   "placement")
+
+
+def add_arguments(parser: argparse.ArgumentParser, placement: str = TRAIN_PLACEMENT) -> None:
+    """The node flags, with `placement`: how the command spreads its work over the nodes (train's by default)."""
     group = parser.add_argument_group(
         "several hosts", "one command per node, the same flags on each (under SLURM read from SLURM_NNODES, "
-        "SLURM_NODEID and the job's first host when not given). With --mesh fsdp=A,sp=B the sequence-parallel ring "
-        "runs inside a node and FSDP across nodes: the ring moves K/V every layer and belongs on the fast links "
-        "inside a node (NVLink), FSDP gathers each layer's weights once and tolerates the network; --mesh "
-        "sp=B,fsdp=A asks for the other placement")
+        "SLURM_NODEID and the job's first host when not given). " + placement)
     group.add_argument("--nnodes", type=integer(1), help="nodes in the run (default 1, or SLURM_NNODES)")
     group.add_argument("--node-rank", type=integer(0), help="this node's rank, 0 .. nnodes-1 (node 0 hosts the "
                        "rendezvous; default SLURM_NODEID)")
@@ -140,15 +144,16 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ)
     return Nodes(count=count, rank=rank, coordinator=coordinator, timeout_s=args.rendezvous_timeout_s)
 
 
-def torchrun_arguments(nodes: Nodes) -> list[str]:
+def torchrun_arguments(nodes: Nodes, launch_id: str = "") -> list[str]:
     """torchrun's rendezvous arguments for this node (`compare.launch.torchrun_launcher` adds the processes per
     node): c10d at the coordinator, hosted by node 0, every wait bounded by the timeout; no restarts (a failed rank
-    ends the run)."""
+    ends the run). `launch_id` tells apart the launches of one run (`twinflash compare` starts one per backend and
+    device count)."""
     seconds = int(nodes.timeout_s)
     conf = (f"join_timeout={seconds},last_call_timeout=1,close_timeout={seconds},read_timeout={seconds},"
             f"is_host={str(nodes.hosts_rendezvous).lower()}")
     return [f"--nnodes={nodes.count}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={nodes.coordinator}", f"--rdzv-id=twinflash-{nodes.coordinator}",
+            f"--rdzv-endpoint={nodes.coordinator}", f"--rdzv-id={launch_id or 'twinflash'}-{nodes.coordinator}",
             f"--rdzv-conf={conf}", "--max-restarts=0"]
 
 

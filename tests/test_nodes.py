@@ -6,6 +6,11 @@ the same mesh; a node alone (its peer never starts) must end with one line and e
 script is checked for syntax and run with a fake `srun` and a fake SLURM environment, whose command must give each
 node the flags its place in the job implies.
 
+`twinflash compare` across nodes (`compare/harness/across_nodes.py`): two "nodes" of two devices each run a tiny
+compare whose 4-device launches span both (both backends, fp32); node 0's report must hold the 4-device points
+measured and the equivalence checks passed as on one node (their tolerances are the harness's own), and node 1's
+side of each launch must have run. Each node alone ends with one line and exit 2 within the timeout.
+
 Tolerance: two nodes vs one, fp32: 1e-5 relative per step. The same devices compute the same float32 math; only
 which process holds which device changes, and collectives between processes may sum in another order (~1e-7
 relative per step on losses of ~5, grown by AdamW over 10 steps, far below 1e-5).
@@ -27,6 +32,8 @@ import numpy as np
 import pytest
 
 from compare import nodes as N
+from compare.harness import across_nodes
+from compare.cli import build_parser
 from compare.commands.train import add_arguments
 from weights import BadInputError
 from weights.parallel import MeshShape
@@ -97,6 +104,11 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _compare_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    return parser.parse_args(["compare", *argv])
+
+
 def test_node_flags_from_slurm_and_from_the_command_line():
     slurm = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu3",
              N.PORT_ENV: "23456"}
@@ -152,6 +164,64 @@ def test_slurm_script_builds_each_nodes_command(tmp_path):
         task_env = {**env, "SLURM_NNODES": "2", "SLURM_NODEID": str(rank), N.PORT_ENV: str(port)}
         nodes = N.from_args(_args(words[7:]), task_env)
         assert nodes == N.Nodes(count=2, rank=rank, coordinator=f"gpu07:{port}"), nodes
+    compare = ["compare", "--out", str(tmp_path / "cmp")]  # the compare mode: the same mapping, its own flags
+    assert subprocess.run(["bash", str(SLURM_SCRIPT), *compare], env=env).returncode == 0
+    words = record.read_text().splitlines()
+    assert words[6:] == compare
+    task_env = {**env, "SLURM_NNODES": "2", "SLURM_NODEID": "1", N.PORT_ENV: str(port)}
+    assert N.from_args(_compare_args(words[7:]), task_env) == N.Nodes(count=2, rank=1, coordinator=f"gpu07:{port}")
     missing = subprocess.run(["bash", str(SLURM_SCRIPT), *train], env={"PATH": env["PATH"]}, capture_output=True,
                              text=True)
     assert missing.returncode != 0 and "SLURM_JOB_ID" in missing.stderr
+
+
+def _compare(out: Path, rank: int, port: int, timeout_s: float) -> list[str]:
+    # forward mode: the equivalence check's logits and gradients without the loss curves' compiled train steps
+    return [sys.executable, "-m", "compare.cli", "compare", "--mode", "forward", "--seq-lens", "64", "--devices", "4",
+            "--device-counts", "4", "--ablation", "ours", "--steps", "1", "--out", str(out), "--nnodes", "2",
+            "--node-rank", str(rank), "--coordinator", f"localhost:{port}", "--rendezvous-timeout-s", str(timeout_s)]
+
+
+@pytest.mark.slow
+def test_compare_spans_two_nodes_and_a_node_alone_ends_with_one_line(tmp_path):
+    out = tmp_path / "compare"
+    port = _free_port()
+    started = [subprocess.Popen(_compare(out, rank, port, 120), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) for rank in (0, 1)]
+    logs = [process.communicate(timeout=2 * LAUNCH_TIMEOUT_S)[0] for process in started]
+    assert [process.returncode for process in started] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    report = json.loads((out / "report.json").read_text())
+    points = {(p["backend"], p["devices"]): p for p in report["benchmark"]["points"]}
+    assert {key: p["status"] for key, p in points.items()} == {("torch", 4): "ok", ("jax", 4): "ok"}
+    assert all(p["step_s"] > 0 for p in points.values())
+    equivalence = report["equivalence"]
+    assert equivalence["passed"] and equivalence["devices"] == 4, equivalence.get("failures")
+    assert [c["name"] for c in equivalence["comparisons"]] == ["torch vs reference", "jax vs reference",
+                                                               "torch vs jax"]
+    assert all(check["passed"] for c in equivalence["comparisons"] for check in c["checks"])
+    for backend in ("torch", "jax"):  # node 1 ran its side of both backends' 4-device launches
+        assert (out / "work" / "logs" / f"{backend}-4.node1.log").exists()
+    assert "node 1" in logs[1] and "node 0 writes the report" in logs[1]
+
+    # each node alone: node 0 waits for node 1 to arrive, node 1 for node 0 to start the run
+    began = time.monotonic()
+    alone = [subprocess.Popen(_compare(tmp_path / f"alone-{rank}", rank, _free_port(), ALONE_TIMEOUT_S),
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    errors = [process.communicate(timeout=LAUNCH_TIMEOUT_S)[1] for process in alone]
+    for rank, process, stderr in zip((0, 1), alone, errors):
+        lines = [line for line in stderr.splitlines() if line.startswith("twinflash:")]
+        assert process.returncode == 2 and len(lines) == 1, stderr[-3000:]
+        assert f"node {rank} on {socket.gethostname()}" in lines[0], lines
+        assert ("never arrived" if rank == 0 else "did not start the run") in lines[0], lines
+    assert time.monotonic() - began < ALONE_TIMEOUT_S + 120  # the wait is the timeout; the rest is starting Python
+    assert not any((tmp_path / "alone-0").iterdir())  # node 0 leaves its --out as it found it
+
+
+def test_compare_placement_and_its_bad_input():
+    assert across_nodes.placement(2, 2) == (1, 2) and across_nodes.placement(4, 2) == (2, 2)
+    assert across_nodes.placement(6, 4) == (2, 3)  # two nodes, three devices each
+    with pytest.raises(BadInputError, match="split evenly"):
+        across_nodes.placement(5, 4)
+    no_out = subprocess.run([sys.executable, "-m", "compare.cli", "compare", "--nnodes", "2", "--coordinator", "h:1"],
+                            capture_output=True, text=True, timeout=120)
+    assert no_out.returncode == 2 and "give --out" in no_out.stderr, no_out.stderr

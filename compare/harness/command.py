@@ -38,12 +38,14 @@ from pathlib import Path
 from compare.args import integer, ints, lengths, names, number
 from compare.harness import jobs as J
 from compare.harness import noise_floor
+from compare.harness.across_nodes import Lead
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.harness.launches import CACHE_DIR, run_jobs
 from compare.harness.plan import (WEIGHTS_DIR, check_model, gpu_count, gpu_memory_bytes, plan_jobs, plan_settings,
                                   prepare_weights)
 from compare.harness.progress import RunProgress
 from compare.launch import Interrupted, interruptible
+from compare.nodes import Nodes
 from compare.report.data import add_scaling, benchmark_point, job_timing, report_dict
 from compare.report.fields import fmt_seq
 from compare.report.write import load_peers, write_report
@@ -138,11 +140,12 @@ def _summary_table(report: dict, width: int):
         columns.remove(max(columns, key=lambda c: c[2]))
 
 
-def run_command(args: argparse.Namespace, argv: list[str]) -> int:
-    """`twinflash compare` after argument parsing; raises BadInputError for bad input."""
+def run_command(args: argparse.Namespace, argv: list[str], lead: Lead | None = None) -> int:
+    """`twinflash compare` after argument parsing (on node 0 of a run spanning nodes: `lead`); raises
+    BadInputError for bad input."""
     with interruptible():
         try:
-            return _run(args, argv)
+            return _run(args, argv, lead or Lead(Nodes()))
         except Interrupted as stop:  # outside the jobs' run (before it, or while the report was being written)
             print(f"twinflash: compare interrupted ({stop.signal_name}) outside its jobs' run; no report written",
                   file=sys.stderr)
@@ -157,17 +160,18 @@ def _record_interrupted(jobs: list[J.Job], work_dir: Path, stop: Interrupted) ->
     return len(left)
 
 
-def _run(args: argparse.Namespace, argv: list[str]) -> int:
+def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
     from rich.console import Console
 
     out = (args.out or _default_out(args.model)).resolve()
     check_output_dir(out, "--out", empty=True)
     gpus = gpu_count()
-    settings = plan_settings(args, gpus, gpu_memory_bytes() if gpus else None)
+    settings = lead.planned(plan_settings(args, lead.gpus(gpus), gpu_memory_bytes() if gpus else None), gpus)
     bf16_floor = noise_floor.plan(args, settings)
     deadline = math.inf if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     work_dir, trace_dir = out / "work", out / "traces"
     work_dir.mkdir(parents=True, exist_ok=True)
+    lead.arrive(work_dir)
     trace_dir.mkdir(exist_ok=True)
     console = Console(stderr=True)
     for note in settings.notes:
@@ -186,7 +190,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     interrupted, left = None, 0
     with view.shown():
         try:
-            run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline)
+            run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline, lead)
         except Interrupted as stop:  # the launch is stopped; the report shows what finished
             interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
 

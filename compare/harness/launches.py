@@ -4,8 +4,10 @@ over that many devices: on CPU that many emulated host devices, on GPUs the firs
 caches every launch of a run shares (JAX's persistent compilation cache, Triton's kernel and autotuning caches,
 inductor's; directories under the run's work directory), the relaunch loop after a failed launch (the job that
 was running is recorded as OOM, error or timeout from the log and the rest runs in a new launch), the points the
-plan skipped (recorded with their reason, never launched), and the time limit. Launches are `compare.launch`'s
-owned processes: an `Interrupted` propagates with the launch stopped, and the command records the jobs left.
+plan skipped (recorded with their reason, never launched), and the time limit. A launch over more devices than a
+node has spans nodes (`across_nodes`: node 0's side runs here, the others' on their nodes). Launches are
+`compare.launch`'s owned processes: an `Interrupted` propagates with the launch stopped, and the command records
+the jobs left.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from compare.harness import jobs as J
+from compare.harness.across_nodes import Lead, SpanningLaunch
 from compare.harness.plan import CompareSettings, group_launches
 from compare.launch import (JAX_GPU_MEMORY_FRACTION, failure_reason, host_devices_env, owned_process,
                             stop_process_tree, torchrun_launcher)
+from compare.nodes import Nodes, torchrun_arguments
 
 CACHE_DIR = "cache"  # under the run's work directory
 # JAX on CPU: XLA's code generation without LLVM's optimisations. A CPU point is no benchmark and its step takes
@@ -48,10 +53,15 @@ def _first_gpus(devices: int) -> str:
     return ",".join(ids[:devices])
 
 
-def _launcher(backend: str, devices: int, platform: str, work_dir: Path) -> tuple[list[str], dict[str, str]]:
-    shared = cache_env(work_dir) | {"PYTHONUNBUFFERED": "1"}
+def side_launcher(backend: str, devices: int, platform: str, work_dir: Path, rendezvous: Nodes | None = None,
+                  launch_id: str = "") -> tuple[list[str], dict[str, str]]:
+    """(worker command without its job file, environment) of one node's side of a launch over `devices` of this
+    node: alone, or with `rendezvous` (this node's place in a launch spanning nodes, `across_nodes`; `launch_id`
+    names its torch rendezvous)."""
+    shared = cache_env(work_dir) | {"PYTHONUNBUFFERED": "1"} | (rendezvous.to_env() if rendezvous else {})
     if backend == "torch":
-        launcher, env = torchrun_launcher(devices)
+        spanning = tuple(torchrun_arguments(rendezvous, launch_id)) if rendezvous else ("--standalone",)
+        launcher, env = torchrun_launcher(devices, spanning)
         return [*launcher, "-m", "compare.harness.worker_torch"], env | shared
     if platform == "cpu":
         env = host_devices_env(devices)
@@ -63,6 +73,22 @@ def _launcher(backend: str, devices: int, platform: str, work_dir: Path) -> tupl
     return [sys.executable, "-m", "compare.harness.worker_jax"], env | shared
 
 
+Spanning = Callable[[Path], tuple[SpanningLaunch, tuple[list[str], dict[str, str]]]]
+
+
+def _spanning(lead: Lead | None, backend: str, devices: int, platform: str, work_dir: Path) -> Spanning | None:
+    """None for a launch on node 0 alone; else what announces each launch to the other nodes and gives node 0's
+    side of it."""
+    if lead is None or not lead.spans(devices):
+        return None
+
+    def announce(job_file: Path):
+        span = lead.launch(backend, devices, job_file)
+        return span, side_launcher(backend, span.per_node, platform, work_dir, span.rendezvous, span.launch_id)
+
+    return announce
+
+
 def _record_not_run(jobs: list[J.Job], work_dir: Path, on_done) -> None:
     for job in jobs:
         J.write_result(work_dir, job, {"status": "timeout", "message": "not run: --time-limit-s reached"})
@@ -70,11 +96,14 @@ def _record_not_run(jobs: list[J.Job], work_dir: Path, on_done) -> None:
 
 
 def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_dir: Path, log: Path,
-               timeout_s: float, on_done, deadline: float = math.inf) -> None:
-    """Runs `jobs` through the worker `command`, relaunching after a failure with the jobs left. A job that was
-    running when its launch failed gets status oom / error / timeout from the log; if a launch fails before any
-    job started, every job left gets the error. At `deadline` (time.monotonic) the launch is stopped and the jobs
-    left are recorded as not run. `on_done(job)` after each job's result appears."""
+               timeout_s: float, on_done, deadline: float = math.inf, spanning: Spanning | None = None,
+               lead: Lead | None = None) -> None:
+    """Runs `jobs` on `devices` through `backend`'s worker, relaunching after a failure with the jobs left. A job
+    that was running when its launch failed gets status oom / error / timeout from the log; if a launch fails
+    before any job started, every job left gets the error. At `deadline` (time.monotonic) the launch is stopped
+    and the jobs left are recorded as not run. `on_done(job)` after each job's result appears. `spanning`: the
+    launch spans nodes (`across_nodes`), each launch announced to the other nodes, which `lead` watches (a lost
+    node ends the run with `NodeFailure`)."""
     remaining = list(jobs)
     while remaining:
         if time.monotonic() > deadline:
@@ -82,6 +111,8 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
             return
         job_file = work_dir / f"jobs-{remaining[0].id}.json"
         J.write_job_file(job_file, remaining, work_dir)
+        span, (command, env) = spanning(job_file) if spanning else (None, (command, env))
+        launched = list(remaining)
         offset = log.stat().st_size if log.exists() else 0
         launch_env = env | {J.LAUNCHED_AT_ENV: repr(time.time())}
         with open(log, "a") as out, owned_process([*command, str(job_file)], stdout=out, stderr=out,
@@ -89,6 +120,8 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
             timed_out, last = False, time.monotonic()
             while process.poll() is None:
                 time.sleep(0.2)
+                if lead is not None:
+                    lead.check()
                 finished = [j for j in remaining if J.read_result(work_dir, j.id) is not None]
                 for job in finished:
                     on_done(job)
@@ -97,14 +130,16 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
                 if time.monotonic() - last > timeout_s or time.monotonic() > deadline:
                     timed_out = True
                     stop_process_tree(process)
+        with open(log) as text:
+            text.seek(offset)
+            tail = text.read()[-3000:]
+        if span is not None:  # the other nodes' sides end too (a result their rank 0 writes last may come now)
+            lead.finish(span, tail, process.returncode, timed_out, any(J.started(work_dir, j.id) for j in launched))
         for job in [j for j in remaining if J.read_result(work_dir, j.id) is not None]:
             on_done(job)
             remaining.remove(job)
         if not remaining:
             return
-        with open(log) as text:
-            text.seek(offset)
-            tail = text.read()[-3000:]
         running = [j for j in remaining if J.started(work_dir, j.id)]
         failed = running[:1] if running else list(remaining)
         status = "timeout" if timed_out else ("oom" if J.is_out_of_memory(tail) else "error")
@@ -118,9 +153,10 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
 
 
 def run_jobs(jobs: list[J.Job], settings: CompareSettings, work_dir: Path, timeout_s: float, on_done,
-             deadline: float = math.inf) -> None:
+             deadline: float = math.inf, lead: Lead | None = None) -> None:
     """The points the plan skipped are recorded (vendor kernels off-GPU as unsupported, points beyond the device's
-    memory as skipped); the rest run in one launch per backend and device count (`plan.group_launches`)."""
+    memory as skipped); the rest run in one launch per backend and device count (`plan.group_launches`), over
+    several nodes where `lead` places them so."""
     logs = work_dir / "logs"
     logs.mkdir(exist_ok=True)
     runnable = []
@@ -132,5 +168,6 @@ def run_jobs(jobs: list[J.Job], settings: CompareSettings, work_dir: Path, timeo
         else:
             runnable.append(job)
     for backend, devices, group in group_launches(runnable):
-        command, env = _launcher(backend, devices, settings.platform, work_dir)
-        run_launch(group, command, env, work_dir, logs / f"{backend}-{devices}.log", timeout_s, on_done, deadline)
+        command, env = side_launcher(backend, devices, settings.platform, work_dir)
+        run_launch(group, command, env, work_dir, logs / f"{backend}-{devices}.log", timeout_s, on_done, deadline,
+                   _spanning(lead, backend, devices, settings.platform, work_dir), lead)

@@ -7,7 +7,8 @@ trains as `twinflash train` does: the same settings, batches and `train_step`).
 `python -m compare.harness.worker_jax JOBFILE` (on CPU with XLA_FLAGS asking for the host devices, which the harness
 sets). One process serves every job of its device count (their compiled functions stay cached between jobs, and
 the run's persistent compilation cache serves a relaunch). An out-of-memory or other error of a job is recorded as
-its result and the next job runs.
+its result and the next job runs. In a launch spanning nodes (`compare/harness/across_nodes.py`) one such process
+runs on each node, joined by `jax.distributed`, and arrays that span them are gathered where read whole.
 
 Peak memory on GPUs: the allocator's peak cannot be reset between the jobs of a process, so a job's peak is that
 counter where it rose during the job, else (an earlier job of the process peaked higher) the bytes in use when its
@@ -32,14 +33,17 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
 from compare.harness.jobs import (PERTURBATION, Job, SetupClock, bench_units, exposed_seconds, is_collective_op,
                                   is_out_of_memory, job_batches, launched_at, mark_progress, mark_started,
                                   read_job_file, union_seconds, write_result)
+from compare.nodes import Nodes
 from jax_impl.model import stack_layers, unstack_layers
 from jax_impl.parallel import sharded_batch
-from jax_impl.train import Training, build_training, next_token_loss, peak_memory_bytes, step_scalars, train_step
+from jax_impl.train import (Training, build_training, init_distributed, next_token_loss, peak_memory_bytes,
+                            step_scalars, train_step)
 from weights.layout import inverse_order, layout_order
 from weights.parallel import RING_LAYOUT
 from weights.training import adamw_coefficients
@@ -56,11 +60,16 @@ def _perturb(run: Training, name: str | None) -> None:
         run.state["model"] = jax.device_put(stack_layers(params), shardings)
 
 
+def _on_host(array: jax.Array) -> np.ndarray:
+    """The whole array, also when it spans the processes of a launch over several nodes (then a collective)."""
+    return np.asarray(array if array.is_fully_addressable else multihost_utils.process_allgather(array, tiled=True))
+
+
 def _weight_sums(run: Training) -> dict[str, list[float]]:
     """float64 [sum, sum of squares] of every parameter as loaded."""
     sums = {}
     for name, param in unstack_layers(run.state["model"]).items():
-        whole = np.asarray(param).astype(np.float64)
+        whole = _on_host(param).astype(np.float64)
         sums[name] = [float(whole.sum()), float(np.square(whole).sum())]
     return sums
 
@@ -88,8 +97,8 @@ def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> d
         (loss, logits), grads = _loss_and_grads(run.state["model"], tokens, targets, positions, spec=run.spec,
                                                 with_logits=True)
         order = layout_order(job.seq_len, job.devices, RING_LAYOUT)
-        arrays = {"logits": np.asarray(logits)[:, inverse_order(order)]}
-        arrays.update({f"grad/{name}": np.asarray(g) for name, g in unstack_layers(grads).items()})
+        arrays = {"logits": _on_host(logits)[:, inverse_order(order)]}
+        arrays.update({f"grad/{name}": _on_host(g) for name, g in unstack_layers(grads).items()})
         curve = _train_steps(run, batches, range(settings.steps)) if job.mode == "train" else []
     save_file(arrays, str(work_dir / f"{job.id}.safetensors"))
     return {"status": "ok", "loss": float(loss), "loss_curve": curve, "weight_sums": sums,
@@ -150,7 +159,8 @@ def _job_peak(run: Training, before: int, step_args: tuple, mode: str) -> tuple[
     """(this job's peak bytes per device, how it was found): see the module docstring."""
     peaks = peak_memory_bytes(run.mesh)
     after = max(peaks)
-    on_gpu = all((d.memory_stats() or {}).get("peak_bytes_in_use") is not None for d in run.mesh.devices.flat)
+    local = [d for d in run.mesh.devices.flat if d.process_index == jax.process_index()]  # this process's only
+    on_gpu = all((d.memory_stats() or {}).get("peak_bytes_in_use") is not None for d in local)
     if after > before or not on_gpu:
         return after, "measured" if on_gpu else "host peak RSS"
     if mode != "train":
@@ -160,7 +170,7 @@ def _job_peak(run: Training, before: int, step_args: tuple, mode: str) -> tuple[
         temp = compiled.memory_analysis().temp_size_in_bytes
     except Exception:  # an XLA build without the analysis: no number rather than a wrong one
         return None, "unknown"
-    in_use = max((d.memory_stats() or {}).get("bytes_in_use", 0) for d in run.mesh.devices.flat)
+    in_use = max((d.memory_stats() or {}).get("bytes_in_use", 0) for d in local)
     return int(in_use + temp), "XLA plan"
 
 
@@ -213,6 +223,9 @@ def bench(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
 def main(argv: list[str]) -> int:
     jobs, work_dir = read_job_file(Path(argv[0]))
     started_at = launched_at()
+    nodes = Nodes.from_env()  # a launch spanning nodes: this node's process joins the others' before JAX starts
+    if nodes is not None:
+        init_distributed(nodes.coordinator, nodes.count, nodes.rank, nodes.timeout_s)
     for job in jobs:
         mark_started(work_dir, job)
         clock = SetupClock(started_at)

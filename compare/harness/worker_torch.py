@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from compare.harness.jobs import (PERTURBATION, Job, SetupClock, bench_units, exposed_seconds, job_batches,
                                   launched_at, mark_progress, mark_started, read_job_file, union_seconds,
                                   write_result)
+from compare.nodes import Nodes
 from torch_impl.parallel import local_batch
 from torch_impl.train import Training, all_ranks, build_training, init_distributed, peak_memory_bytes, train_step
 from weights.layout import gather_sequence
@@ -221,7 +222,8 @@ def _allow_recompiles() -> None:
 def main(argv: list[str]) -> int:
     jobs, work_dir = read_job_file(Path(argv[0]))
     started_at = launched_at()
-    device = init_distributed()
+    nodes = Nodes.from_env()  # a launch spanning nodes: every collective's wait bounded by the rendezvous timeout
+    device = init_distributed(None if nodes is None else nodes.timeout_s)
     _allow_recompiles()
     try:
         for job in jobs:
