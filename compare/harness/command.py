@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a job silent this long is stopped")
     parser.add_argument("--time-limit-s", type=number(0, above=True), help="stop launching after this long; the "
                         "jobs left are recorded as not run and the report is written")
+    parser.add_argument("--serial-launches", dest="side_by_side", action="store_false",
+                        help="one launch at a time (default on a host of several GPUs: launches on disjoint GPUs, "
+                             "e.g. the backends' one-GPU launches, run side by side)")
     parser.add_argument("--out", type=Path, help="report directory, must not exist or be empty "
                         "(default: out/compare-<model>-<date>)")
     noise_floor.add_arguments(parser)
@@ -190,7 +193,7 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
     interrupted, left = None, 0
     with view.shown():
         try:
-            run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline, lead)
+            run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline, lead, args.side_by_side)
         except Interrupted as stop:  # the launch is stopped; the report shows what finished
             interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
 
