@@ -6,12 +6,14 @@ is `plan.py`'s (which jobs run where), the launches of the backend workers and t
 Without GPUs and with no arguments it runs the embedded default: the tiny preset, 4 emulated CPU devices (gloo
 processes; XLA host devices; interpreted Triton and Pallas kernels), in about 1½ minutes on 2 cores. A run pays its
 setup once (`plan.prepare_weights`: the weights made once; `launches`: one launch per backend and device count,
-shared compilation caches) and reports every job's setup beside its measured time; `progress.py` shows it live.
+shared compilation caches; on several GPUs, launches on disjoint GPUs side by side) and reports every job's setup
+beside its measured time; `progress.py` shows it live.
 
 Benchmark numbers, per backend x context length x device count (batch 1, the sequence split over all devices):
   step_s       median over `--steps` steps after a warm-up step: forward + backward + AdamW (train mode) or the
                forward loss (forward mode)
-  forward_s    median forward loss pass; backward_s = step_s - forward_s (backward and optimizer update)
+  forward_s    median of 2 forward loss passes (1 where step_s exceeds 2 s: `jobs.LONG_STEP_S`);
+               backward_s = step_s - forward_s (backward and optimizer update)
   comm_s       time during which device 0 was communicating, from a profiler trace of one step (NCCL kernels, gloo
                transfers, XLA collectives), overlap with compute included; comm bytes from
                `weights.parallel.step_comm_bytes`
