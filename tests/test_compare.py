@@ -214,6 +214,36 @@ def test_launches_on_disjoint_gpus_run_side_by_side(tmp_path, side_by_side):
         assert {r["gpus"] for r in results.values() if "gpus" in r} == {None}
 
 
+@pytest.mark.parametrize("platform, side_by_side", [("gpu", True), ("gpu", False), ("cpu", True)])
+def test_the_command_runs_one_gpu_launches_side_by_side_on_gpus_only(tmp_path, monkeypatch, platform, side_by_side):
+    """`run_jobs` as the command calls it: on a host of 2 GPUs (CUDA_VISIBLE_DEVICES 4,6), torch's and JAX's
+    one-GPU launches overlap, each on a GPU of its own; with --serial-launches and on CPU they do not."""
+    import dataclasses
+
+    from compare.harness import launches
+    from compare.harness.plan import CompareSettings
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    monkeypatch.setattr(launches, "side_launcher", lambda *args, **kwargs: (
+        [sys.executable, "-c", _FAKE_WORKER], {"PYTHONPATH": str(ROOT)}))
+    settings = CompareSettings(model="tiny", mode="train", seq_lens=(64,), device_counts=(1, 2), devices=2, steps=1,
+                               dtype="fp32", backends=("torch", "jax"), attention_ablation=("ours",),
+                               activation_checkpointing="off", check_seq_len=64, check_layers=1, bench=True,
+                               platform=platform)
+    jobs = [_job("slow-torch"), dataclasses.replace(_job("slow-jax"), backend="jax"),
+            dataclasses.replace(_job("both"), devices=2)]
+    launches.run_jobs(jobs, settings, tmp_path, timeout_s=60.0, on_done=lambda job: None, side_by_side=side_by_side)
+    results = {job.id: J.read_result(tmp_path, job.id) for job in jobs}
+    assert all(r["status"] == "ok" for r in results.values()), results
+    torch_span, jax_span = results["slow-torch"]["span"], results["slow-jax"]["span"]
+    overlap = min(torch_span[1], jax_span[1]) - max(torch_span[0], jax_span[0])
+    if platform == "gpu" and side_by_side:
+        assert overlap > 0.5 and {results["slow-torch"]["gpus"], results["slow-jax"]["gpus"]} == {"4", "6"}
+        assert results["both"]["gpus"] == "4,6"
+    else:
+        assert overlap < 0 and {r["gpus"] for r in results.values()} == {None}
+
+
 def test_a_failure_beside_a_running_launch_stops_its_worker(tmp_path):
     """An exception from one launch (an `Interrupted`, a lost node) propagates with the launch beside it stopped:
     no worker of the run is left (negative control: the worker was running when it came)."""

@@ -13,7 +13,8 @@ runs on each node, joined by `jax.distributed`, and arrays that span them are ga
 Peak memory on GPUs: the allocator's peak cannot be reset between the jobs of a process, so a job's peak is that
 counter where it rose during the job, else (an earlier job of the process peaked higher) the bytes in use when its
 step started plus the compiled step's temporary buffers from XLA's memory analysis (`peak_memory_source`:
-"measured" or "XLA plan"). On CPU it is the process's peak host RSS so far.
+"measured" or "XLA plan"). On CPU it is the process's peak host RSS so far. Every job's result counts the XLA
+compilations it caused (`xla_compiles`: count and seconds).
 
 Equivalence jobs on GPUs run with float32 matmuls at full precision (`jax.default_matmul_precision("highest")`):
 XLA's default for float32 dots there is TF32, which torch does not use (torch.backends.cuda.matmul.allow_tf32 is
