@@ -1,7 +1,7 @@
 """`twinflash compare`: the embedded default end to end (both backends, 4 emulated CPU devices, report checked
 against its schema), the harness catching a perturbed weight (negative control: exit 1, the report names the
-parameter), bad input (one line, exit 2, nothing written), and the launch loop's handling of a worker that dies
-(OOM recorded, the sweep goes on) or hangs (timeout)."""
+parameter), bad input (one line, exit 2, nothing written), the launch loop's handling of a worker that dies
+(OOM recorded, the sweep goes on) or hangs (timeout), and launches on disjoint GPUs side by side."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from compare.cli import main as cli_main
 from compare.harness import jobs as J
-from compare.harness.launches import run_launch
+from compare.harness.launches import Launch, launch_polls, run_launch, run_side_by_side
 from compare.report.write import validate_report
 from weights import PRESETS
 from weights.parallel import MeshShape, step_comm_bytes, weights_regathered_for_backward
@@ -131,18 +131,22 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
 
 
 _FAKE_WORKER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     from compare.harness import jobs as J
     jobs, work_dir = J.read_job_file(Path(sys.argv[1]))
     for job in jobs:
         J.mark_started(work_dir, job)
-        if job.id == "oom":
+        began = time.time()
+        if job.id.startswith("oom"):
             print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB", flush=True)
             sys.exit(1)
         if job.id == "hang":
             time.sleep(60)
-        J.write_result(work_dir, job, {"status": "ok"})
+        if job.id.startswith("slow"):
+            time.sleep(1.5)
+        J.write_result(work_dir, job, {"status": "ok", "span": [began, time.time()],
+                                       "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")})
 """)
 
 
@@ -173,6 +177,130 @@ def test_the_time_limit_stops_the_sweep_and_records_what_did_not_run(tmp_path):
     assert results["a"]["status"] == "ok"
     assert results["hang"]["status"] == "timeout" and "--time-limit-s" in results["hang"]["message"]
     assert results["b"]["status"] == "timeout" and results["b"]["message"].startswith("not run")
+
+
+def _fake_launch(jobs: list[J.Job], devices: int, work_dir: Path, log: str, done: list) -> Launch:
+    def start(gpus):
+        env = {"PYTHONPATH": str(ROOT)} | ({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus is not None else {})
+        return launch_polls(jobs, [sys.executable, "-c", _FAKE_WORKER], env, work_dir, work_dir / log,
+                            timeout_s=60.0, on_done=lambda job: done.append(job.id))
+
+    return Launch(devices, start)
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_launches_on_disjoint_gpus_run_side_by_side(tmp_path, side_by_side):
+    """Two one-GPU launches after a two-GPU one (which needs both): side by side, the later one-GPU launch goes
+    first on the GPU the earlier one leaves free, the two overlap in time on GPUs of their own, the two-GPU launch
+    waits for both; a launch's failing job is recorded and its next job relaunched as in a launch alone. Serial
+    (negative control): no overlap, the environment's GPUs untouched."""
+    done: list[str] = []
+    launches = [_fake_launch([_job("slow-a"), _job("oom-a"), _job("after-oom")], 1, tmp_path, "a.log", done),
+                _fake_launch([_job("both")], 2, tmp_path, "both.log", done),
+                _fake_launch([_job("slow-b")], 1, tmp_path, "b.log", done)]
+    run_side_by_side(launches, ("3", "5") if side_by_side else None)
+    results = {name: J.read_result(tmp_path, name) for name in ("slow-a", "oom-a", "after-oom", "both", "slow-b")}
+    assert sorted(done) == sorted(results)
+    assert {k: v["status"] for k, v in results.items()} == {"slow-a": "ok", "oom-a": "oom", "after-oom": "ok",
+                                                            "both": "ok", "slow-b": "ok"}
+    a, b, both = results["slow-a"]["span"], results["slow-b"]["span"], results["both"]["span"]
+    overlap = min(a[1], b[1]) - max(a[0], b[0])
+    if side_by_side:
+        assert overlap > 0.5, (a, b)
+        assert {results["slow-a"]["gpus"], results["slow-b"]["gpus"]} == {"3", "5"}
+        assert results["both"]["gpus"] == "3,5" and both[0] >= max(a[1], b[1])
+    else:
+        assert overlap < 0 and a[1] <= both[0] <= both[1] <= b[0]  # in the planned order, one at a time
+        assert {r["gpus"] for r in results.values() if "gpus" in r} == {None}
+
+
+@pytest.mark.parametrize("platform, side_by_side", [("gpu", True), ("gpu", False), ("cpu", True)])
+def test_the_command_runs_one_gpu_launches_side_by_side_on_gpus_only(tmp_path, monkeypatch, platform, side_by_side):
+    """`run_jobs` as the command calls it: on a host of 2 GPUs (CUDA_VISIBLE_DEVICES 4,6), torch's and JAX's
+    one-GPU launches overlap, each on a GPU of its own; with --serial-launches and on CPU they do not."""
+    import dataclasses
+
+    from compare.harness import launches
+    from compare.harness.plan import CompareSettings
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    monkeypatch.setattr(launches, "side_launcher", lambda *args, **kwargs: (
+        [sys.executable, "-c", _FAKE_WORKER], {"PYTHONPATH": str(ROOT)}))
+    settings = CompareSettings(model="tiny", mode="train", seq_lens=(64,), device_counts=(1, 2), devices=2, steps=1,
+                               dtype="fp32", backends=("torch", "jax"), attention_ablation=("ours",),
+                               activation_checkpointing="off", check_seq_len=64, check_layers=1, bench=True,
+                               platform=platform)
+    jobs = [_job("slow-torch"), dataclasses.replace(_job("slow-jax"), backend="jax"),
+            dataclasses.replace(_job("both"), devices=2)]
+    launches.run_jobs(jobs, settings, tmp_path, timeout_s=60.0, on_done=lambda job: None, side_by_side=side_by_side)
+    results = {job.id: J.read_result(tmp_path, job.id) for job in jobs}
+    assert all(r["status"] == "ok" for r in results.values()), results
+    torch_span, jax_span = results["slow-torch"]["span"], results["slow-jax"]["span"]
+    overlap = min(torch_span[1], jax_span[1]) - max(torch_span[0], jax_span[0])
+    if platform == "gpu" and side_by_side:
+        assert overlap > 0.5 and {results["slow-torch"]["gpus"], results["slow-jax"]["gpus"]} == {"4", "6"}
+        assert results["both"]["gpus"] == "4,6"
+    else:
+        assert overlap < 0 and {r["gpus"] for r in results.values()} == {None}
+
+
+def test_a_failure_beside_a_running_launch_stops_its_worker(tmp_path):
+    """An exception from one launch (an `Interrupted`, a lost node) propagates with the launch beside it stopped:
+    no worker of the run is left (negative control: the worker was running when it came)."""
+    def failing(gpus):
+        for _ in range(10):
+            yield
+        assert _workers(tmp_path), "the hanging launch's worker should be running by now"
+        raise RuntimeError("lost node")
+
+    launches = [_fake_launch([_job("hang")], 1, tmp_path, "hang.log", []), Launch(1, failing)]
+    with pytest.raises(RuntimeError, match="lost node"):
+        run_side_by_side(launches, ("0", "1"))
+    assert not _workers(tmp_path)
+
+
+def _workers(work_dir: Path) -> list[int]:
+    """Processes whose command line names a job file of `work_dir`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(work_dir).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_launch_over_more_gpus_than_given_is_refused():
+    with pytest.raises(ValueError, match="more GPUs"):
+        run_side_by_side([Launch(3, lambda gpus: iter(()))], ("0", "1"))
+
+
+def test_the_jax_peak_reads_the_compiled_step_without_compiling_it_again():
+    """The JAX worker's memory analysis of a job's train step (`step_temp_bytes`) is served from jit's cache once
+    the step ran; negative control: the step's own first call compiles, and is counted."""
+    jax = pytest.importorskip("jax")
+    from compare.harness.worker_jax import _train_steps, backend_compiles, step_temp_bytes
+    from jax_impl.parallel import sharded_batch
+    from jax_impl.train import build_training, step_scalars
+    from weights.training import adamw_coefficients
+
+    job = J.Job(id="peak", kind="bench", backend="jax", model="tiny", seq_len=64, devices=1, attention="reference",
+                attention_backend="reference", dtype="fp32", mode="train", steps=1)
+    run = build_training(job.settings(), jax.devices()[:1])
+    batches = J.job_batches(job)
+    with backend_compiles() as first:
+        _train_steps(run, batches, range(1))
+    args = (run.state, *sharded_batch(batches[0], run.mesh), step_scalars(adamw_coefficients(run.spec.optimizer, 0)))
+    with backend_compiles() as analysis:
+        temp = step_temp_bytes(run, args)
+    assert first["count"] >= 1 and analysis["count"] == 0, (first, analysis)
+    assert temp is not None and temp > 0
+
+
+def test_a_long_step_times_its_forward_once():
+    assert J.forward_passes(0.5) == 2 and J.forward_passes(J.LONG_STEP_S) == 2
+    assert J.forward_passes(J.LONG_STEP_S + 0.1) == 1
 
 
 def test_communication_time_is_the_union_of_intervals():

@@ -8,8 +8,12 @@
 # job's result and the launches' logs; profiler traces over 3 MB dropped: a file comes back only under 16 MiB), report.md and report.json beside it,
 # compare.log, env.txt (five files: the device tool brings back at most 8, none deeper than two folders); the summary
 # table last.
-# Expected: ~6-9 minutes on 2 H200s for the 1B shape (27 jobs: 3 equivalence checks, 24 points of which 6 are skipped
-# up front for memory and the rest measured); the report's "Setup and measurement per job" shows where it went.
+# Expected for the 1B shape on 2 H200s: 31 jobs (3 equivalence checks, 24 points of which 6 are skipped up front for
+# memory, 4 noise-floor trainings). Measured with one launch at a time (2026-11-23, compare/results/compare-llama3.2-1b-
+# 2026-11-23-h200x2-diagnostic/RUN.md): ~760 s projected, over this script's limit. Since then the backends' one-GPU
+# launches run side by side (~50-75 s each there) and a point whose step exceeds 2 s times its forward once; not yet
+# timed on GPUs. The report's "Setup and measurement per job" shows where the time went; work/*-equivalence.json
+# the equivalence checks' phases (phases_s) and the JAX jobs' compilations (xla_compiles).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast

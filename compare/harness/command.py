@@ -6,12 +6,14 @@ is `plan.py`'s (which jobs run where), the launches of the backend workers and t
 Without GPUs and with no arguments it runs the embedded default: the tiny preset, 4 emulated CPU devices (gloo
 processes; XLA host devices; interpreted Triton and Pallas kernels), in about 1½ minutes on 2 cores. A run pays its
 setup once (`plan.prepare_weights`: the weights made once; `launches`: one launch per backend and device count,
-shared compilation caches) and reports every job's setup beside its measured time; `progress.py` shows it live.
+shared compilation caches; on several GPUs, launches on disjoint GPUs side by side) and reports every job's setup
+beside its measured time; `progress.py` shows it live.
 
 Benchmark numbers, per backend x context length x device count (batch 1, the sequence split over all devices):
   step_s       median over `--steps` steps after a warm-up step: forward + backward + AdamW (train mode) or the
                forward loss (forward mode)
-  forward_s    median forward loss pass; backward_s = step_s - forward_s (backward and optimizer update)
+  forward_s    median of 2 forward loss passes (1 where step_s exceeds 2 s: `jobs.LONG_STEP_S`);
+               backward_s = step_s - forward_s (backward and optimizer update)
   comm_s       time during which device 0 was communicating, from a profiler trace of one step (NCCL kernels, gloo
                transfers, XLA collectives), overlap with compute included; comm bytes from
                `weights.parallel.step_comm_bytes`
@@ -87,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a job silent this long is stopped")
     parser.add_argument("--time-limit-s", type=number(0, above=True), help="stop launching after this long; the "
                         "jobs left are recorded as not run and the report is written")
+    parser.add_argument("--serial-launches", dest="side_by_side", action="store_false",
+                        help="one launch at a time (default on a host of several GPUs: launches on disjoint GPUs, "
+                             "e.g. the backends' one-GPU launches, run side by side)")
     parser.add_argument("--out", type=Path, help="report directory, must not exist or be empty "
                         "(default: out/compare-<model>-<date>)")
     noise_floor.add_arguments(parser)
@@ -190,7 +195,7 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
     interrupted, left = None, 0
     with view.shown():
         try:
-            run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline, lead)
+            run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline, lead, args.side_by_side)
         except Interrupted as stop:  # the launch is stopped; the report shows what finished
             interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
 

@@ -17,10 +17,10 @@ error as the job's result and goes on.
 
 Equivalence jobs (fp32) record: the loaded weights' float64 sum and sum of squares per parameter (a perturbed or
 misread weight shows up by name), the next-token loss and the full logits of the first batch, every parameter's
-gradient of that loss, and in train mode the loss of each of `steps` optimizer steps. Benchmark jobs record the
-median step time, the forward time, the communication time of one profiled step, throughput inputs and the peak
-memory per device. Curve jobs (the bf16 noise floor's trainings, compare/harness/noise_floor.py) train exactly as
-`twinflash train --data text --seed S --mesh fsdp=1,sp=devices --dtype DTYPE --steps N` does (its batches,
+gradient of that loss, in train mode the loss of each of `steps` optimizer steps, and the time of each phase
+(`Phases`). Benchmark jobs record the median step time, the forward time (`forward_passes`), the communication
+time of one profiled step, throughput inputs and the peak memory per device. Curve jobs (the bf16 noise floor's
+trainings, compare/harness/noise_floor.py) train exactly as `twinflash train --data text --seed S --mesh fsdp=1,sp=devices --dtype DTYPE --steps N` does (its batches,
 `compare.commands.train.training_batches`; its optimizer, `weights.schedule.default_optimizer`; the backend's
 `build_training` and train step) inside the launch of their backend and device count, so that they reuse its
 process, weights and compiled steps; they record the loss of every step and the job's wall time.
@@ -136,6 +136,18 @@ def read_progress(work_dir: Path, job_id: str) -> dict | None:
     return json.loads(text) if text else {}
 
 
+# A benchmark point's forward is timed twice (the median of 2), once where its steady step exceeds this: such a
+# point is a long context (1B at 128k on 2 GPUs: 5.4-6.7 s steps, forwards of ~2 s), whose forward lasts hundreds of
+# times the timer's and the launch's jitter (ms), so a second pass would cost seconds and change nothing; the timed
+# steps, the warm-up and the profiled step stay as they are.
+LONG_STEP_S = 2.0
+
+
+def forward_passes(step_s: float) -> int:
+    """How many timed forward passes a benchmark point with steady step `step_s` takes (LONG_STEP_S)."""
+    return 1 if step_s > LONG_STEP_S else 2
+
+
 def bench_units(steps: int) -> int:
     """Progress units of a benchmark job: setup, warm-up step, timed steps, forward passes, profiled step."""
     return steps + 5
@@ -162,6 +174,20 @@ class SetupClock:
         total = time.time() - self.began
         return {"launch_s": self.launch_s, "weights_s": self.weights_s, "compile_s": compile_s,
                 "measured_s": max(0.0, total - self.weights_s - (compile_s or 0.0))}
+
+
+class Phases:
+    """Wall seconds of a job's phases, in order: `lap(name)` ends the phase that began at the previous lap (or at
+    creation). An equivalence check records them (`phases_s` in its result) to show which of building, the first
+    pass (with its compilation), gathering, the loss curve's steps and writing dominates on a real model."""
+
+    def __init__(self):
+        self.last, self.seconds = time.perf_counter(), {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self.last
+        self.last = now
 
 
 def launched_at() -> float | None:

@@ -6,17 +6,26 @@ inductor's; directories under the run's work directory), the relaunch loop after
 was running is recorded as OOM, error or timeout from the log and the rest runs in a new launch), the points the
 plan skipped (recorded with their reason, never launched), and the time limit. A launch over more devices than a
 node has spans nodes (`across_nodes`: node 0's side runs here, the others' on their nodes). Launches are
-`compare.launch`'s owned processes: an `Interrupted` propagates with the launch stopped, and the command records
+`compare.launch`'s owned processes: an `Interrupted` propagates with the launches stopped, and the command records
 the jobs left.
+
+Launches side by side (`run_side_by_side`): on a host of several GPUs, launches whose GPUs do not overlap run at
+the same time, each on GPUs of its own (CUDA_VISIBLE_DEVICES), e.g. torch's and JAX's one-GPU launches on GPUs 0
+and 1 (on 2 H200s that took ~50-75 s each while the other GPU idled). Their points stay comparable: a point's
+step runs on its own devices, and a one-device point moves nothing over NVLink or PCIe but its inputs and loss;
+what they share is the host's cores, for launching and compiling. On CPU (emulated devices share the cores, and a
+point's time would count the other launch's work), across nodes, and with `--serial-launches`, one launch at a
+time as planned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from compare.harness import jobs as J
@@ -45,12 +54,20 @@ def cache_env(work_dir: Path) -> dict[str, str]:
     return {name: os.environ.get(name, value) for name, value in wanted.items()}
 
 
+POLL_S = 0.2  # how often a running launch's results are looked for
+
+
+def visible_gpus(count: int) -> tuple[str, ...]:
+    """The first `count` GPU ids this process sees (CUDA_VISIBLE_DEVICES, else 0, 1, ...)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(count)]
+    return tuple(ids[:count])
+
+
 def _first_gpus(devices: int) -> str:
     """CUDA_VISIBLE_DEVICES for a JAX process on `devices` GPUs: the first of those this process sees (JAX
     reserves memory on every GPU it sees)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(devices)]
-    return ",".join(ids[:devices])
+    return ",".join(visible_gpus(devices))
 
 
 def side_launcher(backend: str, devices: int, platform: str, work_dir: Path, rendezvous: Nodes | None = None,
@@ -98,12 +115,21 @@ def _record_not_run(jobs: list[J.Job], work_dir: Path, on_done) -> None:
 def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_dir: Path, log: Path,
                timeout_s: float, on_done, deadline: float = math.inf, spanning: Spanning | None = None,
                lead: Lead | None = None) -> None:
-    """Runs `jobs` on `devices` through `backend`'s worker, relaunching after a failure with the jobs left. A job
-    that was running when its launch failed gets status oom / error / timeout from the log; if a launch fails
-    before any job started, every job left gets the error. At `deadline` (time.monotonic) the launch is stopped
-    and the jobs left are recorded as not run. `on_done(job)` after each job's result appears. `spanning`: the
-    launch spans nodes (`across_nodes`), each launch announced to the other nodes, which `lead` watches (a lost
-    node ends the run with `NodeFailure`)."""
+    """Runs `jobs` through the worker `command`, relaunching after a failure with the jobs left. A job that was
+    running when its launch failed gets status oom / error / timeout from the log; if a launch fails before any
+    job started, every job left gets the error. At `deadline` (time.monotonic) the launch is stopped and the jobs
+    left are recorded as not run. `on_done(job)` after each job's result appears. `spanning`: the launch spans
+    nodes (`across_nodes`), each launch announced to the other nodes, which `lead` watches (a lost node ends the
+    run with `NodeFailure`)."""
+    for _ in launch_polls(jobs, command, env, work_dir, log, timeout_s, on_done, deadline, spanning, lead):
+        time.sleep(POLL_S)
+
+
+def launch_polls(jobs: list[J.Job], command: list[str], env: dict[str, str], work_dir: Path, log: Path,
+                 timeout_s: float, on_done, deadline: float = math.inf, spanning: Spanning | None = None,
+                 lead: Lead | None = None) -> Iterator[None]:
+    """`run_launch` one poll at a time: yields while its worker runs (the caller waits between polls, and may
+    drive several launches so); closing it stops the worker."""
     remaining = list(jobs)
     while remaining:
         if time.monotonic() > deadline:
@@ -119,7 +145,7 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
                                                   env=launch_env) as process:
             timed_out, last = False, time.monotonic()
             while process.poll() is None:
-                time.sleep(0.2)
+                yield
                 if lead is not None:
                     lead.check()
                 finished = [j for j in remaining if J.read_result(work_dir, j.id) is not None]
@@ -152,11 +178,54 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
             remaining.remove(job)
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One planned launch for `run_side_by_side`: over `devices` GPUs, `start(gpus)` its polls (`launch_polls`) on
+    those GPU ids (None: on the GPUs its environment already names)."""
+
+    devices: int
+    start: Callable[[tuple[str, ...] | None], Iterator[None]]
+
+
+def run_side_by_side(launches: list[Launch], gpus: tuple[str, ...] | None) -> None:
+    """Runs `launches`: with `gpus` None one after the other in their order; else each as soon as `devices` of
+    `gpus` are free, on those (the first launch in order that fits starts, a later one going first where an
+    earlier one does not fit yet, so that no GPU idles while a launch that fits it waits). An exception (an
+    `Interrupted`, a lost node) stops every running launch and propagates."""
+    if gpus is not None and any(launch.devices > len(gpus) for launch in launches):
+        raise ValueError(f"a launch needs more GPUs than the {len(gpus)} given")
+    pending, running, free = list(launches), [], list(gpus or ())
+    try:
+        while pending or running:
+            for launch in list(pending):
+                if gpus is None:
+                    if running:
+                        break
+                    taken = None
+                elif launch.devices <= len(free):
+                    taken, free = tuple(free[:launch.devices]), free[launch.devices:]
+                else:
+                    continue
+                pending.remove(launch)
+                running.append((launch.start(taken), taken or ()))
+            for entry in list(running):
+                polls, taken = entry
+                if next(polls, StopIteration) is StopIteration:
+                    running.remove(entry)
+                    free = sorted([*free, *taken], key=(gpus or ()).index)
+            if running:
+                time.sleep(POLL_S)
+    finally:
+        for polls, _ in running:
+            polls.close()  # stops its worker (`owned_process`)
+
+
 def run_jobs(jobs: list[J.Job], settings: CompareSettings, work_dir: Path, timeout_s: float, on_done,
-             deadline: float = math.inf, lead: Lead | None = None) -> None:
+             deadline: float = math.inf, lead: Lead | None = None, side_by_side: bool = True) -> None:
     """The points the plan skipped are recorded (vendor kernels off-GPU as unsupported, points beyond the device's
     memory as skipped); the rest run in one launch per backend and device count (`plan.group_launches`), over
-    several nodes where `lead` places them so."""
+    several nodes where `lead` places them so; launches on disjoint GPUs side by side where `side_by_side` and
+    `launches_side_by_side` allow it."""
     logs = work_dir / "logs"
     logs.mkdir(exist_ok=True)
     runnable = []
@@ -167,7 +236,23 @@ def run_jobs(jobs: list[J.Job], settings: CompareSettings, work_dir: Path, timeo
             on_done(job)
         else:
             runnable.append(job)
-    for backend, devices, group in group_launches(runnable):
-        command, env = side_launcher(backend, devices, settings.platform, work_dir)
-        run_launch(group, command, env, work_dir, logs / f"{backend}-{devices}.log", timeout_s, on_done, deadline,
-                   _spanning(lead, backend, devices, settings.platform, work_dir), lead)
+
+    def launch(backend: str, devices: int, group: list[J.Job]) -> Launch:
+        def start(gpus: tuple[str, ...] | None) -> Iterator[None]:
+            command, env = side_launcher(backend, devices, settings.platform, work_dir)
+            env = env if gpus is None else env | {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+            return launch_polls(group, command, env, work_dir, logs / f"{backend}-{devices}.log", timeout_s,
+                                on_done, deadline, _spanning(lead, backend, devices, settings.platform, work_dir),
+                                lead)
+
+        return Launch(devices, start)
+
+    parallel = side_by_side and launches_side_by_side(settings, lead)
+    run_side_by_side([launch(*planned) for planned in group_launches(runnable)],
+                     visible_gpus(settings.devices) if parallel else None)
+
+
+def launches_side_by_side(settings: CompareSettings, lead: Lead | None) -> bool:
+    """Whether launches on disjoint GPUs may run at the same time: on one host of several GPUs (module
+    docstring)."""
+    return settings.platform == "gpu" and settings.devices > 1 and (lead is None or not lead.nodes.spans_hosts)

@@ -13,7 +13,8 @@ runs on each node, joined by `jax.distributed`, and arrays that span them are ga
 Peak memory on GPUs: the allocator's peak cannot be reset between the jobs of a process, so a job's peak is that
 counter where it rose during the job, else (an earlier job of the process peaked higher) the bytes in use when its
 step started plus the compiled step's temporary buffers from XLA's memory analysis (`peak_memory_source`:
-"measured" or "XLA plan"). On CPU it is the process's peak host RSS so far.
+"measured" or "XLA plan"). On CPU it is the process's peak host RSS so far. Every job's result counts the XLA
+compilations it caused (`xla_compiles`: count and seconds).
 
 Equivalence jobs on GPUs run with float32 matmuls at full precision (`jax.default_matmul_precision("highest")`):
 XLA's default for float32 dots there is TF32, which torch does not use (torch.backends.cuda.matmul.allow_tf32 is
@@ -23,12 +24,14 @@ same shape reuse the equivalence job's compiled train step (the setting is part 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import statistics
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -36,9 +39,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
-from compare.harness.jobs import (PERTURBATION, Job, SetupClock, bench_units, exposed_seconds, is_collective_op,
-                                  is_out_of_memory, job_batches, launched_at, mark_progress, mark_started,
-                                  read_job_file, union_seconds, write_result)
+from compare.harness.jobs import (PERTURBATION, Job, Phases, SetupClock, bench_units, exposed_seconds,
+                                  forward_passes, is_collective_op, is_out_of_memory, job_batches, launched_at,
+                                  mark_progress, mark_started, read_job_file, union_seconds, write_result)
 from compare.nodes import Nodes
 from jax_impl.model import stack_layers, unstack_layers
 from jax_impl.parallel import sharded_batch
@@ -48,6 +51,7 @@ from weights.layout import inverse_order, layout_order
 from weights.parallel import RING_LAYOUT
 from weights.training import adamw_coefficients
 
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch's name of it
 _loss_and_grads = jax.jit(jax.value_and_grad(next_token_loss, has_aux=True), static_argnames=("spec", "with_logits"))
 _forward_loss = jax.jit(next_token_loss, static_argnames=("spec",))
 
@@ -65,11 +69,17 @@ def _on_host(array: jax.Array) -> np.ndarray:
     return np.asarray(array if array.is_fully_addressable else multihost_utils.process_allgather(array, tiled=True))
 
 
+def _unstacked_on_host(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Every parameter (or gradient) by name on the host: each stacked array copied once, then split into its
+    layers' rows there (splitting on the device first would cost a slice op and a copy per layer and name)."""
+    return unstack_layers({name: _on_host(array) for name, array in params.items()})
+
+
 def _weight_sums(run: Training) -> dict[str, list[float]]:
     """float64 [sum, sum of squares] of every parameter as loaded."""
     sums = {}
-    for name, param in unstack_layers(run.state["model"]).items():
-        whole = _on_host(param).astype(np.float64)
+    for name, param in _unstacked_on_host(run.state["model"]).items():
+        whole = param.astype(np.float64)
         sums[name] = [float(whole.sum()), float(np.square(whole).sum())]
     return sums
 
@@ -86,22 +96,31 @@ def _train_steps(run: Training, batches: np.ndarray, steps: range) -> list[float
 
 
 def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
+    phases = Phases()  # each lap after a host read, which waits for the devices' work
     settings = job.settings()
     batches = job_batches(job)
     with jax.default_matmul_precision("highest" if jax.default_backend() == "gpu" else None):
         run = build_training(settings, devices)
         clock.weights_loaded()
+        phases.lap("build")
         _perturb(run, job.perturb)
         sums = _weight_sums(run)
+        phases.lap("weight sums")
         tokens, targets, positions = sharded_batch(batches[0], run.mesh)
         (loss, logits), grads = _loss_and_grads(run.state["model"], tokens, targets, positions, spec=run.spec,
                                                 with_logits=True)
+        loss = float(loss)
+        phases.lap("loss and gradients")
         order = layout_order(job.seq_len, job.devices, RING_LAYOUT)
         arrays = {"logits": _on_host(logits)[:, inverse_order(order)]}
-        arrays.update({f"grad/{name}": _on_host(g) for name, g in unstack_layers(grads).items()})
+        arrays.update({f"grad/{name}": g for name, g in _unstacked_on_host(grads).items()})
+        del logits, grads  # the device's copies, before the steps need the memory
+        phases.lap("gather to host")
         curve = _train_steps(run, batches, range(settings.steps)) if job.mode == "train" else []
+        phases.lap("loss curve steps")
     save_file(arrays, str(work_dir / f"{job.id}.safetensors"))
-    return {"status": "ok", "loss": float(loss), "loss_curve": curve, "weight_sums": sums,
+    phases.lap("write")
+    return {"status": "ok", "loss": loss, "loss_curve": curve, "weight_sums": sums, "phases_s": phases.seconds,
             "setup": clock.result()}
 
 
@@ -163,15 +182,39 @@ def _job_peak(run: Training, before: int, step_args: tuple, mode: str) -> tuple[
     on_gpu = all((d.memory_stats() or {}).get("peak_bytes_in_use") is not None for d in local)
     if after > before or not on_gpu:
         return after, "measured" if on_gpu else "host peak RSS"
-    if mode != "train":
-        return None, "unknown"
-    try:
-        compiled = train_step.lower(*step_args, spec=run.spec).compile()
-        temp = compiled.memory_analysis().temp_size_in_bytes
-    except Exception:  # an XLA build without the analysis: no number rather than a wrong one
+    temp = step_temp_bytes(run, step_args) if mode == "train" else None
+    if temp is None:
         return None, "unknown"
     in_use = max((d.memory_stats() or {}).get("bytes_in_use", 0) for d in local)
     return int(in_use + temp), "XLA plan"
+
+
+def step_temp_bytes(run: Training, step_args: tuple) -> int | None:
+    """The compiled train step's temporary buffers (XLA's memory analysis), None where the XLA build has none.
+    For arguments of the shapes the step already ran with, `lower(...).compile()` is served from jit's cache: no
+    second compilation (tests/test_compare.py checks it with `backend_compiles`)."""
+    try:
+        return train_step.lower(*step_args, spec=run.spec).compile().memory_analysis().temp_size_in_bytes
+    except Exception:  # an XLA build without the analysis: no number rather than a wrong one
+        return None
+
+
+@contextlib.contextmanager
+def backend_compiles() -> Iterator[dict]:
+    """{"count", "seconds"} of XLA's compilations inside the block (a persistent-cache hit compiles nothing): in
+    each job's result (`xla_compiles`), where its setup went, and a function compiled twice shows there."""
+    counted = {"count": 0, "seconds": 0.0}
+
+    def listen(event: str, seconds: float, **_) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            counted["count"] += 1
+            counted["seconds"] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield counted
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def bench(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
@@ -197,9 +240,10 @@ def bench(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
 
     first_s = timed(step, 0, "warm-up step", 1)  # compilation and allocator warm-up
     step_times = [timed(step, i, f"step {i}/{job.steps}", 1 + i) for i in range(1, len(inputs))]
-    forward(0)  # compiles the forward alone
-    forward_s = statistics.median(timed(forward, i, "forward", 2 + job.steps + i) for i in range(min(2, len(inputs))))
     step_s = statistics.median(step_times)
+    forward(0)  # compiles the forward alone
+    forward_s = statistics.median(timed(forward, i, "forward", 2 + job.steps + i)
+                                  for i in range(min(forward_passes(step_s), len(inputs))))
     peak, peak_source = _job_peak(run, peak_before, (run.state, *inputs[0], step_scalars(
         adamw_coefficients(run.spec.optimizer, 0))), job.mode)
     trace_dir = job.trace_dir and str(Path(job.trace_dir) / job.id)
@@ -230,14 +274,15 @@ def main(argv: list[str]) -> int:
         mark_started(work_dir, job)
         clock = SetupClock(started_at)
         started_at = None  # the process's start is the first job's setup alone
-        try:
-            result = {"equivalence": equivalence, "bench": bench, "curve": curve}[job.kind](
-                job, work_dir, jax.devices()[:job.devices], clock)
-        except Exception as failure:  # recorded in the report; the sweep goes on
-            message = f"{type(failure).__name__}: {failure}"
-            traceback.print_exc()
-            result = {"status": "oom" if is_out_of_memory(message) else "error", "message": message[:2000]}
-        write_result(work_dir, job, result)
+        with backend_compiles() as compiles:
+            try:
+                result = {"equivalence": equivalence, "bench": bench, "curve": curve}[job.kind](
+                    job, work_dir, jax.devices()[:job.devices], clock)
+            except Exception as failure:  # recorded in the report; the sweep goes on
+                message = f"{type(failure).__name__}: {failure}"
+                traceback.print_exc()
+                result = {"status": "oom" if is_out_of_memory(message) else "error", "message": message[:2000]}
+        write_result(work_dir, job, result | {"xla_compiles": compiles})
     return 0
 
 

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from safetensors.numpy import save_file
 from torch.profiler import ProfilerActivity, profile
 
-from compare.harness.jobs import (PERTURBATION, Job, SetupClock, bench_units, exposed_seconds, job_batches,
-                                  launched_at, mark_progress, mark_started, read_job_file, union_seconds,
-                                  write_result)
+from compare.harness.jobs import (PERTURBATION, Job, Phases, SetupClock, bench_units, exposed_seconds,
+                                  forward_passes, job_batches, launched_at, mark_progress, mark_started,
+                                  read_job_file, union_seconds, write_result)
 from compare.nodes import Nodes
 from torch_impl.parallel import local_batch
 from torch_impl.train import Training, all_ranks, build_training, init_distributed, peak_memory_bytes, train_step
@@ -69,35 +69,42 @@ def _gathered_logits(local: torch.Tensor, run: Training) -> np.ndarray:
 
 
 def equivalence(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> None:
+    phases = Phases()  # each lap after a host read, which waits for the GPU's work
     settings = job.settings()
     batches = job_batches(job)
     run = build_training(settings, device)
     clock.weights_loaded()
+    phases.lap("build")
     _perturb(run, job.perturb)
     sums = _weight_sums(run)
+    phases.lap("weight sums")
     tokens, targets, positions = local_batch(batches[0], run.mesh, device)
     count = valid_target_count(1, job.seq_len)
     share, local_logits = run.model(tokens, positions, targets, count, with_logits=True)
     share.backward()
     loss = _global_loss(share)
+    phases.lap("loss and gradients")
     logits = _gathered_logits(local_logits, run)
     rank0 = dist.get_rank() == 0
     grads = {}
     for name, param in run.llama.named_parameters():
         whole = _full(param.grad)  # a collective: every rank takes part, rank 0 keeps the copy
-        if rank0:
-            grads[f"grad/{name}"] = whole.float().cpu().numpy()
+        if rank0:  # float32 already (the check runs in float32): one copy to the host, no conversion
+            grads[f"grad/{name}"] = whole.cpu().numpy()
     for p in run.llama.parameters():
         p.grad = None
+    phases.lap("gather to host")
     curve = []
     if job.mode == "train":
         for step in range(settings.steps):
             curve.append(train_step(run.model, run.optimizer, *local_batch(batches[step], run.mesh, device), step,
                                     count)[0])
+    phases.lap("loss curve steps")
     if rank0:
         save_file({"logits": logits, **grads}, str(work_dir / f"{job.id}.safetensors"))
+        phases.lap("write")
         write_result(work_dir, job, {"status": "ok", "loss": loss, "loss_curve": curve, "weight_sums": sums,
-                                     "setup": clock.result()})
+                                     "phases_s": phases.seconds, "setup": clock.result()})
 
 
 def curve(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> None:
@@ -178,10 +185,11 @@ def bench(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> 
 
     first_s = timed(step, 0, "warm-up step", 1)  # compilation (Triton autotuning) and allocator warm-up
     step_times = [timed(step, i, f"step {i}/{job.steps}", 1 + i) for i in range(1, len(inputs))]
+    step_s = statistics.median(step_times)
     if device.type == "cuda":  # no_grad is a graph of its own for torch.compile (GPUs only): compiled here, untimed
         forward(0)
-    forward_s = statistics.median(timed(forward, i, "forward", 2 + job.steps + i) for i in range(min(2, len(inputs))))
-    step_s = statistics.median(step_times)
+    forward_s = statistics.median(timed(forward, i, "forward", 2 + job.steps + i)
+                                  for i in range(min(forward_passes(step_s), len(inputs))))
     comm_s = exposed_s = prof = None
     if job.devices > 1 or job.trace_dir is not None:  # one device: no communication to find, no trace asked for
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

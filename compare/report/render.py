@@ -282,7 +282,10 @@ def _jobs(report: dict) -> list[tuple]:
             ("p", ["One launch per backend and device count serves all of its jobs: launch is the process's start "
                    "(its first job only), weights the model built and its weights read (generated once per run), "
                    "compile the first step beyond a steady one (compilation, autotuning; none for an equivalence check, whose "
-                   "steps are all measured), measured the rest."]),
+                   "steps are all measured), measured the rest. On a host of several GPUs, launches on disjoint "
+                   "GPUs (the backends' one-GPU launches) run side by side unless --serial-launches: each point runs "
+                   "on GPUs of its own and a one-GPU point moves nothing over NVLink or PCIe; they share the host's "
+                   "cores."]),
             ("table", ["job", "status", "launch", "weights", "compile", "setup", "measured"], rows)]
 
 
