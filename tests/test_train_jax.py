@@ -27,6 +27,7 @@ import orbax.checkpoint._src.path.atomicity as orbax_atomicity
 import pytest
 import torch
 import transformers
+from jax.sharding import NamedSharding, PartitionSpec
 
 from compare.commands.train import main as train_main
 from compare.commands.train import training_batches
@@ -35,8 +36,8 @@ from jax_impl.flash_attention import flash_attention
 from jax_impl.model import Llama, load_model, parameter_dict, stack_layers, unstack_layers
 from jax_impl.model import next_token_loss as model_next_token_loss
 from jax_impl.parallel import make_mesh, sharded_batch
-from jax_impl.train import (StepSpec, adamw_update, clip_gradients, load_parameters, next_token_loss, run_training,
-                            step_memory_plan)
+from jax_impl.train import (StepSpec, adamw_update, clip_gradients, init_optimizer_state, load_parameters,
+                            next_token_loss, run_training, step_memory_plan)
 from weights import (BadInputError, CheckpointError, RandomWeights, parameter_shapes, preset,
                      write_converted_checkpoint)
 from weights.layout import LayoutError
@@ -356,6 +357,28 @@ def test_a_checkpoint_of_the_per_layer_state_layout_is_refused(tmp_path):
         checkpointing.load_checkpoint(manager, checkpointing.latest_checkpoint(tmp_path), state)
     assert "\n" not in str(refused.value)
     manager.close()
+
+
+def test_optimizer_state_compiles_once_per_shape_and_sharding():
+    """A compare launch builds one training after another: their optimizer states come from compiled zeros cached
+    per (shape, sharding), so a second state compiles nothing (a function jitted anew per parameter compiled twice
+    per parameter and training). Shapes of this test only, so that the negative control (the first state compiles,
+    once per distinct shape and sharding) holds whatever ran before."""
+    from compare.harness.worker_jax import backend_compiles
+
+    mesh = make_mesh(MESHES["fsdp2_sp2"])
+    rows, stacked = NamedSharding(mesh, PartitionSpec("fsdp")), NamedSharding(mesh, PartitionSpec(None, "fsdp"))
+    params = {"a": jax.device_put(jnp.ones((8, 13)), rows), "b": jax.device_put(jnp.ones((8, 13)), rows),
+              "c": jax.device_put(jnp.ones((3, 8, 13)), stacked)}
+    with backend_compiles() as first:
+        state = init_optimizer_state(params)
+    with backend_compiles() as second:
+        init_optimizer_state(params)
+    assert first["count"] == 2 and second["count"] == 0
+    for name, param in params.items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            value = state[moment][name]
+            assert value.sharding == param.sharding and value.dtype == jnp.float32 and not np.asarray(value).any()
 
 
 def test_bad_input_is_refused_before_training(weights_dir):
