@@ -14,6 +14,11 @@ recomputes the rest; "save-attention": the attention's output and log-sum-exp ar
 not rerun the attention; see `jax_impl/remat.py`). With `layer_weight_dtype` and `gather_layer_weight`, the layers
 may be given sharded fp32 weights: each checkpointed layer casts and gathers its own (jax_impl/train.py says why).
 
+`convert_to_fp8` switches the decoder layers' linears to `fp8_matmul`, the FP8 recipe of weights/fp8.py
+(`twinflash train --fp8`; the torch twin uses torchao's Float8Linear): a `jax.custom_vjp` whose forward and both
+backward matmuls quantise their operands per tensor to float8 and run `lax.dot_general` on the float8 arrays with
+float32 accumulation (which XLA runs on CPU as well as on GPUs).
+
 The decoder layers' weights come one per canonical name ("layers.<i>.<suffix>") or stacked over the layers
 ("layers.*.<suffix>", [num_layers, ...]: `stack_layers`, the JAX training state's layout), which the scan of
 checkpointed layers takes as it is instead of stacking a copy.
@@ -38,6 +43,7 @@ from flax import nnx
 from jax_impl.attention import AttentionFn, reference_attention
 from jax_impl.remat import checkpointed_scan
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
+from weights.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX, GRADIENT_DTYPE, is_fp8_linear
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 STACKED_LAYERS = "layers.*."  # "layers.*.<suffix>": every decoder layer's <suffix> weight, stacked [num_layers, ...]
@@ -90,13 +96,57 @@ def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
     return unstacked
 
 
+def quantise(x: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
+    """(x scaled per tensor into float8 `dtype`, saturated, and its float32 scale): weights/fp8.py's recipe,
+    scale = 448 / max(amax, eps), torchao's formula (torchao divides in float64 then rounds to float32; one
+    correctly rounded float32 division gives the same number, as 53 >= 2 * 24 + 2 bits make double rounding
+    harmless)."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = FP8_MAX / jnp.maximum(amax, AMAX_EPS)
+    return jnp.clip(x.astype(jnp.float32) * scale, -FP8_MAX, FP8_MAX).astype(jnp.dtype(dtype)), scale
+
+
+def scaled_dot(a: jax.Array, a_dtype: str, b: jax.Array, b_dtype: str, contract: tuple, out_dtype) -> jax.Array:
+    """`lax.dot_general` of a and b over the dims `contract` ((a's), (b's)), each operand quantised per tensor:
+    out_dtype(float32 dot of the float8 values * (1 / scale_a * 1 / scale_b)), torch._scaled_mm's arithmetic."""
+    qa, scale_a = quantise(a, a_dtype)
+    qb, scale_b = quantise(b, b_dtype)
+    product = jax.lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=jnp.float32)
+    return (product * (1 / scale_a * (1 / scale_b))).astype(out_dtype)
+
+
+@jax.custom_vjp
+def fp8_matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., in] @ weight [out, in].T in FP8 (weights/fp8.py), in x's dtype."""
+    return scaled_dot(x, FP8_DTYPE, weight, FP8_DTYPE, ((x.ndim - 1,), (1,)), x.dtype)
+
+
+def _fp8_matmul_forward(x: jax.Array, weight: jax.Array):
+    # the high-precision operands are kept and quantised again in the backward, as torchao's Float8Linear does
+    return fp8_matmul(x, weight), (x, weight)
+
+
+def _fp8_matmul_backward(residuals, grad: jax.Array):
+    x, weight = residuals
+    tokens = tuple(range(x.ndim - 1))
+    grad_x = scaled_dot(grad, GRADIENT_DTYPE, weight, FP8_DTYPE, ((x.ndim - 1,), (0,)), x.dtype)
+    grad_weight = scaled_dot(grad, GRADIENT_DTYPE, x, FP8_DTYPE, (tokens, tokens), weight.dtype)
+    return grad_x, grad_weight
+
+
+fp8_matmul.defvjp(_fp8_matmul_forward, _fp8_matmul_backward)
+
+
 class Linear(nnx.Module):
-    """y = x @ weight.T with weight [out, in], as torch.nn.Linear."""
+    """y = x @ weight.T with weight [out, in], as torch.nn.Linear; in FP8 (`fp8_matmul`) once `fp8` is set."""
 
     def __init__(self, weight: jax.Array):
         self.weight = nnx.Param(weight)
+        self.fp8 = False
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.fp8:
+            return fp8_matmul(x, self.weight[...])
         return jnp.einsum("...i,oi->...o", x, self.weight[...])
 
 
@@ -248,6 +298,14 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Logits [B, S, vocab] float32 for token ids [B, S]."""
         return self.logits(self.hidden_states(tokens, positions))
+
+
+def convert_to_fp8(llama: Llama, linears: frozenset[str]) -> None:
+    """In place: the decoder layers' `linears` (names inside a layer, from `weights.fp8.fp8_linears`) compute in
+    FP8 (`fp8_matmul`). Their weights are unchanged, so sharding, checkpoints and exports see the same model."""
+    for path, module in nnx.iter_modules(llama):
+        if isinstance(module, Linear) and is_fp8_linear(".".join(map(str, path)), linears):
+            module.fp8 = True
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
