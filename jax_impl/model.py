@@ -16,7 +16,7 @@ may be given sharded fp32 weights: each checkpointed layer casts and gathers its
 
 `convert_to_fp8` switches the decoder layers' linears to `fp8_matmul`, the FP8 recipe of weights/fp8.py
 (`twinflash train --fp8`; the torch twin uses torchao's Float8Linear): a `jax.custom_vjp` whose forward and both
-backward matmuls quantise their operands per tensor to float8 and run `lax.dot_general` on the float8 arrays with
+backward matmuls quantise their operands per tensor (an activation per device's tokens) to float8 and run `lax.dot_general` on the float8 arrays with
 float32 accumulation (which XLA runs on CPU as well as on GPUs).
 
 The decoder layers' weights come one per canonical name ("layers.<i>.<suffix>") or stacked over the layers
@@ -31,6 +31,7 @@ over every token, accumulate in float32 as torch's reductions and CUDA embedding
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -96,57 +97,78 @@ def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
     return unstacked
 
 
-def quantise(x: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
-    """(x scaled per tensor into float8 `dtype`, saturated, and its float32 scale): weights/fp8.py's recipe,
-    scale = 448 / max(amax, eps), torchao's formula (torchao divides in float64 then rounds to float32; one
-    correctly rounded float32 division gives the same number, as 53 >= 2 * 24 + 2 bits make double rounding
-    harmless)."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+TokenBlocks = tuple[int, int]  # (fsdp, sp): how a [B, S, ...] activation's tokens are split over the devices
+
+
+def _device_blocks(x: jax.Array, blocks: TokenBlocks) -> jax.Array:
+    """x [B, S, ...] as [fsdp, B / fsdp, sp, S / sp, ...]: block (f, s) holds device (f, s)'s tokens (batch over
+    fsdp, sequence over sp in the ring layout's order, which the global arrays keep)."""
+    fsdp, sp = blocks
+    return x.reshape(fsdp, x.shape[0] // fsdp, sp, x.shape[1] // sp, *x.shape[2:])
+
+
+def quantise(x: jax.Array, dtype: str, axes: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+    """(x scaled into float8 `dtype`, saturated, and its float32 scale), one scale per slice over `axes` (default:
+    per tensor): weights/fp8.py's recipe, scale = 448 / max(amax, eps), torchao's formula (torchao divides in
+    float64 then rounds to float32; one correctly rounded float32 division gives the same number, as 53 >= 2 * 24
+    + 2 bits make double rounding harmless)."""
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32)
     scale = FP8_MAX / jnp.maximum(amax, AMAX_EPS)
     return jnp.clip(x.astype(jnp.float32) * scale, -FP8_MAX, FP8_MAX).astype(jnp.dtype(dtype)), scale
 
 
-def scaled_dot(a: jax.Array, a_dtype: str, b: jax.Array, b_dtype: str, contract: tuple, out_dtype) -> jax.Array:
-    """`lax.dot_general` of a and b over the dims `contract` ((a's), (b's)), each operand quantised per tensor:
-    out_dtype(float32 dot of the float8 values * (1 / scale_a * 1 / scale_b)), torch._scaled_mm's arithmetic."""
-    qa, scale_a = quantise(a, a_dtype)
-    qb, scale_b = quantise(b, b_dtype)
-    product = jax.lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=jnp.float32)
-    return (product * (1 / scale_a * (1 / scale_b))).astype(out_dtype)
+def _rescaled(product: jax.Array, scale_a: jax.Array, scale_b: jax.Array, dtype) -> jax.Array:
+    """A float32 dot of float8 values back to `dtype`: product * (1 / scale_a * 1 / scale_b), torch._scaled_mm's
+    arithmetic."""
+    return (product * (1 / scale_a * (1 / scale_b))).astype(dtype)
 
 
-@jax.custom_vjp
-def fp8_matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [..., in] @ weight [out, in].T in FP8 (weights/fp8.py), in x's dtype."""
-    return scaled_dot(x, FP8_DTYPE, weight, FP8_DTYPE, ((x.ndim - 1,), (1,)), x.dtype)
+def _dot(a: jax.Array, b: jax.Array, contract: tuple, batch: tuple = ((), ())) -> jax.Array:
+    return jax.lax.dot_general(a, b, (contract, batch), preferred_element_type=jnp.float32)
 
 
-def _fp8_matmul_forward(x: jax.Array, weight: jax.Array):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_matmul(x: jax.Array, weight: jax.Array, blocks: TokenBlocks = (1, 1)) -> jax.Array:
+    """x [B, S, in] @ weight [out, in].T in FP8 (weights/fp8.py), in x's dtype. Activations and output gradients
+    get one scale per device's tokens (`blocks`), as each torch rank's Float8Linear scales its own; the (gathered)
+    weight one scale."""
+    x_q, x_scale = quantise(_device_blocks(x, blocks), FP8_DTYPE, (1, 3, 4))
+    w_q, w_scale = quantise(weight, FP8_DTYPE)
+    return _rescaled(_dot(x_q, w_q, ((4,), (1,))), x_scale, w_scale, x.dtype).reshape(*x.shape[:2], -1)
+
+
+def _fp8_matmul_forward(x: jax.Array, weight: jax.Array, blocks: TokenBlocks):
     # the high-precision operands are kept and quantised again in the backward, as torchao's Float8Linear does
-    return fp8_matmul(x, weight), (x, weight)
+    return fp8_matmul(x, weight, blocks), (x, weight)
 
 
-def _fp8_matmul_backward(residuals, grad: jax.Array):
+def _fp8_matmul_backward(blocks: TokenBlocks, residuals, grad: jax.Array):
+    """dX per device block; dW per device block in bf16 (a torch rank's), then summed over the blocks in float32."""
     x, weight = residuals
-    tokens = tuple(range(x.ndim - 1))
-    grad_x = scaled_dot(grad, GRADIENT_DTYPE, weight, FP8_DTYPE, ((x.ndim - 1,), (0,)), x.dtype)
-    grad_weight = scaled_dot(grad, GRADIENT_DTYPE, x, FP8_DTYPE, (tokens, tokens), weight.dtype)
-    return grad_x, grad_weight
+    grad_q, grad_scale = quantise(_device_blocks(grad, blocks), GRADIENT_DTYPE, (1, 3, 4))
+    w_q, w_scale = quantise(weight, FP8_DTYPE)
+    grad_x = _rescaled(_dot(grad_q, w_q, ((4,), (0,))), grad_scale, w_scale, x.dtype).reshape(x.shape)
+    x_q, x_scale = quantise(_device_blocks(x, blocks), FP8_DTYPE, (1, 3, 4))
+    per_block = _dot(grad_q, x_q, ((1, 3), (1, 3)), ((0, 2), (0, 2)))  # [fsdp, sp, out, in]
+    per_block = _rescaled(per_block, grad_scale.reshape(*blocks, 1, 1), x_scale.reshape(*blocks, 1, 1),
+                          weight.dtype)
+    return grad_x, per_block.astype(jnp.float32).sum((0, 1)).astype(weight.dtype)
 
 
 fp8_matmul.defvjp(_fp8_matmul_forward, _fp8_matmul_backward)
 
 
 class Linear(nnx.Module):
-    """y = x @ weight.T with weight [out, in], as torch.nn.Linear; in FP8 (`fp8_matmul`) once `fp8` is set."""
+    """y = x @ weight.T with weight [out, in], as torch.nn.Linear; in FP8 (`fp8_matmul`) once `fp8_blocks`, the
+    activations' split over the devices, is set."""
 
     def __init__(self, weight: jax.Array):
         self.weight = nnx.Param(weight)
-        self.fp8 = False
+        self.fp8_blocks: TokenBlocks | None = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.fp8:
-            return fp8_matmul(x, self.weight[...])
+        if self.fp8_blocks is not None:
+            return fp8_matmul(x, self.weight[...], self.fp8_blocks)
         return jnp.einsum("...i,oi->...o", x, self.weight[...])
 
 
@@ -300,12 +322,13 @@ class Llama(nnx.Module):
         return self.logits(self.hidden_states(tokens, positions))
 
 
-def convert_to_fp8(llama: Llama, linears: frozenset[str]) -> None:
+def convert_to_fp8(llama: Llama, linears: frozenset[str], token_blocks: TokenBlocks = (1, 1)) -> None:
     """In place: the decoder layers' `linears` (names inside a layer, from `weights.fp8.fp8_linears`) compute in
-    FP8 (`fp8_matmul`). Their weights are unchanged, so sharding, checkpoints and exports see the same model."""
+    FP8 (`fp8_matmul`), their activations scaled per device block `token_blocks` (the mesh's (fsdp, sp)). Their
+    weights are unchanged, so sharding, checkpoints and exports see the same model."""
     for path, module in nnx.iter_modules(llama):
         if isinstance(module, Linear) and is_fp8_linear(".".join(map(str, path)), linears):
-            module.fp8 = True
+            module.fp8_blocks = token_blocks
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -75,8 +75,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl import checkpointing
 from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, stack_layers, unstack_layers
-from jax_impl.parallel import (activation_sharding, make_mesh, parameter_shardings, put_sharded, ring_attention_fn,
-                               sharded_batch)
+from jax_impl.parallel import (activation_sharding, make_mesh, mesh_shape, parameter_shardings, put_sharded,
+                               ring_attention_fn, sharded_batch)
 from jax_impl.profiling import StepProfiler
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_for_backward
@@ -188,7 +188,8 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
     attention = ring_attention_fn(spec.mesh, backend=spec.attention_backend, variant=spec.ring_variant)
     llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer)
     if spec.fp8:
-        convert_to_fp8(llama, fp8_linears(spec.config)[0])
+        devices = mesh_shape(spec.mesh)  # each device's activations scaled on their own, as torch's ranks do
+        convert_to_fp8(llama, fp8_linears(spec.config)[0], token_blocks=(devices.fsdp, devices.sp))
     hidden = llama.hidden_states(tokens, positions)
     head = weights["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
     valid_count = valid_target_count(*tokens.shape)

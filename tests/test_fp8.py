@@ -90,11 +90,14 @@ def operands():
     return _bf16(rng, TOKENS, IN), _bf16(rng, OUT, IN), _bf16(rng, TOKENS, OUT)
 
 
-def _jax_products(x, w, g):
-    """(forward, dX, dW) of JAX's fp8 matmul on bf16 operands, as float32 numpy."""
-    x, w, g = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, g))
-    y, vjp = jax.vjp(fp8_matmul, x, w)
-    return tuple(np.asarray(a, np.float32) for a in (y, *vjp(g)))
+def _jax_products(x, w, g, blocks=(1, 1)):
+    """(forward, dX, dW) of JAX's fp8 matmul on bf16 operands x [B, S, in] (or [tokens, in]: one sequence), as
+    float32 numpy of x's shape."""
+    shape = x.shape
+    x, w, g = (jnp.asarray(a, jnp.bfloat16) for a in (x.reshape(-1, *x.shape[-2:]), w, g.reshape(-1, *g.shape[-2:])))
+    y, vjp = jax.vjp(lambda x, w: fp8_matmul(x, w, blocks), x, w)
+    y, dx, dw = (np.asarray(a, np.float32) for a in (y, *vjp(g)))
+    return y.reshape(*shape[:-1], -1), dx.reshape(shape), dw
 
 
 def _torch_products(x, w, g):
@@ -127,6 +130,23 @@ def test_fp8_matmuls_equal_the_hand_written_recipe(operands, backend):
 def test_the_twins_fp8_matmuls_agree(operands):
     for name, ours, theirs in zip(("forward", "dX", "dW"), _jax_products(*operands), _torch_products(*operands)):
         assert _within_one_bf16_ulp(ours, theirs), name
+
+
+def test_each_device_block_of_the_tokens_is_scaled_on_its_own(operands):
+    """With the tokens of [B=2, S=32] split over fsdp=2 x sp=2, each block's products are those of the block alone
+    (a torch rank's), and dW is the float32 sum of the blocks' bf16 dW (FSDP's float32 reduction of them)."""
+    x, w, g = operands[0].reshape(2, 32, IN), operands[1], operands[2].reshape(2, 32, OUT)
+    y, dx, dw = _jax_products(x, w, g, blocks=(2, 2))
+    block_dw = np.zeros_like(dw)
+    for f in range(2):
+        for s in range(2):
+            rows, seq = slice(f, f + 1), slice(16 * s, 16 * (s + 1))
+            block = _jax_products(x[rows, seq], w, g[rows, seq])
+            np.testing.assert_array_equal(y[rows, seq], block[0])
+            np.testing.assert_array_equal(dx[rows, seq], block[1])
+            block_dw += block[2]
+    assert _within_one_bf16_ulp(dw, block_dw)  # the bf16 rounding of the float32 sum
+    assert not np.array_equal(y, _jax_products(x, w, g)[0])  # negative control: one scale per tensor differs
 
 
 def test_fp8_matmul_really_quantises(operands):
