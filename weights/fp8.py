@@ -7,12 +7,14 @@ The recipe, torchao's dynamic per-tensor ("tensorwise") scaling with float8_e4m3
   which      the decoder layers' linear matmuls (attention wq/wk/wv/wo, SwiGLU w1/w3/w2), forward and both
              backward matmuls; the embedding, the LM head, the norms and the attention (our kernels, the ring)
              stay in the compute dtype (bf16). A linear whose dims FP8 GEMMs cannot take stays bf16 (`fp8_linears`).
-  scale      every step, per tensor (per device's tensor: see below): scale = float32(448 / max(amax, 1e-12)),
-             amax the largest |value| of the bf16 tensor; no rounding of the scale to a power of two.
+  scale      every step, per tensor: scale = float32(448 / max(amax, 1e-12)), amax the largest |value| of the bf16
+             tensor; no rounding of the scale to a power of two. A weight is scaled whole (as gathered); an
+             activation or output gradient per device, over that device's tokens (a torch rank's own tensor; JAX
+             splits its global arrays into the devices' blocks for this).
   quantise   q = float8_e4m3fn(clamp(float32(x) * scale, -448, 448)) (saturating).
   matmul     out = bf16(dot(q_a, q_b) accumulated in float32 * (1 / scale_a * 1 / scale_b)).
   backward   dX = q(dY) . q(W), dW = q(dY)^T . q(X), each operand quantised as above with its own scale; the
-             results in bf16 (the weight's gradient is then summed over devices in float32 as in bf16 training).
+             results in bf16 (each device's weight gradient is then summed over the devices in float32).
 Master weights and optimizer state stay float32, as without --fp8.
 
 One deliberate difference from torchao's named "tensorwise" recipe: torchao's default casts the output gradient to
