@@ -23,6 +23,7 @@ RoPE angles in float32 cast to the compute dtype, logits returned as float32.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -179,8 +180,16 @@ def convert_to_fp8(llama: Llama, linears: frozenset[str]) -> None:
     `weights.fp8.fp8_linears`) become torchao `Float8Linear`s with dynamic per-tensor scaling of inputs, weights and
     output gradients (weights/fp8.py's recipe). Their weights stay plain parameters under the same names, so
     sharding, checkpoints and exports see the model unchanged."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    from torchao.float8.config import CastConfig, ScalingGranularity, ScalingType
+    torchao_log = logging.getLogger("torchao")
+    level = torchao_log.level
+    # importing torchao warns once per CUDA extension library it cannot load (all of them on CPU), on every rank;
+    # the float8 training path uses none of them
+    torchao_log.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.config import CastConfig, ScalingGranularity, ScalingType
+    finally:
+        torchao_log.setLevel(level)
 
     def cast(dtype: str) -> CastConfig:
         return CastConfig(scaling_type=ScalingType.DYNAMIC, scaling_granularity=ScalingGranularity.TENSORWISE,

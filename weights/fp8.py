@@ -14,7 +14,8 @@ The recipe, torchao's dynamic per-tensor ("tensorwise") scaling with float8_e4m3
   quantise   q = float8_e4m3fn(clamp(float32(x) * scale, -448, 448)) (saturating).
   matmul     out = bf16(dot(q_a, q_b) accumulated in float32 * (1 / scale_a * 1 / scale_b)).
   backward   dX = q(dY) . q(W), dW = q(dY)^T . q(X), each operand quantised as above with its own scale; the
-             results in bf16 (each device's weight gradient is then summed over the devices in float32).
+             results in bf16 (each device's weight gradient is then summed over the devices in float32; JAX rounds
+             that sum to bf16 once, as in its bf16 runs: jax_impl/train.py).
 Master weights and optimizer state stay float32, as without --fp8.
 
 One deliberate difference from torchao's named "tensorwise" recipe: torchao's default casts the output gradient to
