@@ -16,8 +16,8 @@ may be given sharded fp32 weights: each checkpointed layer casts and gathers its
 
 `convert_to_fp8` switches the decoder layers' linears to `fp8_matmul`, the FP8 recipe of weights/fp8.py
 (`twinflash train --fp8`; the torch twin uses torchao's Float8Linear): a `jax.custom_vjp` whose forward and both
-backward matmuls quantise their operands per tensor (an activation per device's tokens) to float8 and run `lax.dot_general` on the float8 arrays with
-float32 accumulation (which XLA runs on CPU as well as on GPUs).
+backward matmuls quantise their operands per tensor (an activation per device's tokens) to float8 and run
+`lax.dot_general` on the float8 arrays with float32 accumulation (which XLA runs on CPU as well as on GPUs).
 
 The decoder layers' weights come one per canonical name ("layers.<i>.<suffix>") or stacked over the layers
 ("layers.*.<suffix>", [num_layers, ...]: `stack_layers`, the JAX training state's layout), which the scan of
@@ -128,7 +128,7 @@ def _dot(a: jax.Array, b: jax.Array, contract: tuple, batch: tuple = ((), ())) -
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_matmul(x: jax.Array, weight: jax.Array, blocks: TokenBlocks = (1, 1)) -> jax.Array:
+def fp8_matmul(x: jax.Array, weight: jax.Array, blocks: TokenBlocks) -> jax.Array:
     """x [B, S, in] @ weight [out, in].T in FP8 (weights/fp8.py), in x's dtype. Activations and output gradients
     get one scale per device's tokens (`blocks`), as each torch rank's Float8Linear scales its own; the (gathered)
     weight one scale."""
