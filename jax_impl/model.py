@@ -14,6 +14,11 @@ recomputes the rest; "save-attention": the attention's output and log-sum-exp ar
 not rerun the attention; see `jax_impl/remat.py`). With `layer_weight_dtype` and `gather_layer_weight`, the layers
 may be given sharded fp32 weights: each checkpointed layer casts and gathers its own (jax_impl/train.py says why).
 
+`convert_to_fp8` switches the decoder layers' linears to `fp8_matmul`, the FP8 recipe of weights/fp8.py
+(`twinflash train --fp8`; the torch twin uses torchao's Float8Linear): a `jax.custom_vjp` whose forward and both
+backward matmuls quantise their operands per tensor (an activation per device's tokens) to float8 and run
+`lax.dot_general` on the float8 arrays with float32 accumulation (which XLA runs on CPU as well as on GPUs).
+
 The decoder layers' weights come one per canonical name ("layers.<i>.<suffix>") or stacked over the layers
 ("layers.*.<suffix>", [num_layers, ...]: `stack_layers`, the JAX training state's layout), which the scan of
 checkpointed layers takes as it is instead of stacking a copy.
@@ -26,6 +31,7 @@ over every token, accumulate in float32 as torch's reductions and CUDA embedding
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,7 @@ from flax import nnx
 from jax_impl.attention import AttentionFn, reference_attention
 from jax_impl.remat import checkpointed_scan
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
+from weights.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX, GRADIENT_DTYPE, is_fp8_linear
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 STACKED_LAYERS = "layers.*."  # "layers.*.<suffix>": every decoder layer's <suffix> weight, stacked [num_layers, ...]
@@ -90,13 +97,78 @@ def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
     return unstacked
 
 
+TokenBlocks = tuple[int, int]  # (fsdp, sp): how a [B, S, ...] activation's tokens are split over the devices
+
+
+def _device_blocks(x: jax.Array, blocks: TokenBlocks) -> jax.Array:
+    """x [B, S, ...] as [fsdp, B / fsdp, sp, S / sp, ...]: block (f, s) holds device (f, s)'s tokens (batch over
+    fsdp, sequence over sp in the ring layout's order, which the global arrays keep)."""
+    fsdp, sp = blocks
+    return x.reshape(fsdp, x.shape[0] // fsdp, sp, x.shape[1] // sp, *x.shape[2:])
+
+
+def quantise(x: jax.Array, dtype: str, axes: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+    """(x scaled into float8 `dtype`, saturated, and its float32 scale), one scale per slice over `axes` (default:
+    per tensor): weights/fp8.py's recipe, scale = 448 / max(amax, eps), torchao's formula (torchao divides in
+    float64 then rounds to float32; one correctly rounded float32 division gives the same number, as 53 >= 2 * 24
+    + 2 bits make double rounding harmless)."""
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32)
+    scale = FP8_MAX / jnp.maximum(amax, AMAX_EPS)
+    return jnp.clip(x.astype(jnp.float32) * scale, -FP8_MAX, FP8_MAX).astype(jnp.dtype(dtype)), scale
+
+
+def _rescaled(product: jax.Array, scale_a: jax.Array, scale_b: jax.Array, dtype) -> jax.Array:
+    """A float32 dot of float8 values back to `dtype`: product * (1 / scale_a * 1 / scale_b), torch._scaled_mm's
+    arithmetic."""
+    return (product * (1 / scale_a * (1 / scale_b))).astype(dtype)
+
+
+def _dot(a: jax.Array, b: jax.Array, contract: tuple, batch: tuple = ((), ())) -> jax.Array:
+    return jax.lax.dot_general(a, b, (contract, batch), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_matmul(x: jax.Array, weight: jax.Array, blocks: TokenBlocks) -> jax.Array:
+    """x [B, S, in] @ weight [out, in].T in FP8 (weights/fp8.py), in x's dtype. Activations and output gradients
+    get one scale per device's tokens (`blocks`), as each torch rank's Float8Linear scales its own; the (gathered)
+    weight one scale."""
+    x_q, x_scale = quantise(_device_blocks(x, blocks), FP8_DTYPE, (1, 3, 4))
+    w_q, w_scale = quantise(weight, FP8_DTYPE)
+    return _rescaled(_dot(x_q, w_q, ((4,), (1,))), x_scale, w_scale, x.dtype).reshape(*x.shape[:2], -1)
+
+
+def _fp8_matmul_forward(x: jax.Array, weight: jax.Array, blocks: TokenBlocks):
+    # the high-precision operands are kept and quantised again in the backward, as torchao's Float8Linear does
+    return fp8_matmul(x, weight, blocks), (x, weight)
+
+
+def _fp8_matmul_backward(blocks: TokenBlocks, residuals, grad: jax.Array):
+    """dX per device block; dW per device block in bf16 (a torch rank's), then summed over the blocks in float32."""
+    x, weight = residuals
+    grad_q, grad_scale = quantise(_device_blocks(grad, blocks), GRADIENT_DTYPE, (1, 3, 4))
+    w_q, w_scale = quantise(weight, FP8_DTYPE)
+    grad_x = _rescaled(_dot(grad_q, w_q, ((4,), (0,))), grad_scale, w_scale, x.dtype).reshape(x.shape)
+    x_q, x_scale = quantise(_device_blocks(x, blocks), FP8_DTYPE, (1, 3, 4))
+    per_block = _dot(grad_q, x_q, ((1, 3), (1, 3)), ((0, 2), (0, 2)))  # [fsdp, sp, out, in]
+    per_block = _rescaled(per_block, grad_scale.reshape(*blocks, 1, 1), x_scale.reshape(*blocks, 1, 1),
+                          weight.dtype)
+    return grad_x, per_block.astype(jnp.float32).sum((0, 1)).astype(weight.dtype)
+
+
+fp8_matmul.defvjp(_fp8_matmul_forward, _fp8_matmul_backward)
+
+
 class Linear(nnx.Module):
-    """y = x @ weight.T with weight [out, in], as torch.nn.Linear."""
+    """y = x @ weight.T with weight [out, in], as torch.nn.Linear; in FP8 (`fp8_matmul`) once `fp8_blocks`, the
+    activations' split over the devices, is set."""
 
     def __init__(self, weight: jax.Array):
         self.weight = nnx.Param(weight)
+        self.fp8_blocks: TokenBlocks | None = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.fp8_blocks is not None:
+            return fp8_matmul(x, self.weight[...], self.fp8_blocks)
         return jnp.einsum("...i,oi->...o", x, self.weight[...])
 
 
@@ -248,6 +320,15 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Logits [B, S, vocab] float32 for token ids [B, S]."""
         return self.logits(self.hidden_states(tokens, positions))
+
+
+def convert_to_fp8(llama: Llama, linears: frozenset[str], token_blocks: TokenBlocks = (1, 1)) -> None:
+    """In place: the decoder layers' `linears` (names inside a layer, from `weights.fp8.fp8_linears`) compute in
+    FP8 (`fp8_matmul`), their activations scaled per device block `token_blocks` (the mesh's (fsdp, sp)). Their
+    weights are unchanged, so sharding, checkpoints and exports see the same model."""
+    for path, module in nnx.iter_modules(llama):
+        if isinstance(module, Linear) and is_fp8_linear(".".join(map(str, path)), linears):
+            module.fp8_blocks = token_blocks
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:

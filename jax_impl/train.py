@@ -30,6 +30,7 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
              is one rounding of their exact sum; emulated on the torch side it moved the loss by 0.024 % (mean over
              20 steps, 1B width cut to 2 layers, 256 tokens, CPU), a third of either backend's attention-kernel
              floor there (compare/results/bf16-drift-check-2026-11-23-cpu.json). fp32 runs are unaffected.
+             With fp8 (bf16 only) the decoder layers' linears run `fp8_matmul` (`convert_to_fp8`, weights/fp8.py).
 
 Weights for the compute: each parameter is cast to the compute dtype in its fp32 shard and constrained to be
 replicated where it is used, so XLA all-gathers it over the mesh and reduce-scatters its gradient back into the
@@ -73,12 +74,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl import checkpointing
-from jax_impl.model import DTYPES, Llama, is_stacked, stack_layers, unstack_layers
-from jax_impl.parallel import (activation_sharding, make_mesh, parameter_shardings, put_sharded, ring_attention_fn,
-                               sharded_batch)
+from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, stack_layers, unstack_layers
+from jax_impl.parallel import (activation_sharding, make_mesh, mesh_shape, parameter_shardings, put_sharded,
+                               ring_attention_fn, sharded_batch)
 from jax_impl.profiling import StepProfiler
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_for_backward
+from weights.fp8 import fallback_line, fp8_linears
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
@@ -151,6 +153,8 @@ class StepSpec:
     ring_variant: str
     loss_chunk_tokens: int
     optimizer: OptimizerConfig
+    # the decoder layers' linears in FP8 (`convert_to_fp8`, weights/fp8.py's recipe)
+    fp8: bool = False
     # a LAYER_WEIGHTS key: where a checkpointed step makes the layers' compute weights (the other keys are the
     # structures issue 19 replaced: tests/test_train_memory.py's negative controls)
     layer_weights: str = "in-layer"
@@ -183,6 +187,9 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
                    for name, p in params.items()}
     attention = ring_attention_fn(spec.mesh, backend=spec.attention_backend, variant=spec.ring_variant)
     llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer)
+    if spec.fp8:
+        devices = mesh_shape(spec.mesh)  # each device's activations scaled on their own, as torch's ranks do
+        convert_to_fp8(llama, fp8_linears(spec.config)[0], token_blocks=(devices.fsdp, devices.sp))
     hidden = llama.hidden_states(tokens, positions)
     head = weights["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
     valid_count = valid_target_count(*tokens.shape)
@@ -366,7 +373,7 @@ def _step_spec(settings, config: LlamaConfig, mesh: Mesh) -> StepSpec:
     return StepSpec(config=config, mesh=mesh, dtype=settings.dtype, remat=settings.activation_checkpointing,
                     attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
                     loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
-                    optimizer=settings.optimizer, skip_non_finite=settings.skip_non_finite_steps)
+                    optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps)
 
 
 def step_memory_plan(settings: TrainSettings, devices: Sequence[jax.Device] | None = None) -> dict[str, int]:
@@ -430,6 +437,8 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
     check_batches(settings, batches)
     run = build_training(settings, devices)
     mesh, spec, state, meta = run.mesh, run.spec, run.state, run.meta
+    if settings.fp8 and jax.process_index() == 0 and fallback_line(spec.config) is not None:
+        _print_to_stderr(fallback_line(spec.config))
     latest, start = _resume_point(settings, meta)
     manager = None if settings.ckpt_dir is None else checkpointing.open_manager(settings.ckpt_dir, settings.keep)
     try:

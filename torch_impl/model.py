@@ -12,12 +12,18 @@ For `twinflash train --profile` the attention function's work and a checkpointed
 are marked as regions (`torch_impl/profiling.py`); `compile_elementwise` compiles the modules around the attention
 (the training step does on GPUs).
 
+`convert_to_fp8` turns the decoder layers' linears into torchao `Float8Linear`s running the FP8 recipe of
+weights/fp8.py (`twinflash train --fp8`). torchao is optional (the `fp8` extra) and needs no GPU: on CPU its matmul,
+`torch._scaled_mm` with float8 operands, runs as it is (dot of the float8 values in float32, times the inverse
+scales), so the same recipe runs on CPU with nothing patched.
+
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -28,6 +34,7 @@ from torch_impl.attention import AttentionFn, reference_attention
 from torch_impl.profiling import region
 from torch_impl.remat import checkpointed_layer
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
+from weights.fp8 import FP8_DTYPE, GRADIENT_DTYPE, is_fp8_linear
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -166,6 +173,35 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab] float32 for token ids [B, S]."""
         return self.logits(self.hidden_states(tokens, positions))
+
+
+def convert_to_fp8(llama: Llama, linears: frozenset[str]) -> None:
+    """In place, before FSDP wraps the model: the decoder layers' `linears` (names inside a layer, from
+    `weights.fp8.fp8_linears`) become torchao `Float8Linear`s with dynamic per-tensor scaling of inputs, weights and
+    output gradients (weights/fp8.py's recipe). Their weights stay plain parameters under the same names, so
+    sharding, checkpoints and exports see the model unchanged."""
+    torchao_log = logging.getLogger("torchao")
+    level = torchao_log.level
+    # importing torchao warns once per CUDA extension library it cannot load (all of them on CPU), on every rank;
+    # the float8 training path uses none of them
+    torchao_log.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.config import CastConfig, ScalingGranularity, ScalingType
+    finally:
+        torchao_log.setLevel(level)
+
+    def cast(dtype: str) -> CastConfig:
+        return CastConfig(scaling_type=ScalingType.DYNAMIC, scaling_granularity=ScalingGranularity.TENSORWISE,
+                          target_dtype=getattr(torch, dtype))
+
+    config = Float8LinearConfig(
+        cast_config_input=cast(FP8_DTYPE), cast_config_input_for_grad_weight=cast(FP8_DTYPE),
+        cast_config_weight=cast(FP8_DTYPE), cast_config_weight_for_grad_input=cast(FP8_DTYPE),
+        cast_config_grad_output=cast(GRADIENT_DTYPE), cast_config_grad_output_for_grad_weight=cast(GRADIENT_DTYPE),
+        round_scales_to_power_of_2=False)
+    convert_to_float8_training(llama, config=config,
+                               module_filter_fn=lambda module, name: is_fp8_linear(name, linears))
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
              m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t)
              + eps) with t = step + 1; lr = OptimizerConfig.learning_rate(step), set every step; fp32 state.
   precision  fp32 master weights and optimizer state; with bf16, FSDP gathers bf16 weights for the compute and
-             reduces fp32 gradients (MixedPrecisionPolicy).
+             reduces fp32 gradients (MixedPrecisionPolicy). With fp8 (bf16 only) the decoder layers' linears are
+             torchao Float8Linears (`convert_to_fp8`, weights/fp8.py's recipe), converted before FSDP wraps them.
 
 Speed on GPUs (`--eager` turns the first two off): the modules around the attention and the loss chunks run
 under torch.compile, AdamW runs as torch's fused kernel (same formula, `AdamW`), and the loop never waits for a
@@ -41,10 +42,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from torch_impl import checkpointing
-from torch_impl.model import DTYPES, Llama
+from torch_impl.model import DTYPES, Llama, convert_to_fp8
 from torch_impl.parallel import load_local_shards, local_batch, make_mesh, ring_attention_fn, shard_model
 from torch_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, RandomWeights, open_weights
+from weights.fp8 import fallback_line, fp8_linears
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
@@ -330,6 +332,10 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
     with torch.device("meta"):
         llama = Llama(config, ring_attention_fn(mesh, backend=settings.attention_backend,
                                                 variant=settings.ring_variant))
+    if settings.fp8:  # before FSDP, which then shards and gathers the Float8Linears' plain weights
+        convert_to_fp8(llama, fp8_linears(config)[0])
+        if dist.get_rank() == 0 and fallback_line(config) is not None:
+            _print_to_stderr(fallback_line(config))
     chunk_tokens = settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size)
     model = ShardedNextTokenLoss(llama, chunk_tokens)
     shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype],

@@ -23,6 +23,7 @@ class TrainSettings:
     steps          length of the run (and of the learning-rate schedule)
     mesh           (fsdp, sp) sizes; their product is the device count
     dtype          "fp32" or "bf16" compute (fp32 master weights and optimizer state either way)
+    fp8            the decoder layers' linear matmuls in FP8 (needs bf16; the recipe: weights/fp8.py)
     data, seed     "text" (stdlib source, byte tokens) or "random" tokens; `seed` orders the data and makes
                    preset weights
     attention_backend, ring_variant   kernel of each ring step ("triton"/"pallas" or "reference") and ring
@@ -48,6 +49,7 @@ class TrainSettings:
     mesh: MeshShape
     batch: int
     dtype: str = "fp32"
+    fp8: bool = False
     data: str = "text"
     seed: int = 0
     optimizer: OptimizerConfig = OptimizerConfig()

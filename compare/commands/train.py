@@ -40,6 +40,7 @@ import argparse
 import functools
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -57,6 +58,7 @@ from compare.nodes import launch_failure, torchrun_arguments
 from weights import PRESETS, BadInputError, LlamaConfig, open_weights
 from weights.atomic import check_output_dir, write_text_atomically
 from weights.data import random_batches, text_batches
+from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
 from weights.flops import PEAK_FLOPS_PER_DEVICE, model_flops_per_token
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig, default_optimizer, defaults_help
@@ -77,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", help="e.g. fsdp=2,sp=2 (default: fsdp over all devices; "
                         "on CPU one process)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the decoder layers' linear matmuls (attention and MLP projections) in FP8: dynamic "
+                        "per-tensor scaling, e4m3 for activations, weights and gradients; the embeddings, LM head, "
+                        "norms and attention stay bf16. Needs --dtype bf16; torch needs torchao "
+                        f"({INSTALL_TORCHAO})")
     parser.add_argument("--batch", type=integer(1),
                         help="sequences per step, all devices together (default: fsdp size)")
     parser.add_argument("--data", choices=("text", "random"), default="text")
@@ -133,7 +140,7 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
         raise BadInputError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
     settings = TrainSettings(
         backend=args.backend, model=args.model, seq_len=args.seq_len, steps=args.steps, mesh=mesh,
-        batch=args.batch or mesh.fsdp, dtype=args.dtype, data=args.data, seed=args.seed,
+        batch=args.batch or mesh.fsdp, dtype=args.dtype, fp8=args.fp8, data=args.data, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing,
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
         ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
@@ -141,6 +148,9 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
         export_dir=args.export_dir, plan_memory=args.plan_memory, eager=args.eager,
         profile=args.profile, skip_non_finite_steps=args.skip_non_finite_steps)
     check_attention_backend(settings)
+    check_fp8_settings(settings.fp8, settings.dtype, settings.batch * settings.seq_len // mesh.size)
+    if settings.fp8 and settings.backend == "torch" and importlib.util.find_spec("torchao") is None:
+        raise BadInputError(f"--fp8 with --backend torch needs torchao: {INSTALL_TORCHAO}")
     check_output_locations(settings)
     # the defaults follow the model's width: read after the checks above, as reading a checkpoint is work
     given = {"lr": args.lr, "warmup_steps": args.warmup_steps}
