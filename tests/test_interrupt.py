@@ -126,11 +126,14 @@ def test_an_owned_process_gets_sigterm_when_its_owner_is_killed():
 
 
 def _train(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """A torch run over 2 gloo processes, long enough to be stopped, once it has done 2 steps: (CLI, its tree)."""
+    """A torch run over 2 gloo processes, long enough to be stopped, once it has done 2 steps and completed a
+    checkpoint (a stop while the first one is being written rightly reports none): (CLI, its tree)."""
     process = _start(tmp_path, "train", "--seq-len", "64", "--steps", "2000", "--mesh", "fsdp=2", "--data", "random",
                      "--attention-backend", "reference", "--out", "out", "--ckpt-dir", "ckpt", "--ckpt-every", "2")
-    jsonl = tmp_path / "out" / "train.jsonl"
-    _wait_for(lambda: jsonl.exists() and len(jsonl.read_text().splitlines()) >= 2, process, "2 training steps")
+    jsonl, checkpoints = tmp_path / "out" / "train.jsonl", tmp_path / "ckpt"
+    _wait_for(lambda: jsonl.exists() and len(jsonl.read_text().splitlines()) >= 2 and checkpoints.exists()
+              and any(path.name.startswith("step-") for path in checkpoints.iterdir()), process,
+              "2 training steps and a checkpoint")
     tree = _tree(process.pid)
     assert len(tree) >= 4, f"expected the CLI, torchrun's agent and 2 ranks, found {tree}"  # the walk saw them
     return process, tree
