@@ -8,9 +8,9 @@ most a node's devices runs on node 0 alone while the others wait; a launch of mo
 ceil(count / per node) nodes, count / nodes processes (devices) on each: torch one torchrun per node joined by c10d
 rendezvous at --coordinator, JAX one process per node joined by `jax.distributed`.
 
-The exchange (files under OUT/work/nodes/, each with one writer): node 0 (the lead) plans, makes the weights,
-writes the job files, runs its side of every launch, collects the results and writes the report; the other nodes
-(followers) run only their side of the launches that span them.
+The exchange (files in the work folder's `nodes` folder, each with one writer): node 0 (the lead) plans, makes the
+weights, writes the job files, runs its side of every launch, collects the results and writes the report; the other
+nodes (followers) run only their side of the launches that span them.
   run.json              lead: the arguments of the run (a follower with other arguments ends with exit 2)
   node<R>.json          follower R: it arrived (its host)
   node<R>.alive         each node: a counter it rewrites every second (a heartbeat; read against the reader's
@@ -19,9 +19,10 @@ writes the job files, runs its side of every launch, collects the results and wr
   launch-<n>.ended      lead: its side of launch n ended ("stop": whether the followers must stop theirs now)
   launch-<n>.node<R>.json   follower R: its side ended (exit code, its one line)
   end.json              lead: the run ended (its exit code; its one line when it failed)
-The job results are the workers' files in OUT/work as on one node, written by torch's global rank 0 (c10d may
-place it on any node) or JAX's process 0 (node 0); a follower's JAX process writes into a scratch directory of its
-own. Each node's side of a launch logs to OUT/work/logs/<backend>-<devices>[.node<R>].log.
+The job results are the workers' files in the work folder (`--out`'s `work`) as on one node, written by torch's
+global rank 0 (c10d may place it on any node) or JAX's process 0 (node 0); a follower's JAX process writes into a
+scratch directory of its own. Each node's side of a launch logs to the work folder's
+logs/<backend>-<devices>[.node<R>].log.
 
 Failure: every wait for another node is bounded by --rendezvous-timeout-s. A node that never arrives (at the start
 or at a launch's rendezvous) ends every node with one line and exit 2; a node whose heartbeat stops, or whose side
