@@ -36,7 +36,6 @@ GEMM_MULTIPLE = 16  # FP8 GEMMs (cuBLAS, torch._scaled_mm) need every matmul dim
 INSTALL_TORCHAO = 'pip install -e ".[fp8]"'
 
 
-
 def _layer_linears(config: LlamaConfig) -> dict[str, tuple[int, int]]:
     """The decoder layer's linears by their name inside a layer, each with its (in, out) features."""
     c = config
