@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import matplotlib.image
+import numpy as np
 import pytest
 
 from compare.cli import main as cli_main
@@ -146,7 +147,9 @@ _FAKE_WORKER = textwrap.dedent("""
         if job.id.startswith("slow"):
             time.sleep(1.5)
         J.write_result(work_dir, job, {"status": "ok", "span": [began, time.time()],
-                                       "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")})
+                                       "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                       "preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
+                                       "triton_cache": os.environ.get("TRITON_CACHE_DIR")})
 """)
 
 
@@ -216,9 +219,12 @@ def test_launches_on_disjoint_gpus_run_side_by_side(tmp_path, side_by_side):
 
 @pytest.mark.parametrize("platform, side_by_side", [("gpu", True), ("gpu", False), ("cpu", True)])
 def test_the_command_runs_one_gpu_launches_side_by_side_on_gpus_only(tmp_path, monkeypatch, platform, side_by_side):
-    """`run_jobs` as the command calls it: on a host of 2 GPUs (CUDA_VISIBLE_DEVICES 4,6), torch's and JAX's
-    one-GPU launches overlap, each on a GPU of its own; with --serial-launches and on CPU they do not."""
+    """`run_jobs` as the command calls it: on a host of 2 GPUs (CUDA_VISIBLE_DEVICES 4,6), the equivalence checks
+    and the noise floor's trainings first, all at once on shared GPUs (JAX's taking memory as needed), then torch's
+    and JAX's one-GPU launches overlap, each on a GPU of its own; with --serial-launches and on CPU nothing
+    overlaps, and each check runs in its launch ahead of its points."""
     import dataclasses
+    import time
 
     from compare.harness import launches
     from compare.harness.plan import CompareSettings
@@ -230,18 +236,42 @@ def test_the_command_runs_one_gpu_launches_side_by_side_on_gpus_only(tmp_path, m
                                dtype="fp32", backends=("torch", "jax"), attention_ablation=("ours",),
                                activation_checkpointing="off", check_seq_len=64, check_layers=1, bench=True,
                                platform=platform)
+    check = dataclasses.replace(_job("slow-check-reference"), kind="equivalence")
+    checks = [check, dataclasses.replace(check, id="slow-check-torch", devices=2),
+              dataclasses.replace(check, id="slow-check-jax", backend="jax", devices=2),
+              dataclasses.replace(check, id="slow-curve-jax", kind="curve", backend="jax", devices=2)]
     jobs = [_job("slow-torch"), dataclasses.replace(_job("slow-jax"), backend="jax"),
-            dataclasses.replace(_job("both"), devices=2)]
-    launches.run_jobs(jobs, settings, tmp_path, timeout_s=60.0, on_done=lambda job: None, side_by_side=side_by_side)
+            dataclasses.replace(_job("both"), devices=2), *checks]
+    called = []
+    launches.run_jobs(jobs, settings, tmp_path, timeout_s=60.0, on_done=lambda job: None, side_by_side=side_by_side,
+                      on_checks_done=lambda: called.append(time.time()))
     results = {job.id: J.read_result(tmp_path, job.id) for job in jobs}
     assert all(r["status"] == "ok" for r in results.values()), results
-    torch_span, jax_span = results["slow-torch"]["span"], results["slow-jax"]["span"]
-    overlap = min(torch_span[1], jax_span[1]) - max(torch_span[0], jax_span[0])
+
+    def overlap(*names):
+        spans = [results[name]["span"] for name in names]
+        return min(end for _, end in spans) - max(start for start, _ in spans)
+
+    checks_end = max(results[c.id]["span"][1] for c in checks)
+    points_start = min(results[name]["span"][0] for name in ("slow-torch", "slow-jax", "both"))
     if platform == "gpu" and side_by_side:
-        assert overlap > 0.5 and {results["slow-torch"]["gpus"], results["slow-jax"]["gpus"]} == {"4", "6"}
+        assert overlap("slow-check-reference", "slow-check-torch", "slow-check-jax", "slow-curve-jax") > 0.5
+        assert checks_end <= points_start
+        assert [results[c.id]["gpus"] for c in checks] == ["4", "4,6", "4,6", "4,6"]
+        assert [results[c.id]["preallocate"] for c in checks] == [None, None, "false", "false"]
+        # their autotuning on shared GPUs kept from the points' caches
+        assert [Path(results[c.id]["triton_cache"]).relative_to(tmp_path).parts for c in checks] == [
+            ("cache", kind, "triton") for kind in ("equivalence", "equivalence", "equivalence", "curve")]
+        assert len(called) == 1 and checks_end <= called[0] <= points_start
+        assert overlap("slow-torch", "slow-jax") > 0.5
+        assert {results["slow-torch"]["gpus"], results["slow-jax"]["gpus"]} == {"4", "6"}
         assert results["both"]["gpus"] == "4,6"
     else:
-        assert overlap < 0 and {r["gpus"] for r in results.values()} == {None}
+        spans = sorted(r["span"] for r in results.values())
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # one job at a time
+        assert {r["gpus"] for r in results.values()} == {None}
+        assert results["slow-check-reference"]["span"][1] <= results["slow-torch"]["span"][0]
+        assert not called
 
 
 def test_a_failure_beside_a_running_launch_stops_its_worker(tmp_path):
@@ -301,6 +331,38 @@ def test_the_jax_peak_reads_the_compiled_step_without_compiling_it_again():
 def test_a_long_step_times_its_forward_once():
     assert J.forward_passes(0.5) == 2 and J.forward_passes(J.LONG_STEP_S) == 2
     assert J.forward_passes(J.LONG_STEP_S + 0.1) == 1
+
+
+def test_a_long_step_is_timed_once():
+    asked = []
+
+    def timed(seconds):
+        return lambda i: asked.append(i) or seconds
+
+    assert J.timed_steps(timed(0.5), 3) == [0.5] * 3 and asked == [1, 2, 3]
+    asked.clear()
+    assert J.timed_steps(timed(J.LONG_STEP_S + 0.1), 3) == [J.LONG_STEP_S + 0.1] and asked == [1]
+
+
+def test_streamed_equivalence_metrics_match_whole_array_float64(monkeypatch):
+    """The comparison streams float64 chunks (CHUNK_ELEMENTS); forced to many small chunks, with a partial last one,
+    its metrics equal the whole-array float64 formulas they replaced."""
+    from compare.harness import equivalence as E
+
+    rng = np.random.default_rng(0)
+    grad = rng.standard_normal(10_007).astype(np.float32)
+    ref = (grad + 1e-4 * rng.standard_normal(grad.shape)).astype(np.float32)
+    logits = rng.standard_normal((1, 37, 101)).astype(np.float32)
+    ref_logits = (logits + 1e-3 * rng.standard_normal(logits.shape)).astype(np.float32)
+    monkeypatch.setattr(E, "CHUNK_ELEMENTS", 1000)
+    g, r = grad.astype(np.float64), ref.astype(np.float64)
+    assert E._gradient_metrics(grad, ref) == pytest.approx(
+        (np.abs(g - r).max(), np.abs(r).max(), np.linalg.norm(g), np.linalg.norm(r)), rel=1e-12)
+    a, b = logits.astype(np.float64), ref_logits.astype(np.float64)
+    logp_a, logp_b = E._log_softmax(a), E._log_softmax(b)
+    kl = np.max(np.sum(np.exp(logp_b) * (logp_b - logp_a), axis=-1))
+    assert E._logits_metrics(logits, ref_logits) == pytest.approx(
+        (np.abs(a - b).max(), np.abs(a - b).mean(), np.abs(b).max(), np.abs(b).mean(), kl), rel=1e-9)
 
 
 def test_communication_time_is_the_union_of_intervals():

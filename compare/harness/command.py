@@ -6,12 +6,13 @@ is `plan.py`'s (which jobs run where), the launches of the backend workers and t
 Without GPUs and with no arguments it runs the embedded default: the tiny preset, 4 emulated CPU devices (gloo
 processes; XLA host devices; interpreted Triton and Pallas kernels), in about 1½ minutes on 2 cores. A run pays its
 setup once (`plan.prepare_weights`: the weights made once; `launches`: one launch per backend and device count,
-shared compilation caches; on several GPUs, launches on disjoint GPUs side by side) and reports every job's setup
-beside its measured time; `progress.py` shows it live.
+shared compilation caches; on several GPUs, the equivalence checks and noise-floor trainings all at once first,
+compared while the benchmark points run, and those points' launches on disjoint GPUs side by side) and reports
+every job's setup beside its measured time; `progress.py` shows it live.
 
 Benchmark numbers, per backend x context length x device count (batch 1, the sequence split over all devices):
-  step_s       median over `--steps` steps after a warm-up step: forward + backward + AdamW (train mode) or the
-               forward loss (forward mode)
+  step_s       median over `--steps` steps after a warm-up step (one step where it exceeds 2 s:
+               `jobs.LONG_STEP_S`): forward + backward + AdamW (train mode) or the forward loss (forward mode)
   forward_s    median of 2 forward loss passes (1 where step_s exceeds 2 s: `jobs.LONG_STEP_S`);
                backward_s = step_s - forward_s (backward and optimizer update)
   comm_s       time during which device 0 was communicating, from a profiler trace of one step (NCCL kernels, gloo
@@ -34,6 +35,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,8 +45,8 @@ from compare.harness import noise_floor
 from compare.harness.across_nodes import Lead
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.harness.launches import CACHE_DIR, run_jobs
-from compare.harness.plan import (WEIGHTS_DIR, check_model, gpu_count, gpu_memory_bytes, plan_jobs, plan_settings,
-                                  prepare_weights)
+from compare.harness.plan import (WEIGHTS_DIR, CompareSettings, check_model, gpu_count, gpu_memory_bytes, plan_jobs,
+                                  plan_settings, prepare_weights)
 from compare.harness.progress import RunProgress
 from compare.launch import Interrupted, interruptible
 from compare.nodes import Nodes
@@ -192,31 +194,26 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
     def on_done(job: J.Job) -> None:
         view.done(job, J.read_result(work_dir, job.id))
 
+    early: dict[str, dict] = {}
+
+    def compare_early() -> None:  # the checks ran before the points: compared while the points run
+        early["equivalence"] = _equivalence_section(jobs, work_dir, settings)
+
+    comparing = threading.Thread(target=compare_early, daemon=True)
     interrupted, left = None, 0
     with view.shown():
         try:
-            run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline, lead, args.side_by_side)
+            run_jobs(jobs, settings, work_dir, args.job_timeout_s, on_done, deadline, lead, args.side_by_side,
+                     on_checks_done=comparing.start)
         except Interrupted as stop:  # the launch is stopped; the report shows what finished
             interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
+    if comparing.is_alive():
+        comparing.join()
 
     config = open_weights(settings.weights).config
     results = {job.id: J.read_result(work_dir, job.id) for job in jobs}
-    loaded = {}
-    failures = []
-    for job in jobs:
-        if job.kind == "equivalence":
-            name = job.id.removesuffix("-equivalence")
-            if results[job.id]["status"] == "ok":
-                loaded[name] = load_equivalence(work_dir, job.id, results[job.id])
-            else:
-                failures.append(f"{job.id}: {results[job.id]['status']}: {results[job.id].get('message')}")
-    if failures:
-        equivalence = {"seq_len": settings.check_seq_len, "devices": settings.devices,
-                       "layers": settings.check_layers, "dtype": "fp32", "reference": REFERENCE, "passed": False,
-                       "comparisons": [], "loss_curves": {}, "failures": failures}
-    else:
-        equivalence = equivalence_section(loaded, seq_len=settings.check_seq_len, devices=settings.devices,
-                                          layers=settings.check_layers, reference_description=REFERENCE)
+    # computed here when the checks did not run first, or their comparison failed (it raises again, here)
+    equivalence = early.get("equivalence") or _equivalence_section(jobs, work_dir, settings)
     if bf16_floor is not None:
         equivalence["bf16"] = noise_floor.noise_floor_section(
             bf16_floor, [noise_floor.run_record(job, results[job.id]) for job in jobs if job.kind == "curve"],
@@ -253,6 +250,24 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
               f"{len(jobs)} jobs that finished, the rest marked interrupted: {out / 'report.md'}", file=sys.stderr)
         return interrupted.exit_code
     return EXIT_OK if report["passed"] else EXIT_CHECK_FAILED
+
+
+def _equivalence_section(jobs: list[J.Job], work_dir: Path, settings: CompareSettings) -> dict:
+    """The report's equivalence section from the equivalence jobs' results and files (or the failures of those
+    that did not finish)."""
+    loaded, failures = {}, []
+    for job in (j for j in jobs if j.kind == "equivalence"):
+        result = J.read_result(work_dir, job.id)
+        if result["status"] == "ok":
+            loaded[job.id.removesuffix("-equivalence")] = load_equivalence(work_dir, job.id, result)
+        else:
+            failures.append(f"{job.id}: {result['status']}: {result.get('message')}")
+    if failures:
+        return {"seq_len": settings.check_seq_len, "devices": settings.devices, "layers": settings.check_layers,
+                "dtype": "fp32", "reference": REFERENCE, "passed": False, "comparisons": [], "loss_curves": {},
+                "failures": failures}
+    return equivalence_section(loaded, seq_len=settings.check_seq_len, devices=settings.devices,
+                               layers=settings.check_layers, reference_description=REFERENCE)
 
 
 def _remove_bulk(work_dir: Path) -> None:

@@ -33,7 +33,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -136,16 +136,27 @@ def read_progress(work_dir: Path, job_id: str) -> dict | None:
     return json.loads(text) if text else {}
 
 
-# A benchmark point's forward is timed twice (the median of 2), once where its steady step exceeds this: such a
-# point is a long context (1B at 128k on 2 GPUs: 5.4-6.7 s steps, forwards of ~2 s), whose forward lasts hundreds of
-# times the timer's and the launch's jitter (ms), so a second pass would cost seconds and change nothing; the timed
-# steps, the warm-up and the profiled step stay as they are.
+# A benchmark point times `steps` steps (their median) and its forward twice (the median of 2), but one step and one
+# forward where its steps exceed this: such a point is a long context (1B at 128k on 2 GPUs: 5.4-6.7 s steps,
+# forwards of ~2 s), whose step lasts thousands of times the timer's and the launch's jitter (ms), so more passes
+# would cost seconds each and change nothing; the warm-up and the profiled step stay as they are.
 LONG_STEP_S = 2.0
 
 
 def forward_passes(step_s: float) -> int:
     """How many timed forward passes a benchmark point with steady step `step_s` takes (LONG_STEP_S)."""
     return 1 if step_s > LONG_STEP_S else 2
+
+
+def timed_steps(timed_step: Callable[[int], float], steps: int) -> list[float]:
+    """Seconds of steps 1..`steps` as `timed_step(i)` measures them: every one, or the first alone where it exceeds
+    LONG_STEP_S."""
+    times = []
+    for i in range(1, steps + 1):
+        times.append(timed_step(i))
+        if times[0] > LONG_STEP_S:
+            break
+    return times
 
 
 def bench_units(steps: int) -> int:

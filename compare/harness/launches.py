@@ -13,9 +13,13 @@ Launches side by side (`run_side_by_side`): on a host of several GPUs, launches 
 the same time, each on GPUs of its own (CUDA_VISIBLE_DEVICES), e.g. torch's and JAX's one-GPU launches on GPUs 0
 and 1 (on 2 H200s that took ~50-75 s each while the other GPU idled). Their points stay comparable: a point's
 step runs on its own devices, and a one-device point moves nothing over NVLink or PCIe but its inputs and loss;
-what they share is the host's cores, for launching and compiling. On CPU (emulated devices share the cores, and a
-point's time would count the other launch's work), across nodes, and with `--serial-launches`, one launch at a
-time as planned.
+what they share is the host's cores, for launching and compiling. Before them the jobs whose time is no
+measurement, the equivalence checks and the bf16 noise floor's trainings, run in launches of their own (one per
+backend, device count and kind), all at once on shared GPUs (`run_together`): mostly compilation and host work (on
+2 H200s the reference, torch and JAX checks took 25, 51 and 76 s one after the other, the four trainings ~12 s
+each after their points' compilation). On CPU (emulated devices share the
+cores, and a point's time would count the other launch's work), across nodes, and with `--serial-launches`, one
+launch at a time as planned, the checks first in their launches and each training after its point.
 """
 
 from __future__ import annotations
@@ -43,11 +47,12 @@ CACHE_DIR = "cache"  # under the run's work directory
 CPU_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
-def cache_env(work_dir: Path) -> dict[str, str]:
+def cache_env(work_dir: Path, part: str = "") -> dict[str, str]:
     """The compilation caches every launch of a run shares (a variable the user set is kept): JAX's persistent
     compilation cache for every compiled function however quick, Triton's kernels and autotuning results,
-    inductor's graphs."""
-    cache = work_dir / CACHE_DIR
+    inductor's graphs. `part`: caches of their own, for launches on GPUs shared with others, whose timing-based
+    choices (Triton's autotuning, XLA's, both kept in these caches) a benchmark point must not inherit."""
+    cache = work_dir / CACHE_DIR / part
     wanted = {"JAX_COMPILATION_CACHE_DIR": str(cache / "jax"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "TRITON_CACHE_DIR": str(cache / "triton"),
               "TRITON_CACHE_AUTOTUNING": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
@@ -221,11 +226,13 @@ def run_side_by_side(launches: list[Launch], gpus: tuple[str, ...] | None) -> No
 
 
 def run_jobs(jobs: list[J.Job], settings: CompareSettings, work_dir: Path, timeout_s: float, on_done,
-             deadline: float = math.inf, lead: Lead | None = None, side_by_side: bool = True) -> None:
+             deadline: float = math.inf, lead: Lead | None = None, side_by_side: bool = True,
+             on_checks_done: Callable[[], None] | None = None) -> None:
     """The points the plan skipped are recorded (vendor kernels off-GPU as unsupported, points beyond the device's
     memory as skipped); the rest run in one launch per backend and device count (`plan.group_launches`), over
-    several nodes where `lead` places them so; launches on disjoint GPUs side by side where `side_by_side` and
-    `launches_side_by_side` allow it."""
+    several nodes where `lead` places them so. Where `side_by_side` and `launches_side_by_side` allow it, the jobs
+    that measure no time (equivalence checks, the noise floor's trainings) run first in launches of their own, all
+    at once (then `on_checks_done()`), and the benchmark points' launches on disjoint GPUs side by side."""
     logs = work_dir / "logs"
     logs.mkdir(exist_ok=True)
     runnable = []
@@ -237,19 +244,48 @@ def run_jobs(jobs: list[J.Job], settings: CompareSettings, work_dir: Path, timeo
         else:
             runnable.append(job)
 
-    def launch(backend: str, devices: int, group: list[J.Job]) -> Launch:
+    def launch(backend: str, devices: int, group: list[J.Job], shared_by: str = "") -> Launch:
+        """`shared_by`: the kind of jobs of a launch that shares its GPUs with others (`run_together`)."""
         def start(gpus: tuple[str, ...] | None) -> Iterator[None]:
             command, env = side_launcher(backend, devices, settings.platform, work_dir)
             env = env if gpus is None else env | {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
-            return launch_polls(group, command, env, work_dir, logs / f"{backend}-{devices}.log", timeout_s,
-                                on_done, deadline, _spanning(lead, backend, devices, settings.platform, work_dir),
-                                lead)
+            if shared_by:
+                env |= cache_env(work_dir, shared_by)
+                if backend == "jax":  # beside other launches on the same GPUs: memory taken as needed
+                    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+            log = logs / f"{backend}-{devices}{'-' if shared_by else ''}{shared_by}.log"
+            return launch_polls(group, command, env, work_dir, log, timeout_s, on_done, deadline,
+                                _spanning(lead, backend, devices, settings.platform, work_dir), lead)
 
         return Launch(devices, start)
 
-    parallel = side_by_side and launches_side_by_side(settings, lead)
-    run_side_by_side([launch(*planned) for planned in group_launches(runnable)],
-                     visible_gpus(settings.devices) if parallel else None)
+    planned = group_launches(runnable)
+    if not (side_by_side and launches_side_by_side(settings, lead)):
+        run_side_by_side([launch(*group) for group in planned], None)
+        return
+    gpus = visible_gpus(settings.devices)
+    checks = [(backend, devices, [j for j in group if j.kind == kind], kind)
+              for backend, devices, group in planned for kind in ("equivalence", "curve")]
+    run_together([launch(*group) for group in checks if group[2]], gpus)
+    if on_checks_done is not None:
+        on_checks_done()
+    points = [(backend, devices, [j for j in group if j.kind == "bench"]) for backend, devices, group in planned]
+    run_side_by_side([launch(*group) for group in points if group[2]], gpus)
+
+
+def run_together(launches: list[Launch], gpus: tuple[str, ...]) -> None:
+    """Runs `launches` at the same time, each on the first of `gpus` it needs: they share GPUs, which only jobs
+    whose time is no measurement may do (the equivalence checks). An exception stops every running launch and
+    propagates."""
+    running = [launch.start(gpus[:launch.devices]) for launch in launches]
+    try:
+        while running:
+            running = [polls for polls in running if next(polls, StopIteration) is not StopIteration]
+            if running:
+                time.sleep(POLL_S)
+    finally:
+        for polls in running:
+            polls.close()  # stops its worker (`owned_process`)
 
 
 def launches_side_by_side(settings: CompareSettings, lead: Lead | None) -> bool:

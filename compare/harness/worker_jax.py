@@ -39,9 +39,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
+from compare.harness.equivalence import CHUNK_ELEMENTS
 from compare.harness.jobs import (PERTURBATION, Job, Phases, SetupClock, bench_units, exposed_seconds,
                                   forward_passes, is_collective_op, is_out_of_memory, job_batches, launched_at,
-                                  mark_progress, mark_started, read_job_file, union_seconds, write_result)
+                                  mark_progress, mark_started, read_job_file, timed_steps, union_seconds, write_result)
 from compare.nodes import Nodes
 from jax_impl.model import stack_layers, unstack_layers
 from jax_impl.parallel import sharded_batch
@@ -76,11 +77,15 @@ def _unstacked_on_host(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
 
 
 def _weight_sums(run: Training) -> dict[str, list[float]]:
-    """float64 [sum, sum of squares] of every parameter as loaded."""
+    """float64 [sum, sum of squares] of every parameter as loaded, a chunk at a time (the 1B shape's 1.24e9 values
+    as one float64 copy and its square took 11 s)."""
     sums = {}
     for name, param in _unstacked_on_host(run.state["model"]).items():
-        whole = param.astype(np.float64)
-        sums[name] = [float(whole.sum()), float(np.square(whole).sum())]
+        flat, total, squares = param.reshape(-1), 0.0, 0.0
+        for start in range(0, flat.size, CHUNK_ELEMENTS):
+            chunk = flat[start:start + CHUNK_ELEMENTS].astype(np.float64)
+            total, squares = total + float(chunk.sum()), squares + float(chunk @ chunk)
+        sums[name] = [total, squares]
     return sums
 
 
@@ -236,10 +241,15 @@ def bench(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
         mark_progress(work_dir, job, done, units, phase)
         began = time.perf_counter()
         fn(i)  # both end in a host read of the loss, which waits for the step
-        return time.perf_counter() - began
+        seconds = time.perf_counter() - began
+        if jax.process_count() == 1:
+            return seconds
+        # across nodes the slowest process's time: every process then takes the same decisions on it (how many
+        # passes, jobs.LONG_STEP_S)
+        return float(np.max(multihost_utils.process_allgather(np.array(seconds))))
 
     first_s = timed(step, 0, "warm-up step", 1)  # compilation and allocator warm-up
-    step_times = [timed(step, i, f"step {i}/{job.steps}", 1 + i) for i in range(1, len(inputs))]
+    step_times = timed_steps(lambda i: timed(step, i, f"step {i}/{job.steps}", 1 + i), len(inputs) - 1)
     step_s = statistics.median(step_times)
     forward(0)  # compiles the forward alone
     forward_s = statistics.median(timed(forward, i, "forward", 2 + job.steps + i)

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from compare.harness.jobs import (PERTURBATION, Job, Phases, SetupClock, bench_units, exposed_seconds,
                                   forward_passes, job_batches, launched_at, mark_progress, mark_started,
-                                  read_job_file, union_seconds, write_result)
+                                  read_job_file, timed_steps, union_seconds, write_result)
 from compare.nodes import Nodes
 from torch_impl.parallel import local_batch
 from torch_impl.train import Training, all_ranks, build_training, init_distributed, peak_memory_bytes, train_step
@@ -181,10 +181,11 @@ def bench(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> 
         _synchronize(device)
         began = time.perf_counter()
         fn(i)  # both end in a host read of the loss, which waits for the step
-        return time.perf_counter() - began
+        # the slowest rank's time: every rank then takes the same decisions on it (how many passes, jobs.LONG_STEP_S)
+        return max(all_ranks(round((time.perf_counter() - began) * 1e9), device)) / 1e9
 
     first_s = timed(step, 0, "warm-up step", 1)  # compilation (Triton autotuning) and allocator warm-up
-    step_times = [timed(step, i, f"step {i}/{job.steps}", 1 + i) for i in range(1, len(inputs))]
+    step_times = timed_steps(lambda i: timed(step, i, f"step {i}/{job.steps}", 1 + i), len(inputs) - 1)
     step_s = statistics.median(step_times)
     if device.type == "cuda":  # no_grad is a graph of its own for torch.compile (GPUs only): compiled here, untimed
         forward(0)
