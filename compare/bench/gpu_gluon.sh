@@ -7,7 +7,7 @@
 #                   forward, and the backward from the Gluon forward's out/lse; when it fails the later stages are
 #                   skipped and the contract tests run with -x for the diagnosis
 #   sweep   ($SWEEP_S, 90 s)  compare.bench.gluon_sweep --direction $SWEEP_DIRECTION (forward) at S=16k,
-#                   H=Hkv=32, D 128 and 64: configs beside the portable kernel (and cuDNN for the forward)
+#                   H=Hkv=32, D 128 and 64: configs beside the portable kernel and cuDNN
 #   bench   ($BENCH_S, 160 s)  twinflash bench kernels --parts torch at $SEQ_LENS (16k,64k), Hkv 32/8, $CAUSAL (both),
 #                   D=$HEAD_DIM (128; a list like 128,64 runs one D after the other), backend "triton" (Gluon forward
 #                   + the backward TRITON_PICKS_GLUON_BACKWARD picks), cuDNN and FA2, plus the forced paths in
@@ -15,6 +15,8 @@
 #   tests   ($TESTS_S, 80 s)  the gpu tests of $TEST_FILES (tests/test_flash_gluon_torch.py; contract against fp64,
 #                   portable, cuDNN), those matching $TESTS_K when set
 # Everything lands in $OUT (default ./out): one log and JSON per stage; the stage summary is printed last.
+# The Gluon backward's config sweep (issue 13, first of the tuning runs; about 320 s at most):
+#   SWEEP_DIRECTION=backward SWEEP_S=250 timeout 325 bash compare/bench/gpu_gluon.sh smoke,sweep
 # The Gluon backward's run (issue 13; about 410 s at most):
 #   SWEEP_DIRECTION=backward SWEEP_S=50 TESTS_S=120 BENCH_S=180 HEAD_DIM=128,64 TRITON_PATHS=triton_gluon \
 #   TEST_FILES="tests/test_flash_gluon_backward_torch.py tests/test_flash_gluon_torch.py" \
