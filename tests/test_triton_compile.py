@@ -129,7 +129,7 @@ import torch_impl.flash_gluon_backward as gb
 from compare.bench.gluon_sweep import backward_candidates
 
 REDUCTION_OPS = {"tma": "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add",
-                 "vector_atomics": "red.relaxed.gpu.global.add.v2.f32", "atomics": "atom.global.gpu.relaxed.add"}
+                 "vector_atomics": "red.relaxed.gpu.global.add.v2.f32"}
 SM90_REGISTERS, SM90_SHARED_BYTES = 65536, 227 * 1024  # per block
 fn = gb._gluon_backward_kernel
 for head_dim in (128, 64):
@@ -139,7 +139,8 @@ for head_dim in (128, 64):
                                                                                         config)
             constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
                               BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-                              DQ_REDUCTION=config.dq_reduction, DP_FIRST=config.dp_first, Q_LAYOUT=q_layout,
+                              DQ_REDUCTION=config.dq_reduction, DP_FIRST=config.dp_first,
+                              STAGGER=config.stagger, Q_LAYOUT=q_layout,
                               KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout,
                               DQ_LAYOUT=dq_layout)
             fp32 = {"Lse2", "Lse", "Delta", "DQ", "DK", "DV"}
@@ -199,5 +200,5 @@ def test_gluon_forward_compiles_for_sm90():
 def test_gluon_backward_compiles_for_sm90_within_its_registers_and_shared_memory():
     done = _compile(block_d=128, script=_COMPILE_GLUON_BACKWARD)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-    assert done.stdout.count("compiled gluon backward") == 18, done.stdout
+    assert done.stdout.count("compiled gluon backward") == 12, done.stdout
     print(done.stdout)

@@ -14,7 +14,7 @@ the resident A operands:
 added into a float32 dQ accumulator that all programs share (FA3's way, `dq_reduction="tma"`: the block is stored
 to a double-buffered shared tile and added by one asynchronous TMA reduce-add, `cp.reduce.async.bulk.tensor`, that
 Triton 3.6 lowers but its Gluon does not name; or by atomic reductions from registers, `red.v2.f32` pairs by inline
-PTX or `gl.atomic_add`'s scalar ones). The kernel runs `block_n // 16` warps: one warpgroup per 64 keys, which
+PTX). The kernel runs `block_n // 16` warps: one warpgroup per 64 keys, which
 split the dQ matmul by columns. A step's dQ, dK and dV matmuls stay in flight into the next step, until its S^T
 matmul is done; then the previous dQ goes out (with `dp_first`, while dP^T runs), and the softmax runs while dP^T
 does. Registers are the limit at D=128 (255 a thread, dK and dV take 128): the compile check
@@ -27,6 +27,8 @@ the other warpgroup's dQ still reads it).
 
 Causal: a key block skips the query blocks that see none of it and masks only the diagonal ones (plus, in the last
 key block, the keys past the end); longest key blocks are the first ones, launched first by the grid's order.
+Non-causal, each key block starts its walk at a different query block (`stagger`), so that the programs running
+at once add into different dQ rows.
 
 Contract as the portable backward: delta = rowsum(dout * out) from the `out` it is given (the portable
 preprocessing kernel), so a ring passing the global out/lse gets its exact share; P recomputed from the given lse
@@ -64,21 +66,24 @@ else:
         return fn
 
 # How a step's dQ block joins the float32 accumulator all programs share: "tma" stores it to shared memory and
-# adds it with one asynchronous TMA reduce-add (it leaves the critical path); "vector_atomics" and "atomics" add
-# it from registers by 8-byte (inline PTX `red.v2.f32`) or 4-byte (`gl.atomic_add`) reductions.
-DQ_REDUCTIONS = ("tma", "vector_atomics", "atomics")
+# adds it with one asynchronous TMA reduce-add (it leaves the critical path); "vector_atomics" adds it from
+# registers by 8-byte reductions (inline PTX `red.v2.f32`; Triton 3.6 emits only scalar float32 atomics, which ran
+# 17-35 % slower still on H200: compare/results/kernels-gluon-backward-2026-11-23-h200-tuning).
+DQ_REDUCTIONS = ("tma", "vector_atomics")
 
 
 @dataclasses.dataclass(frozen=True)
 class GluonBackwardConfig:
     """Launch shape of the Gluon backward: `block_n` resident keys per program (one warpgroup per 64 of them),
     `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight, `dq_reduction` one
-    of DQ_REDUCTIONS, `dp_first` whether dP^T is issued before the previous step's dQ goes out."""
+    of DQ_REDUCTIONS, `dp_first` whether dP^T is issued before the previous step's dQ goes out, `stagger`
+    whether a non-causal program starts its walk over the query blocks where its key block's causal walk would."""
     block_n: int = 128
     block_m: int = 64
     num_stages: int = 2
     dq_reduction: str = "tma"
-    dp_first: bool = True
+    dp_first: bool = False
+    stagger: bool = True
 
     def __post_init__(self):
         if self.dq_reduction not in DQ_REDUCTIONS:
@@ -90,17 +95,29 @@ class GluonBackwardConfig:
 
 
 def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonBackwardConfig:
-    """The launch shape for a call class. D=128: 128 keys, 2 stages, dQ by TMA reduce-add (K, V, two Q/dO stages,
-    two dS and two float32 dQ tiles take 225 KiB of the 227 an sm_90 block may have), dP^T after dQ is out (issued
-    before, ptxas serializes the wgmma for want of registers). D=64: 3 stages (146 KiB), dP^T first."""
+    """The launch shape for a call class, as measured on H200 at 16k (compare/results/
+    kernels-gluon-backward-2026-11-23-h200-tuning): dQ by TMA reduce-add (411 / 390 TF/s causal / not at D=128,
+    against 387 / 368 by vector atomics), dP^T issued once dQ is out (issued before, ptxas serializes the wgmma at
+    D=128 for want of registers; at D=64 it ran 3-7 % slower). D=128: 64-row query blocks, 2 stages (K, V, two
+    Q/dO stages, two dS and two float32 dQ tiles take 225 KiB of the 227 an sm_90 block may have). D=64: 128-row
+    query blocks, 2 stages (357 / 368 TF/s, against 350 / 353 for 64 rows and 3 stages)."""
     del causal, seq_bucket
     if head_dim == 128:
-        return GluonBackwardConfig(num_stages=2, dp_first=False)
-    return GluonBackwardConfig(num_stages=3, dp_first=True)
+        return GluonBackwardConfig(block_m=64, num_stages=2)
+    return GluonBackwardConfig(block_m=128, num_stages=2)
 
 
 @jit
-def _issue_tile_loads(descs, bufs, ready, step, n_steps, first_block, blocks_per_head, first_head, seq_pad):
+def _step_tile(step, walk):
+    """(query head, query block) of step `step` of a program's walk (first_block, blocks_per_head, first_head,
+    rotation): the group's heads one after the other, each one's blocks [first_block, first_block +
+    blocks_per_head) from `rotation` blocks in, wrapping around."""
+    first_block, blocks_per_head, first_head, rotation = walk
+    return first_head + step // blocks_per_head, first_block + (step % blocks_per_head + rotation) % blocks_per_head
+
+
+@jit
+def _issue_tile_loads(descs, bufs, ready, step, n_steps, walk, seq_pad):
     """Start the TMA loads of step `step`'s tiles (Q, dO: [block_m, D]; lse2, delta: [block_m]) into their ring
     slot (nothing past the last step)."""
     q_desc, do_desc, lse_desc, delta_desc = descs
@@ -111,8 +128,8 @@ def _issue_tile_loads(descs, bufs, ready, step, n_steps, first_block, blocks_per
     slot = step % num_stages
     bar = ready.index(slot)
     in_range = step < n_steps
-    head = first_head + step // blocks_per_head
-    row0 = (first_block + step % blocks_per_head) * block_m
+    head, block = _step_tile(step, walk)
+    row0 = block * block_m
     mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes, pred=in_range)
     tma.async_copy_global_to_shared(q_desc, [row0, head * head_dim], bar, q_bufs.index(slot), pred=in_range)
     tma.async_copy_global_to_shared(do_desc, [row0, head * head_dim], bar, do_bufs.index(slot), pred=in_range)
@@ -149,47 +166,39 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @jit
-def _add_to_dq(dq, dq_base, step, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
-               DQ_REDUCTION: gl.constexpr):
+def _add_to_dq(dq, dq_base, step, walk, seq_q, stride_dqs):
     """Add step `step`'s dQ block into the float32 accumulator [Sq, H * D] (of this batch) all programs share, by
-    atomic reductions from registers."""
-    VECTOR_ATOMICS: gl.constexpr = DQ_REDUCTION == "vector_atomics"
+    8-byte atomic reductions from registers; rows past the end add 0 to the last row instead, so that the pairs'
+    pointers stay adjacent."""
     block_m: gl.constexpr = dq.shape[0]
     head_dim: gl.constexpr = dq.shape[1]
-    head = first_head + step // blocks_per_head
-    rows = (first_block + step % blocks_per_head) * block_m + gl.arange(0, block_m,
-                                                                        layout=gl.SliceLayout(1, dq.type.layout))
+    head, block = _step_tile(step, walk)
+    rows = block * block_m + gl.arange(0, block_m, layout=gl.SliceLayout(1, dq.type.layout))
     cols = gl.arange(0, head_dim, layout=gl.SliceLayout(0, dq.type.layout))
     in_bounds = gl.expand_dims(rows < seq_q, 1)
-    if VECTOR_ATOMICS:  # rows past the end add 0 to the last row instead: the pairs' pointers stay adjacent
-        rows = gl.minimum(rows, seq_q - 1)
+    rows = gl.minimum(rows, seq_q - 1)
     ptrs = dq_base + gl.expand_dims(rows.to(gl.int64) * stride_dqs, 1) + head * head_dim + gl.expand_dims(cols, 0)
-    if VECTOR_ATOMICS:
-        gl.inline_asm_elementwise(_PAIR_ATOMIC_ADD, "=r,=r,l,l,f,f", [ptrs.to(gl.int64), gl.where(in_bounds, dq, 0.0)],
-                                  dtype=gl.int32, is_pure=False, pack=2)
-    else:
-        gl.atomic_add(ptrs, dq, mask=in_bounds, sem="relaxed")
+    gl.inline_asm_elementwise(_PAIR_ATOMIC_ADD, "=r,=r,l,l,f,f", [ptrs.to(gl.int64), gl.where(in_bounds, dq, 0.0)],
+                              dtype=gl.int32, is_pure=False, pack=2)
 
 
 @jit
-def _dq_out(dq, dq_bufs, dq_base, step, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
-            DQ_REDUCTION: gl.constexpr):
+def _dq_out(dq, dq_bufs, dq_base, step, walk, seq_q, stride_dqs, DQ_REDUCTION: gl.constexpr):
     """Step `step`'s dQ block leaves the registers: into its shared buffer for the TMA reduce-add that follows the
     step's barrier, or by atomics."""
     if DQ_REDUCTION == "tma":
         dq_bufs.index(step % 2).store(dq)
     else:
-        _add_to_dq(dq, dq_base, step, first_block, blocks_per_head, first_head, seq_q, stride_dqs, DQ_REDUCTION)
+        _add_to_dq(dq, dq_base, step, walk, seq_q, stride_dqs)
 
 
 @jit
-def _reduce_dq_tile(dq_desc, dq_bufs, step, first_block, blocks_per_head, first_head):
+def _reduce_dq_tile(dq_desc, dq_bufs, step, walk):
     """Issue the TMA reduce-add of step `step`'s staged dQ block (rows past the end are clipped by the TMA unit)."""
     block_m: gl.constexpr = dq_bufs.type.shape[1]
     head_dim: gl.constexpr = dq_bufs.type.shape[2]
-    head = first_head + step // blocks_per_head
-    row0 = (first_block + step % blocks_per_head) * block_m
-    _tma_reduce_add(dq_desc, [row0, head * head_dim], dq_bufs.index(step % 2))
+    head, block = _step_tile(step, walk)
+    _tma_reduce_add(dq_desc, [block * block_m, head * head_dim], dq_bufs.index(step % 2))
 
 
 # Lengths and head counts are not specialized on (divisible by 16, equal to 1): one compile per head dim, causal
@@ -202,6 +211,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
                            n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
                            CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, DQ_REDUCTION: gl.constexpr, DP_FIRST: gl.constexpr,
+                           STAGGER: gl.constexpr,
                            Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
                            STATS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr):
     NUM_WARPS: gl.constexpr = BLOCK_N // 16
@@ -238,6 +248,10 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     full_block = gl.where(col0 + BLOCK_N > seq_k, n_blocks, full_block)
     blocks_per_head = gl.maximum(n_blocks - first_block, 1)
     n_steps = group * (n_blocks - first_block)
+    # Without a causal mask every program would walk the same query blocks in step, all adding into the same dQ
+    # rows at once; STAGGER starts key block j's walk 2j blocks in, as the causal walks start.
+    rotation = (col0 // BLOCK_M) % blocks_per_head if STAGGER and not CAUSAL else 0
+    walk = (first_block, blocks_per_head, first_head, rotation)
 
     k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
                                         [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
@@ -280,7 +294,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     tma.async_copy_global_to_shared(k_desc, [col0, 0], kv_ready, k_buf)
     tma.async_copy_global_to_shared(v_desc, [col0, 0], kv_ready, v_buf)
     for i in gl.static_range(NUM_STAGES - 1):
-        _issue_tile_loads(descs, bufs, ready, i, n_steps, first_block, blocks_per_head, first_head, seq_pad)
+        _issue_tile_loads(descs, bufs, ready, i, n_steps, walk, seq_pad)
 
     qk_scale = softmax_scale * LOG2E
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
@@ -295,8 +309,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     mbarrier.wait(kv_ready, 0)
     for step in range(n_steps):
         slot = step % NUM_STAGES
-        head = first_head + step // blocks_per_head
-        block = first_block + step % blocks_per_head
+        block = _step_tile(step, walk)[1]
         rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
         q_buf = q_bufs.index(slot)
@@ -304,13 +317,12 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
         s_t = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
         # The previous step's dQ, dK, dV and this S^T done, the previous dQ goes out. (Reading an accumulator
         # across the loop's back edge under a partial wait makes ptxas serialize every wgmma.) With DP_FIRST dP^T
-        # runs meanwhile; its accumulator beside dQ's may leave ptxas too few registers (D=128 with atomics).
+        # runs meanwhile; its accumulator beside dQ's leaves ptxas too few registers at D=128.
         dq, dk, dv, s_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv, s_t))
         if DP_FIRST:
             dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
         if step > 0:
-            _dq_out(dq, dq_bufs, dq_base, step - 1, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
-                    DQ_REDUCTION)
+            _dq_out(dq, dq_bufs, dq_base, step - 1, walk, seq_q, stride_dqs, DQ_REDUCTION)
         if not DP_FIRST:
             dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
         lse2 = lse_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
@@ -335,18 +347,16 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
         gl.thread_barrier()
         if DQ_REDUCTION == "tma":
             if step > 0:
-                _reduce_dq_tile(dq_desc, dq_bufs, step - 1, first_block, blocks_per_head, first_head)
-        _issue_tile_loads(descs, bufs, ready, step + NUM_STAGES - 1, n_steps, first_block, blocks_per_head,
-                          first_head, seq_pad)
+                _reduce_dq_tile(dq_desc, dq_bufs, step - 1, walk)
+        _issue_tile_loads(descs, bufs, ready, step + NUM_STAGES - 1, n_steps, walk, seq_pad)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, zeros_q, use_acc=False, is_async=True)
     dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
     if n_steps > 0:
-        _dq_out(dq, dq_bufs, dq_base, n_steps - 1, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
-                DQ_REDUCTION)
+        _dq_out(dq, dq_bufs, dq_base, n_steps - 1, walk, seq_q, stride_dqs, DQ_REDUCTION)
         if DQ_REDUCTION == "tma":
             fence_async_shared()
             gl.thread_barrier()
-            _reduce_dq_tile(dq_desc, dq_bufs, n_steps - 1, first_block, blocks_per_head, first_head)
+            _reduce_dq_tile(dq_desc, dq_bufs, n_steps - 1, walk)
     if DQ_REDUCTION == "tma":  # shared memory must outlive the reduce's read of it
         tma.store_wait(0)
 
@@ -419,6 +429,7 @@ def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, lse2.shape[-1], softmax_scale,
         HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, DQ_REDUCTION=config.dq_reduction, DP_FIRST=config.dp_first,
+        STAGGER=config.stagger,
         Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout, DQ_LAYOUT=dq_layout,
         num_warps=config.num_warps)
     dq = dq.mul_(softmax_scale)

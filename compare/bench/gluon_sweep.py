@@ -34,18 +34,17 @@ def candidates(head_dim: int, causal: bool):
 
 
 def backward_candidates(head_dim: int, causal: bool):
-    """GluonBackwardConfigs to time: the default first, then dQ by atomics (vector and scalar) instead of the TMA
-    reduce-add; at D=64 (registers and shared memory to spare) also dP^T issued after dQ is out, a deeper ring and
-    128-row query blocks. (D=128 has no room for either: 3 stages or 128 rows exceed shared memory or registers.)"""
+    """GluonBackwardConfigs to time: the default first, then dQ by vector atomics instead of the TMA reduce-add; at
+    D=64 also the runner-up shape (64-row query blocks, 3 stages); non-causal, also the walks unstaggered. (D=128
+    has no room for 3 stages, 128-row blocks or dP^T issued first: shared memory or registers.)"""
     from torch_impl.flash_gluon_backward import GluonBackwardConfig, backward_config
 
     default = backward_config(head_dim, causal, 0)
-    space = [default] + [GluonBackwardConfig(**{**vars(default), "dq_reduction": reduction})
-                         for reduction in ("vector_atomics", "atomics")]
+    space = [default, GluonBackwardConfig(**{**vars(default), "dq_reduction": "vector_atomics"})]
     if head_dim == 64:
-        space += [GluonBackwardConfig(**{**vars(default), "dp_first": not default.dp_first}),
-                  GluonBackwardConfig(**{**vars(default), "num_stages": default.num_stages + 1}),
-                  GluonBackwardConfig(block_m=128, num_stages=2, dp_first=False)]
+        space.append(GluonBackwardConfig(**{**vars(default), "block_m": 64, "num_stages": 3}))
+    if not causal:
+        space.append(GluonBackwardConfig(**{**vars(default), "stagger": False}))
     return list(dict.fromkeys(space))
 
 
