@@ -56,9 +56,10 @@ _TRITON_BACKENDS = ("triton", "triton_hopper", "triton_portable", "triton_gluon"
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
-# Whether backend "triton" runs the Gluon backward where it runs the inputs (else the portable one). Off until the
-# H200 measurement of issue #13 shows it faster than the portable backward (~390 TF/s credited).
-TRITON_PICKS_GLUON_BACKWARD = False
+# Whether backend "triton" runs the Gluon backward where it runs the inputs (else the portable one). On since it ran
+# faster than the portable backward at every point measured on H200 (388-415 TF/s credited against 370-390 at D=128,
+# 357-368 against 331-344 at D=64: compare/results/kernels-gluon-backward-2026-11-23-h200-tuning).
+TRITON_PICKS_GLUON_BACKWARD = True
 _FLASH_ATTN_MISSING = "backend 'flash_attn' needs the optional flash-attn package: pip install 'twinflash[flash-attn]'"
 
 
