@@ -22,7 +22,8 @@ from test_flash_attention_torch import _exact, _inputs, _naive, _numpy, _ours, _
 from torch_impl.flash_attention import flash_attention_backward
 from torch_impl.flash_backward import row_delta, triton_backward
 from torch_impl.flash_forward import triton_forward
-from torch_impl.flash_gluon_backward import GluonBackwardConfig, gluon_backward
+from compare.bench.gluon_sweep import backward_candidates
+from torch_impl.flash_gluon_backward import gluon_backward
 from torch_impl.flash_gluon_forward import GLUON_AVAILABLE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,16 +60,15 @@ def _beyond_portable(q, k, v, dout, causal, scale, **kwargs):
     return {n: (ours[n], portable[n]) for n in ours if not ours[n] <= 2 * portable[n] + twins.KERNEL_ATOL}
 
 
-# 2 and 3 stages (each head dim's default is one of them), dQ by vector and by scalar atomics.
-CONFIGS = [GluonBackwardConfig(num_stages=2), GluonBackwardConfig(num_stages=3),
-           GluonBackwardConfig(num_stages=2, vector_atomics=False)]
+# Every config the sweep times, per head dim (the default first): dQ by TMA reduce-add and by vector atomics, 64-
+# and 128-row query blocks, 2 and 3 stages, staggered walks or not (non-causal).
+CONFIGS = [(head_dim, config) for head_dim in (128, 64) for config in backward_candidates(head_dim, False)]
 
 
 @pytest.mark.gpu
 @needs_gluon_gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("config", CONFIGS, ids=str)
-def test_gpu_gluon_backward_from_external_out_lse_against_portable(config, head_dim):
+@pytest.mark.parametrize("head_dim, config", CONFIGS, ids=lambda x: str(x))
+def test_gpu_gluon_backward_from_external_out_lse_against_portable(head_dim, config):
     q, k, v, dout = _inputs(2, 1000, 1300, 8, 2, head_dim, torch.bfloat16, device="cuda")
     for causal in (True, False):
         beyond = _beyond_portable(q, k, v, dout, causal, 0.1, config=config)

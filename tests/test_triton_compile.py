@@ -112,10 +112,11 @@ for head_dim in (128, 64):
 """
 
 
-# The Gluon backward at both head dims with 2 and 3 stages and scalar dq atomics (the GPU tests launch each), causal
-# and not: the warpgroup matmuls, TMA loads and dq's float32 reductions must be in its PTX; ptxas must keep the
-# matmuls asynchronous (it serializes them all when it cannot prove a pipeline safe, and says so); its registers
-# (ptxas's count, whose spills it reports) and shared memory must fit one sm_90 block.
+# The Gluon backward at both head dims in every config the sweep times (compare.bench.gluon_sweep; the GPU tests
+# launch some of them), causal and not: the warpgroup matmuls, TMA loads and dq's float32 reductions (TMA reduce-add
+# or atomics) must be in its PTX; ptxas must keep the matmuls asynchronous (it serializes them all when it cannot
+# prove a pipeline safe, and says so); its registers (ptxas's count, whose spills it reports) and shared memory must
+# fit one sm_90 block.
 _COMPILE_GLUON_BACKWARD = r"""
 import contextlib, io, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
@@ -125,19 +126,23 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import torch_impl.flash_gluon_backward as gb
+from compare.bench.gluon_sweep import backward_candidates
 
+REDUCTION_OPS = {"tma": "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add",
+                 "vector_atomics": "red.relaxed.gpu.global.add.v2.f32"}
 SM90_REGISTERS, SM90_SHARED_BYTES = 65536, 227 * 1024  # per block
 fn = gb._gluon_backward_kernel
 for head_dim in (128, 64):
     for causal in (True, False):
-        default = gb.backward_config(head_dim, causal, 65536)
-        for config in (default, gb.GluonBackwardConfig(num_stages=5 - default.num_stages),
-                       gb.GluonBackwardConfig(num_stages=default.num_stages, vector_atomics=False)):
-            q_layout, kv_layout, ds_layout, stats_layout = gb.shared_layouts(torch.bfloat16, head_dim, config)
+        for config in backward_candidates(head_dim, causal):
+            q_layout, kv_layout, ds_layout, stats_layout, dq_layout = gb.shared_layouts(torch.bfloat16, head_dim,
+                                                                                        config)
             constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
                               BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-                              VECTOR_ATOMICS=config.vector_atomics, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
-                              DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout)
+                              DQ_REDUCTION=config.dq_reduction, DP_FIRST=config.dp_first,
+                              STAGGER=config.stagger, Q_LAYOUT=q_layout,
+                              KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout,
+                              DQ_LAYOUT=dq_layout)
             fp32 = {"Lse2", "Lse", "Delta", "DQ", "DK", "DV"}
             signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name in fp32 else "*bf16"
                          if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
@@ -148,8 +153,7 @@ for head_dim in (128, 64):
                 kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                         options={"num_warps": config.num_warps})
             name = f"gluon backward D={head_dim} causal={causal} {config}"
-            reduction = "red.relaxed.gpu.global.add.v2.f32" if config.vector_atomics else "atom.global.gpu.relaxed.add"
-            for op in ("wgmma.mma_async", "cp.async.bulk.tensor", reduction):
+            for op in ("wgmma.mma_async", "cp.async.bulk.tensor", REDUCTION_OPS[config.dq_reduction]):
                 if op not in kernel.asm["ptx"]:
                     sys.exit(f"{name}: no {op} in its PTX")
             if "wgmma.mma_async instructions are serialized" in log.getvalue():

@@ -11,12 +11,14 @@ of `block_m` query rows runs the five matmuls as asynchronous `warpgroup_mma`, k
 the resident A operands:
     S^T = K Q^T, then dP^T = V dO^T;  P^T = exp2(S^T - lse) while dP^T is in flight;
     dV += P^T dO and dK += dS^T Q (P^T, dS^T straight from registers);  dQ = dS K from dS^T staged in shared memory,
-added into a float32 dQ accumulator that all programs share by atomic reductions (Triton 3.6's Gluon has no TMA
-reduce-add on sm_90; `vector_atomics` adds pairs of floats by one inline-PTX `red.v2.f32`). The kernel runs
-`block_n // 16` warps: one warpgroup per 64 keys, which split the dQ matmul by columns. A step's dQ, dK and dV
-matmuls stay in flight into the next step, until its S^T matmul is done; then the previous dQ goes out (at D=64
-while dP^T runs), and the softmax runs while dP^T does. Registers are the limit at D=128 (255 a thread, dK and dV
-take 128): the compile check (tests/test_triton_compile.py) holds ptxas to keeping every wgmma asynchronous.
+added into a float32 dQ accumulator that all programs share (FA3's way, `dq_reduction="tma"`: the block is stored
+to a double-buffered shared tile and added by one asynchronous TMA reduce-add, `cp.reduce.async.bulk.tensor`, that
+Triton 3.6 lowers but its Gluon does not name; or by atomic reductions from registers, `red.v2.f32` pairs by inline
+PTX). The kernel runs `block_n // 16` warps: one warpgroup per 64 keys, which
+split the dQ matmul by columns. A step's dQ, dK and dV matmuls stay in flight into the next step, until its S^T
+matmul is done; then the previous dQ goes out (with `dp_first`, while dP^T runs), and the softmax runs while dP^T
+does. Registers are the limit at D=128 (255 a thread, dK and dV take 128): the compile check
+(tests/test_triton_compile.py) holds ptxas to keeping every wgmma asynchronous.
 Q and dO tiles, and the row statistics (lse in log2 units, delta: padded copies, so one TMA row each) come in by
 TMA through a `num_stages`-deep ring guarded by mbarriers; the refill of a slot is issued right after the per-step
 barrier that tells both warpgroups are past the step that last read it (the barrier is needed anyway: the dQ
@@ -25,6 +27,8 @@ the other warpgroup's dQ still reads it).
 
 Causal: a key block skips the query blocks that see none of it and masks only the diagonal ones (plus, in the last
 key block, the keys past the end); longest key blocks are the first ones, launched first by the grid's order.
+Non-causal, each key block starts its walk at a different query block (`stagger`), so that the programs running
+at once add into different dQ rows.
 
 Contract as the portable backward: delta = rowsum(dout * out) from the `out` it is given (the portable
 preprocessing kernel), so a ring passing the global out/lse gets its exact share; P recomputed from the given lse
@@ -53,19 +57,37 @@ from torch_impl.flash_hopper_forward import set_descriptor_allocator
 if GLUON_AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton._C.libtriton import ir as triton_ir
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
+else:
+    def builtin(fn):
+        return fn
+
+# How a step's dQ block joins the float32 accumulator all programs share: "tma" stores it to shared memory and
+# adds it with one asynchronous TMA reduce-add (it leaves the critical path); "vector_atomics" adds it from
+# registers by 8-byte reductions (inline PTX `red.v2.f32`; Triton 3.6 emits only scalar float32 atomics, which ran
+# 17-35 % slower still on H200: compare/results/kernels-gluon-backward-2026-11-23-h200-tuning).
+DQ_REDUCTIONS = ("tma", "vector_atomics")
 
 
 @dataclasses.dataclass(frozen=True)
 class GluonBackwardConfig:
     """Launch shape of the Gluon backward: `block_n` resident keys per program (one warpgroup per 64 of them),
-    `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight, `vector_atomics`
-    whether dQ is added by 8-byte vector reductions (inline PTX) rather than `gl.atomic_add`'s scalar ones."""
+    `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight, `dq_reduction` one
+    of DQ_REDUCTIONS, `dp_first` whether dP^T is issued before the previous step's dQ goes out, `stagger`
+    whether a non-causal program starts its walk over the query blocks where its key block's causal walk would."""
     block_n: int = 128
     block_m: int = 64
     num_stages: int = 2
-    vector_atomics: bool = True
+    dq_reduction: str = "tma"
+    dp_first: bool = False
+    stagger: bool = True
+
+    def __post_init__(self):
+        if self.dq_reduction not in DQ_REDUCTIONS:
+            raise ValueError(f"dq_reduction {self.dq_reduction!r} is none of {DQ_REDUCTIONS}")
 
     @property
     def num_warps(self) -> int:
@@ -73,15 +95,29 @@ class GluonBackwardConfig:
 
 
 def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonBackwardConfig:
-    """The launch shape for a call class. D=128: 128 keys, 2 stages (K, V, two Q/dO stages and the two dS buffers
-    take 160 KiB of shared memory, 3 stages 192 of the 227 an sm_90 block may have). D=64: 3 stages (112 KiB).
-    Not yet measured on a GPU: the GPU tests run both stage counts, the bench the defaults."""
+    """The launch shape for a call class, as measured on H200 at 16k (compare/results/
+    kernels-gluon-backward-2026-11-23-h200-tuning): dQ by TMA reduce-add (411 / 390 TF/s causal / not at D=128,
+    against 387 / 368 by vector atomics), dP^T issued once dQ is out (issued before, ptxas serializes the wgmma at
+    D=128 for want of registers; at D=64 it ran 3-7 % slower). D=128: 64-row query blocks, 2 stages (K, V, two
+    Q/dO stages, two dS and two float32 dQ tiles take 225 KiB of the 227 an sm_90 block may have). D=64: 128-row
+    query blocks, 2 stages (357 / 368 TF/s, against 350 / 353 for 64 rows and 3 stages)."""
     del causal, seq_bucket
-    return GluonBackwardConfig(num_stages=2 if head_dim == 128 else 3)
+    if head_dim == 128:
+        return GluonBackwardConfig(block_m=64, num_stages=2)
+    return GluonBackwardConfig(block_m=128, num_stages=2)
 
 
 @jit
-def _issue_tile_loads(descs, bufs, ready, step, n_steps, first_block, blocks_per_head, first_head, seq_pad):
+def _step_tile(step, walk):
+    """(query head, query block) of step `step` of a program's walk (first_block, blocks_per_head, first_head,
+    rotation): the group's heads one after the other, each one's blocks [first_block, first_block +
+    blocks_per_head) from `rotation` blocks in, wrapping around."""
+    first_block, blocks_per_head, first_head, rotation = walk
+    return first_head + step // blocks_per_head, first_block + (step % blocks_per_head + rotation) % blocks_per_head
+
+
+@jit
+def _issue_tile_loads(descs, bufs, ready, step, n_steps, walk, seq_pad):
     """Start the TMA loads of step `step`'s tiles (Q, dO: [block_m, D]; lse2, delta: [block_m]) into their ring
     slot (nothing past the last step)."""
     q_desc, do_desc, lse_desc, delta_desc = descs
@@ -92,8 +128,8 @@ def _issue_tile_loads(descs, bufs, ready, step, n_steps, first_block, blocks_per
     slot = step % num_stages
     bar = ready.index(slot)
     in_range = step < n_steps
-    head = first_head + step // blocks_per_head
-    row0 = (first_block + step % blocks_per_head) * block_m
+    head, block = _step_tile(step, walk)
+    row0 = block * block_m
     mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes, pred=in_range)
     tma.async_copy_global_to_shared(q_desc, [row0, head * head_dim], bar, q_bufs.index(slot), pred=in_range)
     tma.async_copy_global_to_shared(do_desc, [row0, head * head_dim], bar, do_bufs.index(slot), pred=in_range)
@@ -119,25 +155,50 @@ mov.b32 $1, 0;
 }""")
 
 
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile `src` into the global block of `tensor_desc` at `coord` by one asynchronous TMA
+    reduce-add (`cp.reduce.async.bulk.tensor`): the op Triton 3.6 lowers for sm_90 but its Gluon does not name;
+    `tma.store_wait` waits for its read of `src` like a TMA store's."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                              src.handle)
+
+
 @jit
-def _add_to_dq(dq, dq_base, step, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
-               VECTOR_ATOMICS: gl.constexpr):
-    """Add step `step`'s dQ block into the float32 accumulator [Sq, H * D] (of this batch) all programs share."""
+def _add_to_dq(dq, dq_base, step, walk, seq_q, stride_dqs):
+    """Add step `step`'s dQ block into the float32 accumulator [Sq, H * D] (of this batch) all programs share, by
+    8-byte atomic reductions from registers; rows past the end add 0 to the last row instead, so that the pairs'
+    pointers stay adjacent."""
     block_m: gl.constexpr = dq.shape[0]
     head_dim: gl.constexpr = dq.shape[1]
-    head = first_head + step // blocks_per_head
-    rows = (first_block + step % blocks_per_head) * block_m + gl.arange(0, block_m,
-                                                                        layout=gl.SliceLayout(1, dq.type.layout))
+    head, block = _step_tile(step, walk)
+    rows = block * block_m + gl.arange(0, block_m, layout=gl.SliceLayout(1, dq.type.layout))
     cols = gl.arange(0, head_dim, layout=gl.SliceLayout(0, dq.type.layout))
     in_bounds = gl.expand_dims(rows < seq_q, 1)
-    if VECTOR_ATOMICS:  # rows past the end add 0 to the last row instead: the pairs' pointers stay adjacent
-        rows = gl.minimum(rows, seq_q - 1)
+    rows = gl.minimum(rows, seq_q - 1)
     ptrs = dq_base + gl.expand_dims(rows.to(gl.int64) * stride_dqs, 1) + head * head_dim + gl.expand_dims(cols, 0)
-    if VECTOR_ATOMICS:
-        gl.inline_asm_elementwise(_PAIR_ATOMIC_ADD, "=r,=r,l,l,f,f", [ptrs.to(gl.int64), gl.where(in_bounds, dq, 0.0)],
-                                  dtype=gl.int32, is_pure=False, pack=2)
+    gl.inline_asm_elementwise(_PAIR_ATOMIC_ADD, "=r,=r,l,l,f,f", [ptrs.to(gl.int64), gl.where(in_bounds, dq, 0.0)],
+                              dtype=gl.int32, is_pure=False, pack=2)
+
+
+@jit
+def _dq_out(dq, dq_bufs, dq_base, step, walk, seq_q, stride_dqs, DQ_REDUCTION: gl.constexpr):
+    """Step `step`'s dQ block leaves the registers: into its shared buffer for the TMA reduce-add that follows the
+    step's barrier, or by atomics."""
+    if DQ_REDUCTION == "tma":
+        dq_bufs.index(step % 2).store(dq)
     else:
-        gl.atomic_add(ptrs, dq, mask=in_bounds, sem="relaxed")
+        _add_to_dq(dq, dq_base, step, walk, seq_q, stride_dqs)
+
+
+@jit
+def _reduce_dq_tile(dq_desc, dq_bufs, step, walk):
+    """Issue the TMA reduce-add of step `step`'s staged dQ block (rows past the end are clipped by the TMA unit)."""
+    block_m: gl.constexpr = dq_bufs.type.shape[1]
+    head_dim: gl.constexpr = dq_bufs.type.shape[2]
+    head, block = _step_tile(step, walk)
+    _tma_reduce_add(dq_desc, [block * block_m, head * head_dim], dq_bufs.index(step % 2))
 
 
 # Lengths and head counts are not specialized on (divisible by 16, equal to 1): one compile per head dim, causal
@@ -149,10 +210,11 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
                            stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                            n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
                            CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, VECTOR_ATOMICS: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                           KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr, STATS_LAYOUT: gl.constexpr):
+                           NUM_STAGES: gl.constexpr, DQ_REDUCTION: gl.constexpr, DP_FIRST: gl.constexpr,
+                           STAGGER: gl.constexpr,
+                           Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
+                           STATS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr):
     NUM_WARPS: gl.constexpr = BLOCK_N // 16
-    DP_BEFORE_DQ_OUT: gl.constexpr = HEAD_DIM <= 64
     K_STEP: gl.constexpr = 256 // Q.dtype.element_ty.primitive_bitwidth
     # [keys, queries] tiles (S^T, dP^T) and the resident [keys, D] accumulators: one warpgroup per 64 keys.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -186,6 +248,10 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     full_block = gl.where(col0 + BLOCK_N > seq_k, n_blocks, full_block)
     blocks_per_head = gl.maximum(n_blocks - first_block, 1)
     n_steps = group * (n_blocks - first_block)
+    # Without a causal mask every program would walk the same query blocks in step, all adding into the same dQ
+    # rows at once; STAGGER starts key block j's walk 2j blocks in, as the causal walks start.
+    rotation = (col0 // BLOCK_M) % blocks_per_head if STAGGER and not CAUSAL else 0
+    walk = (first_block, blocks_per_head, first_head, rotation)
 
     k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
                                         [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
@@ -207,6 +273,15 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     ds_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_LAYOUT)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_LAYOUT)
+    # dQ blocks staged for the TMA reduce-add, double-buffered: a step stores into the one whose reduce was issued
+    # a step earlier and has been waited for before the barrier between them. ([Sq, H * D] per batch like Q.)
+    if DQ_REDUCTION == "tma":
+        dq_desc = tma.make_tensor_descriptor(DQ + batch.to(gl.int64) * stride_dqb, [seq_q, n_heads * HEAD_DIM],
+                                             [stride_dqs, 1], [BLOCK_M, HEAD_DIM], DQ_LAYOUT)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], DQ_LAYOUT)
+    else:  # unused: dQ leaves by atomics
+        dq_desc = None
+        dq_bufs = None
     descs = (q_desc, do_desc, lse_desc, delta_desc)
     bufs = (q_bufs, do_bufs, lse_bufs, delta_bufs)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -219,7 +294,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     tma.async_copy_global_to_shared(k_desc, [col0, 0], kv_ready, k_buf)
     tma.async_copy_global_to_shared(v_desc, [col0, 0], kv_ready, v_buf)
     for i in gl.static_range(NUM_STAGES - 1):
-        _issue_tile_loads(descs, bufs, ready, i, n_steps, first_block, blocks_per_head, first_head, seq_pad)
+        _issue_tile_loads(descs, bufs, ready, i, n_steps, walk, seq_pad)
 
     qk_scale = softmax_scale * LOG2E
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
@@ -234,24 +309,21 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     mbarrier.wait(kv_ready, 0)
     for step in range(n_steps):
         slot = step % NUM_STAGES
-        head = first_head + step // blocks_per_head
-        block = first_block + step % blocks_per_head
+        block = _step_tile(step, walk)[1]
         rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
         q_buf = q_bufs.index(slot)
         do_buf = do_bufs.index(slot)
         s_t = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
         # The previous step's dQ, dK, dV and this S^T done, the previous dQ goes out. (Reading an accumulator
-        # across the loop's back edge under a partial wait makes ptxas serialize every wgmma.) At D=64 dP^T runs
-        # meanwhile; at D=128 it is issued after: its accumulator beside dQ's would leave ptxas too few registers
-        # to keep the wgmma asynchronous.
+        # across the loop's back edge under a partial wait makes ptxas serialize every wgmma.) With DP_FIRST dP^T
+        # runs meanwhile; its accumulator beside dQ's leaves ptxas too few registers at D=128.
         dq, dk, dv, s_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv, s_t))
-        if DP_BEFORE_DQ_OUT:
+        if DP_FIRST:
             dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
         if step > 0:
-            _add_to_dq(dq, dq_base, step - 1, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
-                       VECTOR_ATOMICS)
-        if not DP_BEFORE_DQ_OUT:
+            _dq_out(dq, dq_bufs, dq_base, step - 1, walk, seq_q, stride_dqs, DQ_REDUCTION)
+        if not DP_FIRST:
             dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
         lse2 = lse_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
@@ -267,16 +339,26 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
         dk = warpgroup_mma(gl.convert_layout(ds_t, kv_operand), q_buf, dk, is_async=True)
         ds_buf = ds_bufs.index(step % 2)
         ds_buf.store(ds_t)
+        if DQ_REDUCTION == "tma":  # the reduce issued a step ago is done reading the buffer the next step fills
+            tma.store_wait(0)
         fence_async_shared()
-        # Both warpgroups' dS halves are in, and both are past the previous step's matmuls: its Q/dO slot is free.
+        # Both warpgroups' dS halves (and dQ parts) are in, and both are past the previous step's matmuls: its Q/dO
+        # slot is free.
         gl.thread_barrier()
-        _issue_tile_loads(descs, bufs, ready, step + NUM_STAGES - 1, n_steps, first_block, blocks_per_head,
-                          first_head, seq_pad)
+        if DQ_REDUCTION == "tma":
+            if step > 0:
+                _reduce_dq_tile(dq_desc, dq_bufs, step - 1, walk)
+        _issue_tile_loads(descs, bufs, ready, step + NUM_STAGES - 1, n_steps, walk, seq_pad)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, zeros_q, use_acc=False, is_async=True)
     dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
     if n_steps > 0:
-        _add_to_dq(dq, dq_base, n_steps - 1, first_block, blocks_per_head, first_head, seq_q, stride_dqs,
-                   VECTOR_ATOMICS)
+        _dq_out(dq, dq_bufs, dq_base, n_steps - 1, walk, seq_q, stride_dqs, DQ_REDUCTION)
+        if DQ_REDUCTION == "tma":
+            fence_async_shared()
+            gl.thread_barrier()
+            _reduce_dq_tile(dq_desc, dq_bufs, n_steps - 1, walk)
+    if DQ_REDUCTION == "tma":  # shared memory must outlive the reduce's read of it
+        tma.store_wait(0)
 
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -293,13 +375,14 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
 
 
 def shared_layouts(dtype: torch.dtype, head_dim: int, config: GluonBackwardConfig):
-    """(Q/dO tile, K/V tile, dS^T tile, row statistics) shared-memory layouts: the widest swizzle for each 16-bit
-    tile, none for the float32 rows."""
+    """(Q/dO tile, K/V tile, dS^T tile, row statistics, float32 dQ tile) shared-memory layouts: the widest swizzle
+    for each 2D tile, none for the float32 rows."""
     element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return (gl.NVMMASharedLayout.get_default_for([config.block_m, head_dim], element),
             gl.NVMMASharedLayout.get_default_for([config.block_n, head_dim], element),
             gl.NVMMASharedLayout.get_default_for([config.block_n, config.block_m], element),
-            gl.NVMMASharedLayout.get_default_for([config.block_m], gl.float32))
+            gl.NVMMASharedLayout.get_default_for([config.block_m], gl.float32),
+            gl.NVMMASharedLayout.get_default_for([config.block_m, head_dim], gl.float32))
 
 
 def padded_row_stats(lse: torch.Tensor, delta: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,7 +419,7 @@ def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=grad_dtype, device=q.device)
     lse2, delta = padded_row_stats(lse, delta, config.block_m)
-    q_layout, kv_layout, ds_layout, stats_layout = shared_layouts(q.dtype, head_dim, config)
+    q_layout, kv_layout, ds_layout, stats_layout, dq_layout = shared_layouts(q.dtype, head_dim, config)
     set_descriptor_allocator(q.device)
     _gluon_backward_kernel[(triton.cdiv(seq_k, config.block_n), batch * n_kv_heads)](
         q, k, v, dout, lse2, delta, dq, dk, dv,
@@ -345,8 +428,9 @@ def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, lse2.shape[-1], softmax_scale,
         HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        NUM_STAGES=config.num_stages, VECTOR_ATOMICS=config.vector_atomics,
-        Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout,
+        NUM_STAGES=config.num_stages, DQ_REDUCTION=config.dq_reduction, DP_FIRST=config.dp_first,
+        STAGGER=config.stagger,
+        Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout, DQ_LAYOUT=dq_layout,
         num_warps=config.num_warps)
     dq = dq.mul_(softmax_scale)
     return (dq if grad_dtype == torch.float32 else dq.to(grad_dtype)), dk, dv

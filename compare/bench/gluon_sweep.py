@@ -1,5 +1,5 @@
 """Config sweep of the Gluon sm_90 kernels (`torch_impl.flash_gluon_forward`, `torch_impl.flash_gluon_backward`) on
-one GPU (`python -m compare.bench.gluon_sweep`), beside the portable Triton kernel (and for the forward SDPA cuDNN)
+one GPU (`python -m compare.bench.gluon_sweep`), beside the portable Triton kernel and SDPA cuDNN
 in the same process.
 
 For each head dim (--head-dims) and causal setting (--causal), bf16, B=1, S (--seq-len), H (--heads), Hkv
@@ -34,12 +34,18 @@ def candidates(head_dim: int, causal: bool):
 
 
 def backward_candidates(head_dim: int, causal: bool):
-    """GluonBackwardConfigs to time: the default first, the other ring depth, scalar dq atomics."""
+    """GluonBackwardConfigs to time: the default first, then dQ by vector atomics instead of the TMA reduce-add; at
+    D=64 also the runner-up shape (64-row query blocks, 3 stages); non-causal, also the walks unstaggered. (D=128
+    has no room for 3 stages, 128-row blocks or dP^T issued first: shared memory or registers.)"""
     from torch_impl.flash_gluon_backward import GluonBackwardConfig, backward_config
 
     default = backward_config(head_dim, causal, 0)
-    return [default, GluonBackwardConfig(**{**vars(default), "num_stages": 5 - default.num_stages}),
-            GluonBackwardConfig(**{**vars(default), "vector_atomics": False})]
+    space = [default, GluonBackwardConfig(**{**vars(default), "dq_reduction": "vector_atomics"})]
+    if head_dim == 64:
+        space.append(GluonBackwardConfig(**{**vars(default), "block_m": 64, "num_stages": 3}))
+    if not causal:
+        space.append(GluonBackwardConfig(**{**vars(default), "stagger": False}))
+    return list(dict.fromkeys(space))
 
 
 def main(argv=None) -> int:
@@ -127,8 +133,9 @@ def main(argv=None) -> int:
 
 
 def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale):
-    """The portable backward, then each Gluon backward config, from the Gluon forward's out/lse; bf16 gradients
-    timed, float32 ones compared with the portable kernel's."""
+    """The portable backward and cuDNN's (aten's op on heads-major copies made beforehand, from its own forward's
+    out/lse; H = Hkv only), then each Gluon backward config, from the Gluon forward's out/lse; bf16 gradients timed,
+    float32 ones compared with the portable kernel's."""
     import torch
 
     from torch_impl.flash_backward import triton_backward
@@ -139,6 +146,14 @@ def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale):
     want = triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=torch.float32)
     timed("triton_portable", lambda: triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
                                                      grad_dtype=q.dtype))
+    if k.shape[2] == q.shape[2]:
+        cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+        qt, kt, vt, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
+        cudnn_out, cudnn_lse = cudnn(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)[:2]
+        rng = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed/offset: read only with dropout
+        timed("sdpa_cudnn", lambda: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dot, qt, kt, vt, cudnn_out, cudnn_lse, rng, rng, None, None, None, q.shape[1], k.shape[1], 0.0, causal,
+            scale=scale))
     for config in backward_candidates(q.shape[-1], causal):
         try:
             got = gluon_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,

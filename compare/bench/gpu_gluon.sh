@@ -7,7 +7,8 @@
 #                   forward, and the backward from the Gluon forward's out/lse; when it fails the later stages are
 #                   skipped and the contract tests run with -x for the diagnosis
 #   sweep   ($SWEEP_S, 90 s)  compare.bench.gluon_sweep --direction $SWEEP_DIRECTION (forward) at S=16k,
-#                   H=Hkv=32, D 128 and 64: configs beside the portable kernel (and cuDNN for the forward)
+#                   H=Hkv=32, D $SWEEP_HEAD_DIMS (128,64), $SWEEP_CAUSAL (both): configs beside the portable
+#                   kernel and cuDNN
 #   bench   ($BENCH_S, 160 s)  twinflash bench kernels --parts torch at $SEQ_LENS (16k,64k), Hkv 32/8, $CAUSAL (both),
 #                   D=$HEAD_DIM (128; a list like 128,64 runs one D after the other), backend "triton" (Gluon forward
 #                   + the backward TRITON_PICKS_GLUON_BACKWARD picks), cuDNN and FA2, plus the forced paths in
@@ -15,6 +16,12 @@
 #   tests   ($TESTS_S, 80 s)  the gpu tests of $TEST_FILES (tests/test_flash_gluon_torch.py; contract against fp64,
 #                   portable, cuDNN), those matching $TESTS_K when set
 # Everything lands in $OUT (default ./out): one log and JSON per stage; the stage summary is printed last.
+# The Gluon backward's config sweep (issue 13, first of the tuning runs; about 320 s at most):
+#   SWEEP_DIRECTION=backward SWEEP_S=250 timeout 325 bash compare/bench/gpu_gluon.sh smoke,sweep
+# and its second run (the non-causal walks' stagger, the contract tests, the bench at D=128; about 325 s):
+#   SWEEP_DIRECTION=backward SWEEP_HEAD_DIMS=128 SWEEP_CAUSAL=full SWEEP_S=45 TESTS_S=105 BENCH_S=150 HEAD_DIM=128 \
+#   TRITON_PATHS=triton_gluon TEST_FILES="tests/test_flash_gluon_backward_torch.py tests/test_flash_gluon_torch.py" \
+#   TESTS_K="backward or ring or cudnn" timeout 325 bash compare/bench/gpu_gluon.sh smoke,sweep,tests,bench
 # The Gluon backward's run (issue 13; about 410 s at most):
 #   SWEEP_DIRECTION=backward SWEEP_S=50 TESTS_S=120 BENCH_S=180 HEAD_DIM=128,64 TRITON_PATHS=triton_gluon \
 #   TEST_FILES="tests/test_flash_gluon_backward_torch.py tests/test_flash_gluon_torch.py" \
@@ -26,6 +33,7 @@ mkdir -p "$OUT"
 STAGES=",${1:-smoke,sweep,bench,tests},"
 HEAD_DIM=${HEAD_DIM:-128} SEQ_LENS=${SEQ_LENS:-16k,64k} CAUSAL=${CAUSAL:-both} TRITON_PATHS=${TRITON_PATHS:-}
 SWEEP_DIRECTION=${SWEEP_DIRECTION:-forward} TEST_FILES=${TEST_FILES:-tests/test_flash_gluon_torch.py}
+SWEEP_HEAD_DIMS=${SWEEP_HEAD_DIMS:-128,64} SWEEP_CAUSAL=${SWEEP_CAUSAL:-both}
 summary=()
 
 stage() {  # stage NAME SECONDS COMMAND...: run it under a timeout, log to $OUT/NAME.log, remember its exit status
@@ -77,7 +85,8 @@ if wanted smoke && ! stage smoke 60 python3 -c "$smoke"; then
 fi
 if wanted sweep; then
     stage "sweep-$SWEEP_DIRECTION" "${SWEEP_S:-90}" python3 -m compare.bench.gluon_sweep --seq-len 16384 --heads 32 \
-        --kv-heads 32 --head-dims 128,64 --direction "$SWEEP_DIRECTION" --out "$OUT/gluon-sweep-$SWEEP_DIRECTION.json"
+        --kv-heads 32 --head-dims "$SWEEP_HEAD_DIMS" --causal "$SWEEP_CAUSAL" --direction "$SWEEP_DIRECTION" \
+        --out "$OUT/gluon-sweep-$SWEEP_DIRECTION.json"
 fi
 if wanted tests; then
     stage tests "${TESTS_S:-80}" "${tests[@]}"
