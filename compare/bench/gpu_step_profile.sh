@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 20's measurement: `twinflash train --profile` per point on the GPUs of this host (the device tool's
+# nvidia-h200-x2), run from the repository root with the image's python3 (the checkout on PYTHONPATH); the
+# training step's time by category (attention, gemm, communication, elementwise, loss, optimizer, recompute, idle)
+# beside its tokens/s and MFU.
+#   bash compare/bench/gpu_step_profile.sh POINT...
+# POINT = backend:model:attention:seq_len[:checkpointing[:extra]] (e.g. torch:llama3.1-8b:sdpa_cudnn:32768:save-attention,
+# jax:llama3.2-1b:cudnn:32768, torch:llama3.2-1b:sdpa_cudnn:32768:off:eager). Every point: bf16, random tokens,
+# fsdp=1 x sp=$SP (2), $STEPS steps (7: step 0 compiles, the last 3 are traced), under `timeout $POINT_S` (150).
+# Lands in $OUT (default ./out): one log per point, profiles.json (every point's train.jsonl rows and profile.json,
+# the GPU and the command); a table last, tokens/s and MFU as the median of the untraced steps after step 0.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+OUT=${OUT:-$PWD/out}
+SP=${SP:-2} STEPS=${STEPS:-7} POINT_S=${POINT_S:-150}
+scratch=$(mktemp -d)
+mkdir -p "$OUT"
+for point in "$@"; do
+    IFS=: read -r backend model attention seq remat extra <<< "$point"
+    name="$backend-$model-$attention-$seq${remat:+-$remat}${extra:+-$extra}"
+    flags=(--backend "$backend" --model "$model" --attention-backend "$attention" --seq-len "$seq" --steps "$STEPS"
+           --mesh "fsdp=1,sp=$SP" --dtype bf16 --data random --profile --out "$scratch/$name")
+    [ -n "$remat" ] && flags+=(--activation-checkpointing "$remat")
+    [ "$extra" = eager ] && flags+=(--eager)
+    began=$(date +%s)
+    timeout "$POINT_S" python3 -m compare.cli train "${flags[@]}" > "$OUT/$name.log" 2>&1
+    echo "== $name: exit $? after $(( $(date +%s) - began )) s"
+done
+python3 - "$scratch" "$OUT/profiles.json" "$*" <<'PY'
+import glob, json, os, statistics, subprocess, sys
+
+scratch, target, points = sys.argv[1:4]
+runs = {}
+for directory in sorted(glob.glob(f"{scratch}/*/")):
+    name = os.path.basename(directory.rstrip("/"))
+    rows = f"{directory}/train.jsonl"
+    run = {"train": [json.loads(line) for line in open(rows)] if os.path.exists(rows) else []}
+    if os.path.exists(f"{directory}/profile.json"):
+        run["profile"] = json.load(open(f"{directory}/profile.json"))
+    runs[name] = run
+try:
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+except FileNotFoundError:
+    gpu = "none (no nvidia-smi)"
+json.dump({"command": f"bash compare/bench/gpu_step_profile.sh {points}", "gpu": gpu, "runs": runs},
+          open(target, "w"), indent=1)
+print(f"{'point':58} {'step ms':>8} {'tok/s':>8} {'MFU %':>6}  traced step: categories (ms)")
+for name, run in runs.items():
+    profile = run.get("profile", {})
+    untraced = run["train"][1:len(run["train"]) - profile.get("steps", 0)] or run["train"][-1:]
+    def median(key):
+        values = [row[key] for row in untraced if row.get(key) is not None]
+        return statistics.median(values) if values else float("nan")
+
+    categories = " ".join(f"{k}={v * 1e3:.0f}" for k, v in profile.get("categories", {}).items())
+    print(f"{name:58} {median('seconds') * 1e3:8.1f} {median('tokens_per_s'):8.0f} {median('mfu') * 100:6.1f}  "
+          f"{profile.get('step_s', float('nan')) * 1e3:.0f}: {categories}")
+PY
+rm -rf "$scratch"
