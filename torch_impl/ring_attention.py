@@ -6,7 +6,7 @@ and their CUDA-stream handling live in `torch_impl/ring_comm.py`.
 Public API:
 
   ring_attention(q, k, v, *, group=None, causal=True, layout="zigzag", variant="ring", return_lse=False,
-                 softmax_scale=None, backend="triton", local_copies=False, comm_log=None)
+                 softmax_scale=None, backend="triton", check_ranks=True, local_copies=False, comm_log=None)
       q [B, S_local, H, D], k/v [B, S_local, Hkv, D]: this rank's tokens in the layout's order
       (`weights.layout.rank_positions`: increasing positions). Returns out [B, S_local, H, D] in q's dtype, or
       (out, lse [B, H, S_local] float32) with `return_lse`; lse is not differentiable (gradients flow through out).
@@ -31,10 +31,12 @@ of consecutive positions among the local queries (one for contiguous, two for zi
 call, to the key prefix that ends at its last position, with the bottom-right-aligned causal mask; no merge is
 needed. Its backward gathers K/V again (instead of keeping P copies alive) and reduce-scatters float32 dK/dV.
 
-Only the Hkv K/V heads travel (GQA is never expanded on the wire). Every call first all-gathers a few integers
-describing each rank's arguments (shapes, dtypes, causal, layout, variant, scale), so a rank whose input differs
-makes every rank raise the same ValueError instead of hanging in a transfer; this costs one tiny collective and a
-host round trip per call.
+Only the Hkv K/V heads travel (GQA is never expanded on the wire). With `check_ranks` (the default) every call
+first all-gathers a few integers describing each rank's arguments (shapes, dtypes, causal, layout, variant, scale),
+so a rank whose input differs makes every rank raise the same ValueError instead of hanging in a transfer; this
+costs one tiny collective and a host round trip per call, which stalls the host's queueing of the step at every
+layer. The training step turns it off (`torch_impl/parallel.py`): there every rank's arguments are the same by
+construction.
 """
 
 from __future__ import annotations
@@ -71,21 +73,23 @@ class _RingConfig:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """In place: log-sum-exp merge of a float32 partial result into the accumulator views; rows where both are
-    empty stay (0, -inf), no NaN."""
+    """In place: log-sum-exp merge of a partial result into the float32 accumulator views, two passes over the
+    accumulator (rescale, then add the weighted part); rows where both are empty stay (0, -inf), no NaN."""
     new_lse = torch.logaddexp(acc_lse, lse)
     safe_lse = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
 
     def weight(part_lse):  # [B, H, S] -> [B, S, H, 1], the share of the merged softmax denominator
         return torch.exp(part_lse - safe_lse).transpose(1, 2).unsqueeze(-1)
 
-    acc_out.mul_(weight(acc_lse)).add_(out * weight(lse))
+    acc_out.mul_(weight(acc_lse)).addcmul_(out, weight(lse))
     acc_lse.copy_(new_lse)
 
 
 def _ring_forward(ring: Ring, cfg: _RingConfig, q, k, v):
-    """(out float32, lse float32) of the local queries."""
+    """(out, lse float32) of the local queries: out float32 where blocks were merged, else in q's dtype."""
     local_len = q.shape[1]
+    # partial outputs merge in float32; a single block (one rank) is the answer as it is
+    out_dtype = torch.float32 if ring.world > 1 else None
     acc_out = acc_lse = None
     k_block, v_block = k, v
     for step in range(ring.world):
@@ -94,7 +98,7 @@ def _ring_forward(ring: Ring, cfg: _RingConfig, q, k, v):
         if block is not None:
             out, lse = flash_attention_forward(
                 q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols], causal=block.causal,
-                softmax_scale=cfg.softmax_scale, out_dtype=torch.float32, backend=cfg.backend)
+                softmax_scale=cfg.softmax_scale, out_dtype=out_dtype, backend=cfg.backend)
             if step == 0:  # always the whole diagonal block
                 acc_out, acc_lse = out, lse
             else:
@@ -287,18 +291,18 @@ def _check_local_shapes(q, k, v, world: int, layout: str) -> None:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                    causal: bool = True, layout: str = "zigzag", variant: str = "ring", return_lse: bool = False,
-                   softmax_scale: float | None = None, backend: str = "triton", local_copies: bool = False,
-                   comm_log: CommLog | None = None):
+                   softmax_scale: float | None = None, backend: str = "triton", check_ranks: bool = True,
+                   local_copies: bool = False, comm_log: CommLog | None = None):
     """Attention over a sequence sharded across the ranks of `group`; see the module docstring.
 
-    Raises ValueError (on every rank alike) for bad or cross-rank-inconsistent arguments, LayoutError (a
-    ValueError) when the local length does not split in `layout` (zigzag needs an even local length).
+    Raises ValueError (on every rank alike) for bad or, with `check_ranks`, cross-rank-inconsistent arguments,
+    LayoutError (a ValueError) when the local length does not split in `layout` (zigzag needs an even local length).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     ring = Ring(group, q.device, local_copies=local_copies, log=comm_log)
-    if ring.world > 1:
+    if ring.world > 1 and check_ranks:
         _check_agreement(ring, _agreement_fields(q, k, v, causal, layout, variant, softmax_scale))
     check_ring_choices(layout, variant)
     _check_local_shapes(q, k, v, ring.world, layout)
