@@ -337,6 +337,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return (out, lse) if return_lse else out
 
 
+def exact_output_dtype(backend: str, dtype: torch.dtype) -> torch.dtype:
+    """The narrowest `out_dtype` of `flash_attention_forward` that keeps all that `backend` computes for `dtype`
+    inputs: the SDPA and flash-attn ops write out in the inputs' dtype (a float32 copy adds a pass and nothing
+    else); ours and the reference hold it in float32 until they write it."""
+    return dtype if backend in ("sdpa_cudnn", "sdpa_flash", "flash_attn") else torch.float32
+
+
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                             softmax_scale: float | None, out_dtype: torch.dtype | None = None,
                             backend: str = "triton", config: TritonConfig | None = None

@@ -20,9 +20,10 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
              reduces fp32 gradients (MixedPrecisionPolicy). With fp8 (bf16 only) the decoder layers' linears are
              torchao Float8Linears (`convert_to_fp8`, weights/fp8.py's recipe), converted before FSDP wraps them.
 
-Speed on GPUs (`--eager` turns the first three off): the modules around the attention and the loss chunks run
-under torch.compile, the loss makes its gradients in the forward (`fused_cross_entropy_mean`), AdamW runs as
-torch's fused kernel (same formula, `AdamW`), and the loop never waits for a step inside it (`StepNumbers`).
+Speed on GPUs (`--eager` turns the first three off): the modules around the attention, the ring's merge and the
+loss chunks run under torch.compile, the loss makes its gradients in the forward (`fused_cross_entropy_mean`),
+AdamW runs as torch's fused kernel (same formula, `AdamW`), and the loop never waits for a step inside it
+(`StepNumbers`).
 `twinflash train --profile` traces the last steps (`torch_impl/profiling.py`).
 """
 
@@ -390,15 +391,15 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
     mesh = make_mesh(settings.mesh, device.type)
     source = open_weights(settings.model, settings.seed)
     config = source.config
+    fast = device.type == "cuda" and not settings.eager  # inductor and fused kernels: GPUs only
     with torch.device("meta"):
         llama = Llama(config, ring_attention_fn(mesh, backend=settings.attention_backend,
-                                                variant=settings.ring_variant))
+                                                variant=settings.ring_variant, compile_merge=fast))
     if settings.fp8:  # before FSDP, which then shards and gathers the Float8Linears' plain weights
         convert_to_fp8(llama, fp8_linears(config)[0])
         if dist.get_rank() == 0 and fallback_line(config) is not None:
             _print_to_stderr(fallback_line(config))
     chunk_tokens = settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size)
-    fast = device.type == "cuda" and not settings.eager  # inductor and fused kernels: GPUs only
     model = ShardedNextTokenLoss(llama, chunk_tokens, fused=fast)
     shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype],
                 remat=settings.activation_checkpointing)
