@@ -17,31 +17,43 @@ from test_flash_attention_torch import NAMES, _exact, _good, _inputs
 from torch_impl.flash_attention import flash_attention
 
 
-def _cpu_sdpa_stand_ins():
+def _cpu_sdpa_stand_ins(seen: list | None = None):
     """CPU stand-ins with the exact signatures of the CUDA-only SDPA ops (the adapters call them positionally),
-    computing with torch's CPU flash attention: they check the adapters' layout, GQA and lse handling here."""
+    computing with torch's CPU flash attention: they check the adapters' layout, GQA and lse handling here. Like
+    the CUDA ops they write out and the gradients in the memory order of q, k, v. `seen` collects the tensors each
+    call got."""
     cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    seen = [] if seen is None else seen
+
+    def like(template, result):  # the CUDA ops allocate outputs with empty_like(q) / a matching layout
+        return torch.empty_like(template).copy_(result)
 
     def cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
               return_debug_mask=False, *, scale=None):
         assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not return_debug_mask
+        seen.append(dict(query=query, key=key, value=value))
         out, lse = cpu_fwd(query, key, value, dropout_p, is_causal, scale=scale)
-        return out, lse[..., None], None, None, query.shape[2], key.shape[2], None, None, None
+        return like(query, out), lse[..., None], None, None, query.shape[2], key.shape[2], None, None, None
 
     def cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
                        cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
         assert logsumexp.shape == (*query.shape[:3], 1) and (max_q, max_k) == (query.shape[2], key.shape[2])
-        return cpu_bwd(grad_out, query, key, value, out, logsumexp[..., 0], dropout_p, is_causal, scale=scale)
+        seen.append(dict(grad_out=grad_out, query=query, key=key, value=value, out=out))
+        grads = cpu_bwd(grad_out, query, key, value, out, logsumexp[..., 0], dropout_p, is_causal, scale=scale)
+        return tuple(like(x, g) for x, g in zip((query, key, value), grads))
 
     def flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        seen.append(dict(query=query, key=key, value=value))
         out, lse = cpu_fwd(query, key, value, dropout_p, is_causal, scale=scale)
-        return out, lse, None, None, query.shape[2], key.shape[2], None, None, None
+        return like(query, out), lse, None, None, query.shape[2], key.shape[2], None, None, None
 
     def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                        is_causal, philox_seed, philox_offset, *, scale=None):
         assert (max_q, max_k) == (query.shape[2], key.shape[2])
-        return cpu_bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
+        seen.append(dict(grad_out=grad_out, query=query, key=key, value=value, out=out))
+        grads = cpu_bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
+        return tuple(like(x, g) for x, g in zip((query, key, value), grads))
 
     return types.SimpleNamespace(_scaled_dot_product_cudnn_attention=cudnn,
                                  _scaled_dot_product_cudnn_attention_backward=cudnn_backward,
@@ -58,11 +70,41 @@ def test_sdpa_adapters_on_cpu_stand_ins(monkeypatch, backend, causal):
     monkeypatch.setattr(module, "aten", _cpu_sdpa_stand_ins())
     q, k, v, dout = _inputs(2, 24, 24, 4, 2, 32, torch.float32)
     out, lse = module._sdpa_forward(q, k, v, causal, 0.2, torch.float32, backend)
-    grads = module._sdpa_backward(dout, q, k, v, out, lse, causal, 0.2, backend)
+    grads = module._sdpa_backward(dout, q, k, v, out, lse, causal, 0.2, backend, torch.float32)
     exact = _exact(q, k, v, dout, causal, 0.2)
     for name, got in zip(NAMES, (out, lse, *grads)):
         assert got.shape == exact[name].shape and got.dtype == torch.float32
+        assert got.is_contiguous() or name == "lse"  # lse keeps the op's layout (the stand-in's is tokens-major)
         torch.testing.assert_close(got.double(), exact[name], rtol=1e-4, atol=1e-4, msg=name)  # float32 math
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the real ops")
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
+def test_sdpa_adapters_pass_tokens_major_views(monkeypatch, backend):
+    """The ops get q, out and dout as views of the callers' memory (no copy; only GQA's repeated K/V heads are
+    new), and a bf16 call returns bf16 results, no float32 round trip."""
+    module = importlib.import_module("torch_impl.flash_attention")
+
+    seen = []
+    monkeypatch.setattr(module, "aten", _cpu_sdpa_stand_ins(seen))
+    q, k, v, dout = _inputs(1, 32, 32, 4, 2, 32, torch.bfloat16)
+    rows = slice(16, 32)  # the ring's half blocks are slices of the sequence
+    out, lse = module._sdpa_forward(q[:, rows], k, v, False, 0.2, torch.bfloat16, backend)
+    grads = module._sdpa_backward(dout[:, rows], q[:, rows], k, v, out, lse, False, 0.2, backend, torch.bfloat16)
+    forward, backward = seen
+    for got, given in ((forward["query"], q[:, rows]), (backward["query"], q[:, rows]),
+                       (backward["grad_out"], dout[:, rows]), (backward["out"], out)):
+        assert got.data_ptr() == given.data_ptr() and got.shape == given.transpose(1, 2).shape
+    assert backward["key"].shape[1] == 4  # the 2 KV heads repeated for the 4 query heads
+    exact = _exact(q[:, rows], k, v, dout[:, rows], False, 0.2)
+    for name, got in zip(NAMES, (out, lse, *grads)):
+        assert got.dtype == (torch.float32 if name == "lse" else torch.bfloat16)
+        assert got.is_contiguous() or name == "lse"
+        # bf16 inputs and results: a few bf16 roundings (2^-8 relative) of values of order 1
+        torch.testing.assert_close(got.double(), exact[name], rtol=0.05, atol=0.05, msg=name)
+    # negative control: the float32 answer of the same call differs from the bf16 one by bf16 rounding, not 0
+    out32, _ = module._sdpa_forward(q[:, rows].float(), k.float(), v.float(), False, 0.2, torch.float32, backend)
+    assert not torch.equal(out32, out.float())
 
 
 def _flash_attn_stand_in(version):

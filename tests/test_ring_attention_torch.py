@@ -13,6 +13,7 @@ flash rule. The torch-only cases (cross-rank agreement, communication volume, pr
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import numpy as np
@@ -96,6 +97,26 @@ def case_comm_volume(rank, world, *, variant, heads, kv_heads):
     return {"forward_bytes": forward_bytes, "backward_bytes": log.bytes_sent() - forward_bytes,
             "forward_kinds": forward_kinds, "copies_bytes": copies_log.bytes_sent(),
             "copies_differ": bool((copied - out).abs().max() > 1e-3), "copies_finite": bool(copied.isfinite().all())}
+
+
+def case_sdpa_stand_ins(rank, world, *, case: RingCase, compile_merge: bool):
+    """`case_attention` with backend "sdpa_cudnn" on CPU: the CUDA-only cuDNN ops replaced by the stand-ins of
+    tests/test_flash_attention_adapters.py (same signatures, same output layouts), the CUDA check lifted for the
+    call. bf16 partials in bf16 accumulators at P = 2 (`exact_output_dtype`), the merge eager or compiled."""
+    from test_flash_attention_adapters import _cpu_sdpa_stand_ins
+
+    flash = importlib.import_module("torch_impl.flash_attention")
+    saved = flash.aten, flash._check_backend_limits
+    flash.aten, flash._check_backend_limits = _cpu_sdpa_stand_ins(), lambda *args: None
+    try:
+        q, k, v, dout = (shard_for_ring(x, None, case.layout) for x in _inputs(case))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        out, lse = ring_attention(q, k, v, causal=case.causal, layout=case.layout, variant=case.variant,
+                                  return_lse=True, backend="sdpa_cudnn", compile_merge=compile_merge)
+        out.backward(dout)
+    finally:
+        flash.aten, flash._check_backend_limits = saved
+    return {name: _numpy(t) for name, t in zip(NAMES, (out, lse, q.grad, k.grad, v.grad))}
 
 
 def _tiny_layer(x, weights, attention_fn, heads, kv_heads, dim):
@@ -284,9 +305,14 @@ def test_gradients_end_to_end_through_shard_and_gather(p4, name):
 # P = 2 (gloo) and P = 1 (no process group)
 # ---------------------------------------------------------------------------------------------------------------
 
+SDPA_BF16_P2 = RingCase(2, True, "zigzag", "ring", batch=1, dtype="bfloat16")
+SDPA_P2 = {f"sdpa-stand-ins-{mode}": ("case_sdpa_stand_ins", dict(case=SDPA_BF16_P2, compile_merge=mode == "compiled"))
+           for mode in ("eager", "compiled")}
+
+
 @pytest.fixture(scope="module")
 def p2():
-    return run_on_ranks(2, {case.id: _attention_case(case) for case in TWO_DEVICES}, module=__name__)
+    return run_on_ranks(2, {**{case.id: _attention_case(case) for case in TWO_DEVICES}, **SDPA_P2}, module=__name__)
 
 
 @pytest.mark.slow
@@ -294,6 +320,15 @@ def p2():
 def test_p2_matches_single_device(p2, case):
     _check_no_errors(p2, case.id)
     assert_matches_single_device([r[case.id] for r in p2], case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SDPA_P2))
+def test_p2_sdpa_adapter_in_the_ring_flash_rule(p2, name):
+    """The cuDNN route inside the ring (stand-in ops on CPU): sliced blocks as strided views, GQA, bf16 partial
+    outputs merged into a bf16 accumulator (each merged row rounded once), eager or compiled merge."""
+    _check_no_errors(p2, name)
+    assert_matches_single_device([r[name] for r in p2], SDPA_BF16_P2)
 
 
 # ---------------------------------------------------------------------------------------------------------------

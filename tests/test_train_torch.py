@@ -239,6 +239,33 @@ def test_chunked_sharded_loss_equals_the_model_loss_and_its_gradient():
     torch.testing.assert_close(chunked_grad, llama.output.weight.grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_loss_equals_the_recomputing_loss_and_its_gradients(dtype):
+    """The GPU step's loss (`fused=True`: each chunk's gradients made in the forward, no logits recomputed) against
+    the matched-numerics one, every parameter's gradient included; chunks of 7 rows leave a short last chunk, and
+    ignored targets (the last position of each sequence) must get no gradient."""
+    tokens = np.random.default_rng(3).integers(0, 256, (2, 24))
+    targets = torch.from_numpy(next_token_targets(tokens))
+    assert (targets == -100).any()  # ignored positions are part of the check
+    grads, losses = [], []
+    for fused in (False, True):
+        llama = load_model("tiny", dtype=dtype)
+        loss = ShardedNextTokenLoss(llama, chunk_tokens=7, fused=fused)(
+            torch.from_numpy(tokens), torch.arange(24), targets, 46)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.float() for n, p in llama.named_parameters()})
+    assert losses[1].dtype == torch.float32
+    # float32: summation order only; bf16: the same bf16 matmuls, the loss gradient rounded to bf16 at another
+    # point and the chunks' head gradients summed in another order: a few bf16 steps (2^-8) of the largest entry
+    loss_tol, grad_tol = (1e-6, 1e-5) if dtype == torch.float32 else (1e-3, 0.05)
+    torch.testing.assert_close(losses[1], losses[0], rtol=loss_tol, atol=0)
+    for name, reference in grads[0].items():
+        assert reference.abs().max() > 0, name  # negative control: a gradient that is all zero would prove nothing
+        scale = reference.abs().max()
+        torch.testing.assert_close(grads[1][name] / scale, reference / scale, rtol=0, atol=grad_tol, msg=name)
+
+
 def test_remat_changes_nothing_numerically_and_save_attention_does_not_rerun_the_attention(monkeypatch):
     """Forward attention calls counted where the pair kernels are dispatched (the "reference" kernel: plain math
     behind the same autograd Function as the Triton one): "full" reruns each layer's in the backward (the negative

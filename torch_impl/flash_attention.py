@@ -151,17 +151,22 @@ def _validate_backward(dout, q, out, lse) -> None:
 
 # ------------------------------------------------------------------------------------------ torch SDPA ops
 
-def _heads_major(x: torch.Tensor, group: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[B, S, Hx, D] -> contiguous [B, Hx * group, S, D] (SDPA's layout), each head repeated `group` times."""
+def _heads_major(x: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """[B, S, Hx, D] -> [B, Hx * group, S, D] (SDPA's dim order), each head repeated `group` times. A view of x's
+    tokens-major memory when group is 1: the cuDNN and FlashAttention-2 ops read the strides (the last dim must
+    be dense), so a copy into heads-major memory would only add a pass over the tensor."""
     if group > 1:
         x = x.repeat_interleave(group, dim=2)
-    return x.to(dtype or x.dtype).transpose(1, 2).contiguous()
+    return x.transpose(1, 2)
 
 
-def _sum_over_group(grad: torch.Tensor, group: int) -> torch.Tensor:
-    """SDPA gradient [B, H, S, D] of repeated K/V -> float32 [B, S, Hkv, D] summed over each group."""
-    b, h, s, d = grad.shape
-    return grad.float().reshape(b, h // group, group, s, d).sum(2).transpose(1, 2).contiguous()
+def _tokens_major(grad: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA gradient [B, H, S, D] -> [B, S, H / group, D] in `dtype`, summed over each group of repeated heads
+    (accumulated in float32 by the reduction itself: one pass, whatever `dtype` is)."""
+    grad = grad.transpose(1, 2)
+    if group > 1:
+        grad = grad.unflatten(2, (-1, group)).sum(3, dtype=dtype)
+    return grad.to(dtype).contiguous()
 
 
 def _sdpa_forward(q, k, v, causal, scale, out_dtype, backend):
@@ -174,16 +179,18 @@ def _sdpa_forward(q, k, v, causal, scale, out_dtype, backend):
         result = aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
     out, lse = result[0], result[1]
     batch, seq_q, heads, _ = q.shape
-    # cuDNN returns lse as [B, H, Sq, 1], FlashAttention as [B, H, Sq].
+    # The ops write out in q's memory order, so the tokens-major view is dense and only out_dtype may cost a pass.
+    # cuDNN returns lse as [B, H, Sq, 1], FlashAttention as [B, H, Sq]: float32 both.
     return out.transpose(1, 2).to(out_dtype).contiguous(), lse.float().reshape(batch, heads, seq_q)
 
 
-def _sdpa_backward(dout, q, k, v, out, lse, causal, scale, backend):
+def _sdpa_backward(dout, q, k, v, out, lse, causal, scale, backend, grad_dtype):
     group = q.shape[2] // k.shape[2]
     batch, seq_q, heads, _ = q.shape
     seq_k = k.shape[1]
     qt, kt, vt = _heads_major(q), _heads_major(k, group), _heads_major(v, group)
-    dot, ot = _heads_major(dout, dtype=q.dtype), _heads_major(out, dtype=q.dtype)
+    # dout and out join q as operands in q's dtype (a no-op for the training step's bf16 ones)
+    dot, ot = _heads_major(dout.to(q.dtype)), _heads_major(out.to(q.dtype))
     unused_rng = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed/offset: read only with dropout
     if backend == "sdpa_cudnn":
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
@@ -193,7 +200,7 @@ def _sdpa_backward(dout, q, k, v, out, lse, causal, scale, backend):
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dot, qt, kt, vt, ot, lse.contiguous(), None, None, seq_q, seq_k, 0.0, causal, unused_rng, unused_rng,
             scale=scale)
-    return dq.float().transpose(1, 2).contiguous(), _sum_over_group(dk, group), _sum_over_group(dv, group)
+    return _tokens_major(dq, 1, grad_dtype), _tokens_major(dk, group, grad_dtype), _tokens_major(dv, group, grad_dtype)
 
 
 # -------------------------------------------------------------------------------------- flash-attn package
@@ -290,7 +297,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, config, grad_dtyp
     elif backend == "flash_attn":
         grads = _flash_attn_backward(dout, q, k, v, out, lse, causal, scale)
     else:
-        grads = _sdpa_backward(dout, q, k, v, out, lse, causal, scale, backend)
+        return _sdpa_backward(dout, q, k, v, out, lse, causal, scale, backend, grad_dtype)
     return tuple(g.to(grad_dtype) for g in grads)
 
 
@@ -329,6 +336,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config)
     out, lse = _FlashAttentionFunction.apply(q, k, v, bool(causal), scale, backend, config)
     return (out, lse) if return_lse else out
+
+
+def exact_output_dtype(backend: str, dtype: torch.dtype) -> torch.dtype:
+    """The narrowest `out_dtype` of `flash_attention_forward` that keeps all that `backend` computes for `dtype`
+    inputs: the SDPA and flash-attn ops write out in the inputs' dtype (a float32 copy adds a pass and nothing
+    else); ours and the reference hold it in float32 until they write it."""
+    return dtype if backend in ("sdpa_cudnn", "sdpa_flash", "flash_attn") else torch.float32
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,

@@ -166,9 +166,12 @@ class Llama(nn.Module):
                 module.compile()
         self.norm.compile()
 
+    def head_weight(self) -> torch.Tensor:
+        """The LM head [vocab, hidden]: the embedding table when tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(hidden, head).float()
+        return F.linear(hidden, self.head_weight()).float()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab] float32 for token ids [B, S]."""

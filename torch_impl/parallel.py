@@ -72,11 +72,14 @@ def parameter_placement(name: str) -> Shard:
     return Shard(sharded_dim(name))
 
 
-def ring_attention_fn(mesh: DeviceMesh, *, backend: str = "triton", variant: str = "ring") -> AttentionFn:
+def ring_attention_fn(mesh: DeviceMesh, *, backend: str = "triton", variant: str = "ring",
+                      compile_merge: bool = False) -> AttentionFn:
     """The model's attention function on this rank's q/k/v [B_local, S_local, H, D] in the ring layout's order:
-    `ring_attention` around the `sp` sub-group."""
+    `ring_attention` around the `sp` sub-group, without its per-call cross-rank argument check (a host round trip
+    per layer): every rank's q/k/v have the same shapes and dtype by construction (`local_batch` splits a global
+    batch that is the same on every rank evenly). `compile_merge`: the ring's merge under torch.compile."""
     return functools.partial(ring_attention, group=mesh["sp"].get_group(), causal=True, layout=RING_LAYOUT,
-                             variant=variant, backend=backend)
+                             variant=variant, backend=backend, check_ranks=False, compile_merge=compile_merge)
 
 
 def shard_model(model: nn.Module, llama: nn.Module, mesh: DeviceMesh, *, compute_dtype: torch.dtype,

@@ -6,7 +6,8 @@ and their CUDA-stream handling live in `torch_impl/ring_comm.py`.
 Public API:
 
   ring_attention(q, k, v, *, group=None, causal=True, layout="zigzag", variant="ring", return_lse=False,
-                 softmax_scale=None, backend="triton", local_copies=False, comm_log=None)
+                 softmax_scale=None, backend="triton", check_ranks=True, compile_merge=False, local_copies=False,
+                 comm_log=None)
       q [B, S_local, H, D], k/v [B, S_local, Hkv, D]: this rank's tokens in the layout's order
       (`weights.layout.rank_positions`: increasing positions). Returns out [B, S_local, H, D] in q's dtype, or
       (out, lse [B, H, S_local] float32) with `return_lse`; lse is not differentiable (gradients flow through out).
@@ -21,7 +22,9 @@ Per-pair work goes to `torch_impl.flash_attention` (`backend="triton"` kernels o
 
 Variant "ring": at step s rank r holds the K/V block of rank j = (r - s) mod P; the transfer for step s+1 is
 issued before step s's compute and waited for after it. The causal work of each step is the table of
-`weights.attention.ring_block` (shared with the JAX twin). Partial results are merged in float32; a row that saw no
+`weights.attention.ring_block` (shared with the JAX twin). Partial results are merged in float32 math, into a
+float32 accumulator, or one in q's dtype where no row merges twice and the backend's partials are in q's dtype
+(`_ring_forward`); `compile_merge` runs the merge under torch.compile (the training step on GPUs). A row that saw no
 key keeps lse -inf and output 0, without NaN. Backward: K/V go around again with float32 dK/dV accumulators
 travelling with their block (sent after each step's compute, so they overlap the next step), arriving back at
 their owner after P hops; dq accumulates locally in float32; the pair backward gets the GLOBAL merged out and lse.
@@ -31,10 +34,12 @@ of consecutive positions among the local queries (one for contiguous, two for zi
 call, to the key prefix that ends at its last position, with the bottom-right-aligned causal mask; no merge is
 needed. Its backward gathers K/V again (instead of keeping P copies alive) and reduce-scatters float32 dK/dV.
 
-Only the Hkv K/V heads travel (GQA is never expanded on the wire). Every call first all-gathers a few integers
-describing each rank's arguments (shapes, dtypes, causal, layout, variant, scale), so a rank whose input differs
-makes every rank raise the same ValueError instead of hanging in a transfer; this costs one tiny collective and a
-host round trip per call.
+Only the Hkv K/V heads travel (GQA is never expanded on the wire). With `check_ranks` (the default) every call
+first all-gathers a few integers describing each rank's arguments (shapes, dtypes, causal, layout, variant, scale),
+so a rank whose input differs makes every rank raise the same ValueError instead of hanging in a transfer; this
+costs one tiny collective and a host round trip per call, which stalls the host's queueing of the step at every
+layer. The training step turns it off (`torch_impl/parallel.py`): there every rank's arguments are the same by
+construction.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from torch_impl.flash_attention import flash_attention_backward, flash_attention_forward
+from torch_impl.flash_attention import exact_output_dtype, flash_attention_backward, flash_attention_forward
 from torch_impl.remat import keep_for_backward
 from torch_impl.ring_comm import CommLog, Ring
 from weights.attention import ALL, VARIANTS, check_ring_choices, check_ring_shapes, ring_block, source_of
@@ -64,6 +69,7 @@ class _RingConfig:
     variant: str
     softmax_scale: float
     backend: str
+    compile_merge: bool
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -71,21 +77,27 @@ class _RingConfig:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _merge(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """In place: log-sum-exp merge of a float32 partial result into the accumulator views; rows where both are
-    empty stay (0, -inf), no NaN."""
+    """In place: log-sum-exp merge of a partial result into the accumulator views, in float32 whatever the dtypes
+    (each accumulator element rounded once); rows where both are empty stay (0, -inf), no NaN. Under
+    torch.compile (`compile_merge`) one pass over the accumulator."""
     new_lse = torch.logaddexp(acc_lse, lse)
     safe_lse = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
 
     def weight(part_lse):  # [B, H, S] -> [B, S, H, 1], the share of the merged softmax denominator
         return torch.exp(part_lse - safe_lse).transpose(1, 2).unsqueeze(-1)
 
-    acc_out.mul_(weight(acc_lse)).add_(out * weight(lse))
+    acc_out.copy_(acc_out.float() * weight(acc_lse) + out.float() * weight(lse))
     acc_lse.copy_(new_lse)
 
 
 def _ring_forward(ring: Ring, cfg: _RingConfig, q, k, v):
-    """(out float32, lse float32) of the local queries."""
+    """(out, lse float32) of the local queries. Partial outputs come in the backend's `exact_output_dtype`; they
+    accumulate in float32, except where no row is merged twice (two ranks, or one) and the partials are in q's
+    dtype already: the accumulator is then q's dtype, rounded once per merged row as the final cast would."""
     local_len = q.shape[1]
+    partial_dtype = exact_output_dtype(cfg.backend, q.dtype) if ring.world > 1 else q.dtype
+    acc_dtype = q.dtype if ring.world <= 2 and partial_dtype == q.dtype else torch.float32
+    merge = torch.compile(_merge) if cfg.compile_merge else _merge  # compiled once per shape: dynamo's cache
     acc_out = acc_lse = None
     k_block, v_block = k, v
     for step in range(ring.world):
@@ -94,11 +106,11 @@ def _ring_forward(ring: Ring, cfg: _RingConfig, q, k, v):
         if block is not None:
             out, lse = flash_attention_forward(
                 q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols], causal=block.causal,
-                softmax_scale=cfg.softmax_scale, out_dtype=torch.float32, backend=cfg.backend)
+                softmax_scale=cfg.softmax_scale, out_dtype=partial_dtype, backend=cfg.backend)
             if step == 0:  # always the whole diagonal block
-                acc_out, acc_lse = out, lse
+                acc_out, acc_lse = out.to(acc_dtype), lse
             else:
-                _merge(acc_out[:, block.rows], acc_lse[:, :, block.rows], out, lse)
+                merge(acc_out[:, block.rows], acc_lse[:, :, block.rows], out, lse)
         if incoming is not None:
             k_block, v_block = incoming.wait()
     return acc_out, acc_lse
@@ -287,23 +299,23 @@ def _check_local_shapes(q, k, v, world: int, layout: str) -> None:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                    causal: bool = True, layout: str = "zigzag", variant: str = "ring", return_lse: bool = False,
-                   softmax_scale: float | None = None, backend: str = "triton", local_copies: bool = False,
-                   comm_log: CommLog | None = None):
+                   softmax_scale: float | None = None, backend: str = "triton", check_ranks: bool = True,
+                   compile_merge: bool = False, local_copies: bool = False, comm_log: CommLog | None = None):
     """Attention over a sequence sharded across the ranks of `group`; see the module docstring.
 
-    Raises ValueError (on every rank alike) for bad or cross-rank-inconsistent arguments, LayoutError (a
-    ValueError) when the local length does not split in `layout` (zigzag needs an even local length).
+    Raises ValueError (on every rank alike) for bad or, with `check_ranks`, cross-rank-inconsistent arguments,
+    LayoutError (a ValueError) when the local length does not split in `layout` (zigzag needs an even local length).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     ring = Ring(group, q.device, local_copies=local_copies, log=comm_log)
-    if ring.world > 1:
+    if ring.world > 1 and check_ranks:
         _check_agreement(ring, _agreement_fields(q, k, v, causal, layout, variant, softmax_scale))
     check_ring_choices(layout, variant)
     _check_local_shapes(q, k, v, ring.world, layout)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    cfg = _RingConfig(bool(causal), layout, variant, scale, backend)
+    cfg = _RingConfig(bool(causal), layout, variant, scale, backend, compile_merge)
     out, lse = _RingAttention.apply(q, k, v, ring, cfg)
     return (out, lse) if return_lse else out
 

@@ -7,9 +7,10 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
   loss       sum of next-token cross-entropy over the valid target positions of the whole global batch, divided by
              their global count. Each rank sums over its own tokens and divides by the global count; the ranks'
              gradients are then summed (FSDP set to a plain sum), which is the gradient of that global mean. The
-             logits are made chunk by chunk of the rank's sequence-sharded hidden states and recomputed in the
-             backward (`loss_chunk_tokens` rows at a time), so neither the full [S, V] nor the local
-             [S_local, V] logits ever exist at once.
+             logits are made chunk by chunk of the rank's sequence-sharded hidden states (`loss_chunk_tokens`
+             rows at a time), so neither the full [S, V] nor the local [S_local, V] logits ever exist at once,
+             and recomputed in the backward; on GPUs each chunk's gradients are made in the forward instead
+             (`fused_cross_entropy_mean`, the same loss to rounding, no logits recomputed).
   clipping   global L2 norm of all gradients (sqrt of the all-reduced sum of squares of the local shards);
              every gradient is multiplied by min(1, max_norm / (norm + 1e-6)), torch's clip_grad_norm_ formula.
   AdamW      torch.optim.AdamW semantics: p *= 1 - lr * wd (2-D parameters only) before the Adam update;
@@ -19,9 +20,11 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
              reduces fp32 gradients (MixedPrecisionPolicy). With fp8 (bf16 only) the decoder layers' linears are
              torchao Float8Linears (`convert_to_fp8`, weights/fp8.py's recipe), converted before FSDP wraps them.
 
-Speed on GPUs (`--eager` turns the first two off): the modules around the attention and the loss chunks run
-under torch.compile, AdamW runs as torch's fused kernel (same formula, `AdamW`), and the loop never waits for a
-step inside it (`StepNumbers`). `twinflash train --profile` traces the last steps (`torch_impl/profiling.py`).
+Speed on GPUs (`--eager` turns the first three off): the modules around the attention, the ring's merge and the
+loss chunks run under torch.compile, the loss makes its gradients in the forward (`fused_cross_entropy_mean`),
+AdamW runs as torch's fused kernel (same formula, `AdamW`), and the loop never waits for a step inside it
+(`StepNumbers`).
+`twinflash train --profile` traces the last steps (`torch_impl/profiling.py`).
 """
 
 from __future__ import annotations
@@ -74,21 +77,76 @@ def cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.Tensor,
     return total
 
 
+def chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, scale: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`scale` x the float32 sum of cross-entropy over the rows of `logits` [rows, vocab] whose target is not
+    IGNORE_INDEX, its gradient w.r.t. `logits` in their dtype): softmax minus the one-hot target, in float32."""
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1)
+    valid = targets != IGNORE_INDEX
+    picked_class = torch.where(valid, targets, 0)
+    picked = logits32.gather(1, picked_class[:, None])[:, 0]
+    loss = torch.where(valid, lse - picked, 0.0).sum() * scale
+    one_hot = torch.arange(logits.shape[-1], device=logits.device) == picked_class[:, None]
+    gradient = (torch.exp(logits32 - lse[:, None]) - one_hot.float()) * scale
+    return loss, torch.where(valid[:, None], gradient, 0.0).to(logits.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """`scale` x the cross-entropy sum of the logits `hidden @ head^T`, chunk by chunk, each chunk's gradients made
+    in the forward (the loss ends the graph, so its gradient is known there: the backward only scales them by the
+    incoming gradient, 1 for `loss.backward()`), so no chunk's logits are made twice."""
+
+    @staticmethod
+    def forward(ctx, hidden, head, targets, chunk_tokens: int, scale: float, chunk_fn):
+        d_hidden = torch.empty_like(hidden)
+        d_head = torch.zeros_like(head)  # summed over chunks in head's dtype, as autograd sums the chunks' grads
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            loss, d_logits = chunk_fn(F.linear(hidden[rows], head), targets[rows], scale)
+            total += loss
+            torch.mm(d_logits, head, out=d_hidden[rows])
+            d_head.addmm_(d_logits.t(), hidden[rows])
+        ctx.save_for_backward(d_hidden, d_head)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        d_hidden, d_head = ctx.saved_tensors
+        return d_hidden * grad, d_head * grad, None, None, None, None
+
+
+def fused_cross_entropy_mean(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                             divisor: int, chunk_fn: Callable = chunk_loss_and_gradient) -> torch.Tensor:
+    """The float32 sum of next-token cross-entropy of `hidden` [B, S, hidden] against `targets` [B, S]
+    (IGNORE_INDEX skipped) divided by `divisor`, the logits made `chunk_tokens` positions at a time with the LM
+    head `head` [vocab, hidden] and never recomputed: the same loss and gradients as `cross_entropy_sum` /
+    divisor, to rounding, with one logits matmul per chunk less. `chunk_fn` is `chunk_loss_and_gradient` or a
+    compiled copy of it."""
+    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1), chunk_tokens,
+                                     1.0 / divisor, chunk_fn)
+
+
 class ShardedNextTokenLoss(nn.Module):
     """The FSDP root: this rank's share of the global mean next-token loss (its cross-entropy sum over the global
     count of valid targets). Holding the model as a child lets the root's FSDP hooks gather the LM head that the
-    loss uses outside `Llama.forward`."""
+    loss uses outside `Llama.forward`. `fused`: the loss and its gradients in one pass over each chunk's logits
+    (`fused_cross_entropy_mean`, what the training step runs on GPUs), else `cross_entropy_sum` (the logits
+    recomputed in the backward by autograd: the matched numerics the equivalence tests hold the JAX twin to)."""
 
-    def __init__(self, llama: Llama, chunk_tokens: int):
+    def __init__(self, llama: Llama, chunk_tokens: int, fused: bool = False):
         super().__init__()
         self.llama = llama
         self.chunk_tokens = chunk_tokens
-        self.chunk_loss = _chunk_cross_entropy_sum
+        self.fused = fused
+        self.chunk_fn = chunk_loss_and_gradient if fused else _chunk_cross_entropy_sum
 
     def compile_loss(self) -> None:
-        """torch.compile each chunk's logits and cross-entropy: the float32 cast, log-softmax and pick fuse into
-        reductions over the logits instead of several passes over a float32 [chunk, vocab] copy."""
-        self.chunk_loss = torch.compile(_chunk_cross_entropy_sum)
+        """torch.compile each chunk's cross-entropy (and in the fused loss its gradient): the float32 cast,
+        log-softmax and pick fuse into reductions over the logits instead of several passes over a float32
+        [chunk, vocab] copy."""
+        self.chunk_fn = torch.compile(self.chunk_fn)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                 global_valid_count: int, with_logits: bool = False):
@@ -96,8 +154,12 @@ class ShardedNextTokenLoss(nn.Module):
         without autograd) for checks on short sequences."""
         hidden = self.llama.hidden_states(tokens, positions)
         with region("loss"):
-            total = cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens, self.chunk_loss)
-            loss = total / global_valid_count
+            if self.fused:
+                loss = fused_cross_entropy_mean(hidden, self.llama.head_weight(), targets, self.chunk_tokens,
+                                                global_valid_count, self.chunk_fn)
+            else:
+                total = cross_entropy_sum(self.llama, hidden, targets, self.chunk_tokens, self.chunk_fn)
+                loss = total / global_valid_count
         if not with_logits:
             return loss
         with torch.no_grad():
@@ -329,19 +391,19 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
     mesh = make_mesh(settings.mesh, device.type)
     source = open_weights(settings.model, settings.seed)
     config = source.config
+    fast = device.type == "cuda" and not settings.eager  # inductor and fused kernels: GPUs only
     with torch.device("meta"):
         llama = Llama(config, ring_attention_fn(mesh, backend=settings.attention_backend,
-                                                variant=settings.ring_variant))
+                                                variant=settings.ring_variant, compile_merge=fast))
     if settings.fp8:  # before FSDP, which then shards and gathers the Float8Linears' plain weights
         convert_to_fp8(llama, fp8_linears(config)[0])
         if dist.get_rank() == 0 and fallback_line(config) is not None:
             _print_to_stderr(fallback_line(config))
     chunk_tokens = settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size)
-    model = ShardedNextTokenLoss(llama, chunk_tokens)
+    model = ShardedNextTokenLoss(llama, chunk_tokens, fused=fast)
     shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype],
                 remat=settings.activation_checkpointing)
     load_local_shards(llama, source, device)
-    fast = device.type == "cuda" and not settings.eager  # inductor and the fused AdamW kernel: GPUs only
     if fast:
         llama.compile_elementwise()
         model.compile_loss()

@@ -7,9 +7,13 @@ so forward + backward = 3.5 forwards. Softmax and masking flops are not counted.
 
 `model_flops_per_token` is the numerator of training MFU (6N plus causal attention, the backward counted as two
 forwards), used by `twinflash train` and `twinflash compare`; `PEAK_FLOPS_PER_DEVICE` is its denominator.
+`step_ceiling` is the MFU a training step would reach if it did nothing but its matmuls and attention kernels at
+given rates, the recomputation it does (uncredited) included: how far a target MFU is reachable at all.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from weights.config import LlamaConfig
 
@@ -54,3 +58,52 @@ def forward_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     """Forward-only model FLOPs per token (a third of `model_flops_per_token`: 2N plus the causal attention
     forward), the numerator of MFU for inference-style forward passes."""
     return model_flops_per_token(config, seq_len) / 3
+
+
+def layer_matmul_parameters(config: LlamaConfig) -> int:
+    """Parameters of one decoder layer's matmuls (the q/k/v/o projections and the SwiGLU MLP; norms excluded)."""
+    c = config
+    projections = (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size  # q and o, k and v
+    return projections + 3 * c.hidden_size * c.intermediate_size
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCeiling:
+    """The ideal training step of one device (seconds), from its FLOPs at the given kernel rates; `mfu` is what
+    `twinflash train` would report for that step."""
+
+    credited_flops: float  # MFU numerator of one device's step: `model_flops_per_token` x its tokens
+    gemm_s: float          # the credited matmuls (6N per token)
+    attention_s: float     # the attention kernels, forward + backward
+    recompute_s: float     # uncredited reruns: checkpointed layers, the loss chunks' logits
+    step_s: float
+    mfu: float
+
+
+def step_ceiling(config: LlamaConfig, seq_len: int, *, batch: int = 1, devices: int = 1, remat: str = "off",
+                 loss_recompute: bool = True, attention_flops_per_s: float, gemm_flops_per_s: float
+                 ) -> StepCeiling:
+    """The step of `batch` causal sequences of `seq_len` tokens split evenly over `devices` (data or sequence
+    parallel alike: each device does 1/devices of the work) if it ran only its matmuls at `gemm_flops_per_s` and
+    its attention at `attention_flops_per_s` (a kernel benchmark's forward + backward rate, `attention_flops`'
+    3.5-forwards convention), with no elementwise work, communication, optimizer or idle time.
+
+    Recomputation costs time without credit: `remat` "full" reruns every layer's forward (its matmuls and its
+    attention forward), "save-attention" its matmuls only (`weights.parallel.REMAT_MODES`); `loss_recompute`
+    reruns the LM head's logits in the backward (the chunked loss, `torch_impl/train.py`). A rerun attention
+    forward is counted at the forward + backward rate (cuDNN's forward alone runs ~10 % faster)."""
+    if remat not in ("off", "full", "save-attention"):
+        raise ValueError(f"remat must be off, full or save-attention, got {remat!r}")
+    tokens = batch * seq_len / devices
+    c = config
+    attention_call = attention_flops(batch, c.num_heads, seq_len, seq_len, c.head_dim, causal=True, backward=False)
+    attention_forward = c.num_layers * attention_call / devices
+    gemm_s = 6.0 * matmul_parameters(c) * tokens / gemm_flops_per_s
+    attention_s = 3.5 * attention_forward / attention_flops_per_s
+    rerun_gemm = 2.0 * tokens * ((c.num_layers * layer_matmul_parameters(c) if remat != "off" else 0)
+                                 + (c.vocab_size * c.hidden_size if loss_recompute else 0))
+    recompute_s = rerun_gemm / gemm_flops_per_s + (attention_forward / attention_flops_per_s if remat == "full"
+                                                   else 0.0)
+    credited = model_flops_per_token(c, seq_len) * tokens
+    step_s = gemm_s + attention_s + recompute_s
+    return StepCeiling(credited, gemm_s, attention_s, recompute_s, step_s, credited / (step_s * PEAK_FLOPS_PER_DEVICE))
