@@ -6,19 +6,25 @@
 #   bash compare/bench/gpu_step_profile.sh POINT...
 # POINT = backend:model:attention:seq_len[:checkpointing[:extra]] (e.g. torch:llama3.1-8b:sdpa_cudnn:32768:save-attention,
 # jax:llama3.2-1b:cudnn:32768, torch:llama3.2-1b:sdpa_cudnn:32768:off:eager). Every point: bf16, random tokens,
-# fsdp=1 x sp=$SP (2), $STEPS steps (7: step 0 compiles, the last 3 are traced), under `timeout $POINT_S` (150).
+# fsdp=1 x sp=$SP (2), $STEPS steps (7: step 0 compiles, the last 3 are traced), under `timeout $POINT_S` (150); a
+# point that could not finish within $BUDGET_S (540) of the script's start is not started (named in the log).
 # Lands in $OUT (default ./out): one log per point, profiles.json (every point's train.jsonl rows and profile.json,
 # the GPU and the command); a table last, tokens/s and MFU as the median of the untraced steps after step 0.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 OUT=${OUT:-$PWD/out}
-SP=${SP:-2} STEPS=${STEPS:-7} POINT_S=${POINT_S:-150}
+SP=${SP:-2} STEPS=${STEPS:-7} POINT_S=${POINT_S:-150} BUDGET_S=${BUDGET_S:-540}
+started=$(date +%s)
 scratch=$(mktemp -d)
 mkdir -p "$OUT"
 for point in "$@"; do
     IFS=: read -r backend model attention seq remat extra <<< "$point"
     name="$backend-$model-$attention-$seq${remat:+-$remat}${extra:+-$extra}"
+    if (( $(date +%s) - started + POINT_S > BUDGET_S )); then
+        echo "== $name: not started, it might not finish within BUDGET_S=$BUDGET_S"
+        continue
+    fi
     flags=(--backend "$backend" --model "$model" --attention-backend "$attention" --seq-len "$seq" --steps "$STEPS"
            --mesh "fsdp=1,sp=$SP" --dtype bf16 --data random --profile --out "$scratch/$name")
     [ -n "$remat" ] && flags+=(--activation-checkpointing "$remat")
