@@ -77,7 +77,7 @@ from jax_impl import checkpointing
 from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, stack_layers, unstack_layers
 from jax_impl.parallel import (activation_sharding, make_mesh, mesh_shape, parameter_shardings, put_sharded,
                                ring_attention_fn, sharded_batch)
-from jax_impl.profiling import StepProfiler
+from jax_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_for_backward
 from weights.fp8 import fallback_line, fp8_linears
@@ -193,7 +193,8 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
     hidden = llama.hidden_states(tokens, positions)
     head = weights["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
     valid_count = valid_target_count(*tokens.shape)
-    loss = sharded_cross_entropy_sum(hidden, head, targets, spec.mesh, spec.loss_chunk_tokens) / valid_count
+    with region("loss"):
+        loss = sharded_cross_entropy_sum(hidden, head, targets, spec.mesh, spec.loss_chunk_tokens) / valid_count
     if not with_logits:
         return loss
     return loss, jax.lax.stop_gradient(llama.logits(hidden).astype(jnp.float32))
@@ -252,8 +253,9 @@ def train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: j
                coefficients: dict[str, jax.Array], spec: StepSpec) -> tuple[State, jax.Array, jax.Array]:
     """(new state, loss, grad norm before clipping) of one optimizer step on a global batch."""
     loss, grads = jax.value_and_grad(next_token_loss)(state["model"], tokens, targets, positions, spec)
-    grads, grad_norm = clip_gradients(grads, spec.optimizer.grad_clip_norm)
-    params, optimizer = adamw_update(state["model"], grads, state["optimizer"], coefficients, spec.optimizer)
+    with region("optimizer"):
+        grads, grad_norm = clip_gradients(grads, spec.optimizer.grad_clip_norm)
+        params, optimizer = adamw_update(state["model"], grads, state["optimizer"], coefficients, spec.optimizer)
     if spec.skip_non_finite:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params, optimizer = jax.tree.map(lambda new, old: jnp.where(finite, new, old), (params, optimizer),
