@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -75,8 +76,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl import checkpointing
 from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, stack_layers, unstack_layers
-from jax_impl.parallel import (activation_sharding, make_mesh, mesh_shape, parameter_shardings, put_sharded,
-                               ring_attention_fn, sharded_batch)
+from jax_impl.parallel import (activation_sharding, make_mesh, mesh_shape, overlap_compiler_options,
+                               parameter_shardings, put_sharded, ring_attention_fn, sharded_batch)
 from jax_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_for_backward
@@ -160,6 +161,8 @@ class StepSpec:
     layer_weights: str = "in-layer"
     # a step whose loss or grad norm is not finite returns the state it was given (--skip-non-finite-steps)
     skip_non_finite: bool = False
+    # XLA options the step is compiled with (`jax_impl.parallel.overlap_compiler_options`): (name, value) pairs
+    compiler_options: tuple[tuple[str, bool], ...] = ()
 
 
 def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: jax.Array, positions: jax.Array,
@@ -248,9 +251,8 @@ def adamw_update(params: dict[str, jax.Array], grads: dict[str, jax.Array], stat
 
 # --- the step -----------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
-def train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: jax.Array,
-               coefficients: dict[str, jax.Array], spec: StepSpec) -> tuple[State, jax.Array, jax.Array]:
+def _train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: jax.Array,
+                coefficients: dict[str, jax.Array], spec: StepSpec) -> tuple[State, jax.Array, jax.Array]:
     """(new state, loss, grad norm before clipping) of one optimizer step on a global batch."""
     loss, grads = jax.value_and_grad(next_token_loss)(state["model"], tokens, targets, positions, spec)
     with region("optimizer"):
@@ -264,6 +266,30 @@ def train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: j
     keep = functools.partial(jax.tree.map, jax.lax.with_sharding_constraint)
     return {"model": keep(params, shardings),
             "optimizer": {k: keep(v, shardings) for k, v in optimizer.items()}}, loss, grad_norm
+
+
+@functools.lru_cache(maxsize=4)
+def _jitted_step(compiler_options: tuple[tuple[str, bool], ...]):
+    """The step jitted with these XLA options (a jit takes its options once: one jit per option set); the training
+    state is donated, its buffers reused for the new one."""
+    return jax.jit(_train_step, static_argnames=("spec",), donate_argnames=("state",),
+                   compiler_options=dict(compiler_options) or None)
+
+
+class _TrainStep:
+    """`train_step(state, tokens, targets, positions, coefficients, spec=spec)`: (new state, loss, grad norm before
+    clipping) of one optimizer step on a global batch, jitted (one compilation per `StepSpec`) with the spec's
+    XLA options; `train_step.lower(...)` as a jitted function's."""
+
+    def __call__(self, state: State, tokens: jax.Array, targets: jax.Array, positions: jax.Array,
+                 coefficients: dict[str, jax.Array], *, spec: StepSpec) -> tuple[State, jax.Array, jax.Array]:
+        return _jitted_step(spec.compiler_options)(state, tokens, targets, positions, coefficients, spec=spec)
+
+    def lower(self, *args, spec: StepSpec):
+        return _jitted_step(spec.compiler_options).lower(*args, spec=spec)
+
+
+train_step = _TrainStep()
 
 
 def step_scalars(coefficients: dict[str, float]) -> dict[str, jax.Array]:
@@ -375,7 +401,9 @@ def _step_spec(settings, config: LlamaConfig, mesh: Mesh) -> StepSpec:
     return StepSpec(config=config, mesh=mesh, dtype=settings.dtype, remat=settings.activation_checkpointing,
                     attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
                     loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
-                    optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps)
+                    optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps,
+                    compiler_options=overlap_compiler_options(mesh.devices.flat[0].platform, settings.xla_overlap,
+                                                              os.environ.get("XLA_FLAGS", "")))
 
 
 def step_memory_plan(settings: TrainSettings, devices: Sequence[jax.Device] | None = None) -> dict[str, int]:
