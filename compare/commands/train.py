@@ -374,7 +374,6 @@ def _run_jax(settings: TrainSettings, scratch: Path, nodes: Nodes) -> int:
     process with that many emulated host devices (JAX fixes its CPU device count when it first starts). A run
     spanning nodes runs in a child process that joins the other nodes' (`jax.distributed`) before JAX starts,
     with this node's share of the mesh as its host devices on CPU (JAX is not started here)."""
-    os.environ.setdefault(*JAX_GPU_MEMORY_FRACTION)  # read when JAX starts its GPU backend, here or in a child
     if nodes.spans_hosts:
         if settings.plan_memory:
             raise BadInputError("--plan-memory plans one process's devices: run it without --nnodes")
@@ -439,6 +438,8 @@ def run_command(args: argparse.Namespace) -> int:
     with interruptible(), tempfile.TemporaryDirectory(prefix="twinflash-train-") as scratch:
         try:
             if args.backend == "jax":
+                # read when JAX starts its GPU backend (here, at jax.device_count() below, or in a child)
+                os.environ.setdefault(*JAX_GPU_MEMORY_FRACTION)
                 if nodes.spans_hosts:
                     settings = settings_from_args(args, None)
                 else:
