@@ -29,6 +29,7 @@ _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permut
 _GEMM_OPS = ("dot", "convolution", "scaled-dot")
 _SCOPE_PREFIX = "twinflash_"  # a region's named scope: "twinflash_loss", ...
 _SCOPES = re.compile(rf"\b{_SCOPE_PREFIX}({'|'.join(REGIONS)})\b")
+_UNMATCHED_SAMPLE = 5  # kernels not found in the HLO text that profile.json names (with their annotation)
 _RECOMPUTED = "rematted_computation"  # jax.checkpoint's name for the forward it reruns in the backward
 _HLO_OP = re.compile(r"hlo_op=([^,#\s]+)")  # inside a GPU kernel's XLA annotation: "name:#hlo_op=fusion.3,...#"
 # The kinds by kernel name, for kernels whose HLO instruction is not found (NCCL; cuDNN's and our attention
@@ -110,13 +111,18 @@ class _Hlo:
                     found |= self._opcodes(inner, seen)
         return found
 
+    def instruction_name(self, name: str, event_name: str) -> str:
+        """The instruction `name`, else the one the kernel `event_name` was generated for (XLA names a fusion's
+        kernel after it, "." made "_"); "" when the HLO has neither."""
+        candidates = (name, event_name, re.sub(r"_(\d+)$", r".\1", event_name))
+        return next((c for c in candidates if c in self.instructions), "")
+
     def classify(self, name: str, event_name: str, name_stack: str) -> tuple[str, frozenset]:
         """(kind, regions) of the instruction `name`, else of the one the kernel `event_name` was generated for
         (XLA names a fusion's kernel after it, "." made "_"). The regions are those of the instruction's op_name
         and of the event's own `name_stack` (its annotation's text); with no instruction in the HLO, the kind
         comes from the kernel's name."""
-        candidates = (name, event_name, re.sub(r"_(\d+)$", r".\1", event_name))
-        name = next((c for c in candidates if c in self.instructions), "")
+        name = self.instruction_name(name, event_name)
         instruction = self.instructions.get(name)
         by_name = next((kind for kind, pattern in _KERNEL_KINDS if pattern.search(event_name)), None)
         regions = regions_of(name_stack)
@@ -146,12 +152,14 @@ def _hlo_op(event) -> tuple[str, str]:
     return (match.group(1) if match else ""), text
 
 
-def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], list[tuple[float, float]]]:
-    """(device events of device 0, step windows) of a jax.profiler trace, in seconds."""
+def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], list[tuple[float, float]], dict]:
+    """(device events of device 0, step windows, how they were classified) of a jax.profiler trace, in seconds.
+    The last says how many events were found in the HLO text and how many got a region, with a few kernels that
+    were not found: what to look at when a GPU profile's regions come out empty."""
     hlo = _Hlo(hlo_text)
     planes = list(jax.profiler.ProfileData.from_file(xplane_path).planes)
     gpu = [p for p in planes if p.name == "/device:GPU:0"]
-    events, windows = [], []
+    events, windows, found, unmatched = [], [], 0, {}
     for plane in planes:
         on_host = plane.name.startswith("/host:CPU")
         for line in plane.lines:
@@ -167,9 +175,15 @@ def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], li
                     continue  # a CPU thread's own bookkeeping (thunk executor, thread pool), not an op
                 kind, regions = hlo.classify(op, event.name, name_stack)
                 events.append(DeviceEvent(event.name, event.start_ns / 1e9, event.end_ns / 1e9, kind, regions))
+                if hlo.instruction_name(op, event.name):
+                    found += 1
+                elif len(unmatched) < _UNMATCHED_SAMPLE:
+                    unmatched.setdefault(event.name[:80], {"hlo_op": op, "annotation": name_stack[:300]})
     if gpu and not events:
         raise ValueError(f"no kernels on the streams of {gpu[0].name}; its lines: {[l.name for l in gpu[0].lines]}")
-    return events, sorted(windows)
+    lookup = {"events": len(events), "found_in_hlo": found, "with_region": sum(bool(e.regions) for e in events),
+              "not_found": unmatched}
+    return events, sorted(windows), lookup
 
 
 class StepProfiler:
@@ -204,4 +218,5 @@ class StepProfiler:
             raise RuntimeError("no profiled step has run")
         with self._scratch as scratch:
             (xplane,) = glob.glob(f"{scratch}/**/*.xplane.pb", recursive=True)
-            return {**breakdown(*trace_events(xplane, hlo_text)), "device": jax.devices()[0].device_kind}
+            events, windows, lookup = trace_events(xplane, hlo_text)
+            return {**breakdown(events, windows), "device": jax.devices()[0].device_kind, "hlo_lookup": lookup}

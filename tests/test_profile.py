@@ -59,6 +59,10 @@ def test_profile_breaks_the_step_into_every_category(cpu_profile):
         assert categories[name] > 0, name
     assert cpu_profile["communication_total_s"] > 0
     assert cpu_profile["backend"] in ("torch", "jax") and cpu_profile["device"]
+    if cpu_profile["backend"] == "jax":  # on CPU the step's thunks are its HLO instructions (the few others: the
+        lookup = cpu_profile["hlo_lookup"]  # host's scalar conversions between steps)
+        assert lookup["events"] > 0 and lookup["found_in_hlo"] >= 0.9 * lookup["events"]
+        assert 0 < lookup["with_region"] < lookup["events"]
 
 
 def _profile_of(categories: dict[str, float], step: float) -> dict:
