@@ -1,9 +1,14 @@
-"""The XLA options the JAX train step is compiled with on GPUs for overlapping communication with compute
-(`jax_impl.parallel.overlap_compiler_options`), on CPU: this jaxlib accepts every one of them (CI runs jax 0.10.x,
-the GPU machines 0.11.x: an option a version lacks is left out with a warning, never a crash: negative control
-with a made-up option), the user's XLA_FLAGS win over them, none are set on CPU or with `--no-xla-overlap`, and a
-step compiled with them trains exactly as one without (on CPU the GPU options change no computation: equal
-losses, bit for bit).
+"""Issue 20's step-efficiency settings, on CPU.
+
+The XLA options the JAX train step is compiled with on GPUs for overlapping communication with compute
+(`jax_impl.parallel.overlap_compiler_options`): this jaxlib accepts every one of them (CI runs jax 0.10.x, the GPU
+machines 0.11.x: an option a version lacks is left out with a warning, never a crash: negative control with a
+made-up option), the user's XLA_FLAGS win over them, none are set on CPU or with `--no-xla-overlap`, and a step
+compiled with them trains exactly as one without (on CPU the GPU options change no computation: equal losses, bit
+for bit).
+
+The default loss chunk (`weights.training.default_loss_chunk_tokens`, both backends): whole GEMM tiles of rows
+that divide the power-of-two lengths, within the logits budget.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from jax_impl.train import build_training, step_scalars, train_step
 from weights import preset
 from weights.parallel import MeshShape
 from weights.settings import TrainSettings
-from weights.training import adamw_coefficients
+from weights.training import LOGITS_CHUNK_ELEMENTS, adamw_coefficients, default_loss_chunk_tokens
 
 ALL_OPTIONS = tuple(OVERLAP_OPTIONS.items())
 
@@ -66,3 +71,13 @@ def test_a_step_compiled_with_the_options_trains_as_one_without():
         _, loss, _ = train_step(run.state, *sharded_batch(batch, run.mesh), scalars, spec=spec)
         losses.append(float(loss))
     assert np.isfinite(losses[0]) and losses[0] == losses[1]
+
+
+def test_the_default_loss_chunk_is_whole_tiles_within_the_logits_budget():
+    llama3_vocab = 128256
+    rows = default_loss_chunk_tokens(llama3_vocab)
+    assert rows == 2048 and rows * llama3_vocab <= LOGITS_CHUNK_ELEMENTS
+    assert 16384 % rows == 0  # a device's 16k rows (32k tokens on sp=2): 8 chunks, no remainder chunk
+    assert LOGITS_CHUNK_ELEMENTS // llama3_vocab % 256 != 0  # what the plain quotient would be (2092 rows)
+    assert default_loss_chunk_tokens(256) == LOGITS_CHUNK_ELEMENTS // 256  # the tiny vocab: one chunk per device
+    assert default_loss_chunk_tokens(LOGITS_CHUNK_ELEMENTS // 100) == 100  # under one tile: as many as fit
