@@ -222,3 +222,47 @@ def test_jax_region_marks_reach_the_compiled_step():
     assert any(regions >= {"loss", "attention"} and "recompute" not in regions for regions in found)
     with pytest.raises(ValueError, match="unknown region"):
         region("matmuls")
+
+
+def _event(metadata: int, start_us: float, duration_us: float, hlo_op: str, annotation: int) -> str:
+    return (f"events {{ metadata_id: {metadata} offset_ps: {int(start_us * 1e6)} duration_ps: {int(duration_us * 1e6)}"
+            f' stats {{ metadata_id: 1 str_value: "{hlo_op}" }} stats {{ metadata_id: 2 ref_value: {annotation} }} }}')
+
+
+def test_jax_gpu_trace_regions_come_from_the_kernels_annotations(tmp_path):
+    """A made-up GPU trace of one step (the XSpace a GPU run writes: device 0's streams, the step's annotation on
+    the host) whose kernels' HLO instructions are not in the HLO text, as on jax 0.11.2: the regions come from the
+    op_name each kernel's annotation carries, the kinds from the kernel names, and device 1 is not counted."""
+    from jax.profiler import ProfileData
+
+    from jax_impl.profiling import trace_events
+
+    names = {1: "nvjet_sm90_tst_128x256_h_bz_TNT", 2: "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_kernel0",
+             3: "loop_multiply_fusion_3", 4: "input_reduce_fusion_9", 5: "ncclDevKernel_SendRecv"}
+    scopes = {3: "XlaModule:transpose(jvp(twinflash_loss))/dot_general",
+              4: "XlaModule:jvp(twinflash_attention)/shard_map/custom_vjp_call", 5: "XlaModule:twinflash_optimizer/mul",
+              6: "XlaModule:jvp()/add"}
+    metadata = "\n".join(f'event_metadata {{ key: {k} value {{ id: {k} name: "{v}" }} }}' for k, v in names.items())
+    strings = "\n".join(f'stat_metadata {{ key: {k} value {{ id: {k} name: "{v}" }} }}' for k, v in scopes.items())
+    stats = 'stat_metadata { key: 1 value { id: 1 name: "hlo_op" } } stat_metadata { key: 2 value { id: 2 name: "tf_op" } }'
+
+    def device(index: int) -> str:
+        compute = " ".join([_event(1, 0, 2000, "custom-call.7", 3), _event(2, 2000, 3000, "custom-call.8", 4),
+                            _event(3, 5000, 1000, "loop_multiply_fusion.3", 5),
+                            _event(4, 6000, 1000, "input_reduce_fusion.9", 6)])
+        nccl = _event(5, 6500, 2000, "collective-permute-start.1", 6)  # 500 us hidden, 1500 exposed
+        return (f'planes {{ id: {index + 1} name: "/device:GPU:{index}" '
+                f'lines {{ id: 1 name: "Stream #14(Compute)" timestamp_ns: 0 {compute} }} '
+                f'lines {{ id: 2 name: "Stream #20(Nccl)" timestamp_ns: 0 {nccl} }} {metadata} {strings} {stats} }}')
+
+    host = ('planes { id: 9 name: "/host:CPU" lines { id: 1 name: "python" timestamp_ns: 0 '
+            'events { metadata_id: 1 offset_ps: 0 duration_ps: 10000000000 } } '
+            'event_metadata { key: 1 value { id: 1 name: "twinflash/step" } } }')
+    xplane = tmp_path / "trace.xplane.pb"
+    xplane.write_bytes(ProfileData.text_proto_to_serialized_xspace(device(0) + device(1) + host))
+    events, windows, lookup = trace_events(str(xplane), _HLO_TEXT)
+    assert windows == [(0.0, 0.01)] and len(events) == 5  # device 1's kernels left out
+    assert lookup["found_in_hlo"] == 0 and lookup["with_region"] == 3 and len(lookup["not_found"]) == 5
+    per_step_us = {name: round(seconds * 1e6) for name, seconds in breakdown(events, windows)["categories"].items()}
+    assert per_step_us == {"attention": 3000, "gemm": 0, "communication_exposed": 1500, "elementwise": 1000,
+                           "loss": 2000, "optimizer": 1000, "recompute": 0, "idle": 1500}
