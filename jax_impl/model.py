@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from jax_impl.attention import AttentionFn, reference_attention
+from jax_impl.profiling import region
 from jax_impl.remat import checkpointed_scan
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
 from weights.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX, GRADIENT_DTYPE, is_fp8_linear
@@ -227,7 +228,9 @@ class Attention(nnx.Module):
         q = self.wq(x).reshape(b, s, c.num_heads, c.head_dim)
         k = self.wk(x).reshape(b, s, c.num_kv_heads, c.head_dim)
         v = self.wv(x).reshape(b, s, c.num_kv_heads, c.head_dim)
-        out = attention_fn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        with region("attention"):
+            out = attention_fn(q, k, v)
         return self.wo(out.reshape(b, s, c.num_heads * c.head_dim))
 
 

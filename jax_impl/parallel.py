@@ -23,13 +23,27 @@ the parameters, their gradients and the AdamW state are split over every device 
 
 Per-layer activation checkpointing is the model's `remat` option (`jax_impl/model.py`, a scan of checkpointed
 layers).
+
+Overlap of communication with compute (`overlap_compiler_options`, issue 20): on GPUs the train step is compiled
+with XLA's latency-hiding scheduler, which issues each collective as early as its operands allow and waits for it
+as late as its users allow, so that the kernels that do not depend on it run meanwhile: the ring's K/V hop
+(`ppermute`) beside the attention of the block in hand, the weight gathers and gradient reduce-scatters beside
+the layers' matmuls; the async collectives' stream gets the highest priority, so a collective's kernel starts
+when it is issued rather than behind queued compute; the gathers and reduce-scatters inside the layer loop are
+pipelined (the next layer's weights gathered during this one, this layer's gradient reduced during the next: the
+twin's FSDP2 prefetch). XLA's option names change between versions (an unknown one is refused), so the options
+this XLA refuses are left out with one warning line (`accepted_compiler_options`), and options the user set in
+XLA_FLAGS are left to the user.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -113,3 +127,43 @@ def sharded_batch(tokens: np.ndarray, mesh: Mesh) -> tuple[jax.Array, jax.Array,
 
     sequence = activation_sharding(mesh, "positions")
     return place(tokens), place(next_token_targets(tokens)), put_sharded(order.astype(np.int32), sequence)
+
+
+OVERLAP_OPTIONS = {  # module docstring
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_highest_priority_async_stream": True,
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+}
+
+
+@functools.lru_cache(maxsize=8)
+def accepted_compiler_options(options: tuple[tuple[str, bool], ...]) -> tuple[tuple[str, bool], ...]:
+    """Those of `options` this process's XLA accepts (a tiny function compiled with them, then with each alone if
+    that fails); the others are named in one warning line. Cached: one probe per process and option set."""
+    def accepted(items) -> bool:
+        try:
+            jax.jit(lambda x: x + 1).lower(jnp.zeros(1)).compile(dict(items))
+        except Exception:  # XLA refuses an unknown option (its exception type differs between jax versions)
+            return False
+        return True
+
+    if accepted(options):
+        return options
+    kept = tuple(item for item in options if accepted((item,)))
+    refused = [name for name, _ in options if name not in dict(kept)]
+    print(f"twinflash: warning: this XLA ({jax.__version__}) has no option {', '.join(refused)}; the train step "
+          "is compiled without it", file=sys.stderr, flush=True)
+    return kept
+
+
+def overlap_compiler_options(platform: str, enabled: bool, user_flags: str) -> tuple[tuple[str, bool], ...]:
+    """The XLA options of the train step (module docstring) on `platform` ("gpu", "cpu", ...): `OVERLAP_OPTIONS`
+    on GPUs when `enabled`, less those named in `user_flags` (the user's XLA_FLAGS, which then decide) and those
+    this XLA refuses; none elsewhere."""
+    if platform != "gpu" or not enabled:
+        return ()
+    users = set(re.findall(r"--(\w+)", user_flags))
+    wanted = tuple((name, value) for name, value in OVERLAP_OPTIONS.items() if name not in users)
+    return accepted_compiler_options(wanted) if wanted else ()

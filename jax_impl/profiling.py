@@ -1,14 +1,17 @@
-"""`twinflash train --profile` for the JAX backend: traces a few steady steps with jax.profiler and turns the trace
-into `weights.profiling.DeviceEvent`s, whose breakdown into categories is `weights/profiling.py`'s. Twin of
-`torch_impl/profiling.py`.
+"""`twinflash train --profile` for the JAX backend: marks the regions of the step (`region`), traces a few steady
+steps with jax.profiler and turns the trace into `weights.profiling.DeviceEvent`s, whose breakdown into categories
+is `weights/profiling.py`'s. Twin of `torch_impl/profiling.py`.
 
 What the device ran: on a GPU, the kernels on device 0's streams; on CPU the CPU is the device, and the XLA thunks
-its threads run are the events. Each event names the HLO instruction it executes (`hlo_op`), and the compiled
-step's HLO text says what that instruction is: its opcode and the ops it fuses give the kind (collectives:
-communication; dot / convolution / cuBLAS: GEMM); its metadata gives the regions: the Python call stack it was
-traced from (`stack_frame_id`: the loss and optimizer functions of `jax_impl/train.py`, the attention function)
-and JAX's name stack ("rematted_computation": checkpointing's recomputation in the backward). The twin marks the
-same regions with `record_function` annotations; here the step's code needs no marks.
+its threads run are the events. An event's regions come from JAX's name stack: the step's code marks the loss, the
+optimizer and the attention function with `region` (a `jax.named_scope`, the twin's `record_function`), which
+XLA keeps in every instruction's `op_name` through autodiff ("transpose(jvp(twinflash_loss))" in the backward)
+and checkpointing ("rematted_computation": the recomputation in the backward). The name stack is read from the
+event itself (a GPU kernel's XLA annotation carries its instruction's op_name) and from the compiled step's HLO
+text, where the event's HLO instruction (`hlo_op`, else the kernel's own name) is looked up; the instruction also
+gives the kind: its opcode and the ops it fuses (collectives: communication; dot / convolution / cuBLAS: GEMM).
+A kernel whose instruction is not in the text (on jax 0.11.2's GPU traces none was: the names did not match)
+keeps the regions of its own annotation and gets its kind from its name (cuBLAS, cuDNN, NCCL, our kernels).
 """
 
 from __future__ import annotations
@@ -19,22 +22,40 @@ import re
 import tempfile
 import jax
 
-from weights.profiling import STEP_ANNOTATION, DeviceEvent, breakdown
+from weights.profiling import REGIONS, STEP_ANNOTATION, DeviceEvent, breakdown
 
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all", "send", "recv",
                 "collective-broadcast", "ragged-all-to-all")
 _GEMM_OPS = ("dot", "convolution", "scaled-dot")
-_REGION_FUNCTIONS = {  # the functions (of jax_impl/train.py) whose ops belong to a region of the step
-    "loss": {"_chunk_cross_entropy_sum", "cross_entropy_sum", "sharded_cross_entropy_sum"},
-    "optimizer": {"clip_gradients", "adamw_update"},
-}
-_ATTENTION_FUNCTION = re.compile(r"^[a-z_]*attention[a-z_]*$")  # ring_attention, flash_attention, reference_...
+_SCOPE_PREFIX = "twinflash_"  # a region's named scope: "twinflash_loss", ...
+_SCOPES = re.compile(rf"\b{_SCOPE_PREFIX}({'|'.join(REGIONS)})\b")
+_UNMATCHED_SAMPLE = 5  # kernels not found in the HLO text that profile.json names (with their annotation)
+_RECOMPUTED = "rematted_computation"  # jax.checkpoint's name for the forward it reruns in the backward
 _HLO_OP = re.compile(r"hlo_op=([^,#\s]+)")  # inside a GPU kernel's XLA annotation: "name:#hlo_op=fusion.3,...#"
-# The kinds by kernel name, for kernels whose HLO instruction is not found (cuBLAS, cuDNN, NCCL kernels' names)
-_KERNEL_KINDS = (("communication", re.compile(r"nccl", re.I)), ("attention", re.compile(r"fmha|flash|sdpa", re.I)),
+# The kinds by kernel name, for kernels whose HLO instruction is not found (NCCL; cuDNN's and our attention
+# kernels, "twinflash_forward", ...; cuBLAS, CUTLASS and XLA's Triton GEMM fusions)
+_KERNEL_KINDS = (("communication", re.compile(r"nccl", re.I)),
+                 ("attention", re.compile(r"fmha|flash|sdpa|cudnn", re.I)),
                  ("gemm", re.compile(r"gemm|nvjet|cutlass|cublas|xmma", re.I)))
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+) = (.*)$")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+) \(.*\{\s*$")
+# "[ENTRY] %name (params) -> shape {" or, printed without the program shape, "[ENTRY] %name {"
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(={]+).*\{\s*$")  # tried after _INSTRUCTION
+
+
+def region(name: str):
+    """Marks a region of the step (`weights.profiling.REGIONS`) for the profile: a `jax.named_scope` around the
+    code that traces it (it changes no computation, only the instructions' op_name metadata)."""
+    if name not in REGIONS:
+        raise ValueError(f"unknown region {name!r}; regions are {REGIONS}")
+    return jax.named_scope(_SCOPE_PREFIX + name)
+
+
+def regions_of(name_stack: str) -> frozenset:
+    """The regions a JAX name stack (an op_name, or any text holding some) says an instruction ran in."""
+    found = set(_SCOPES.findall(name_stack))
+    if _RECOMPUTED in name_stack:
+        found.add("recompute")
+    return frozenset(found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +63,6 @@ class _Instruction:
     opcode: str
     calls: tuple[str, ...]
     op_name: str
-    stack_frame: int | None
     target: str
 
 
@@ -58,52 +78,27 @@ def _opcode(rest: str) -> str:
     return rest[start:rest.index("(", start)]
 
 
-def _table(text: str, title: str) -> dict[int, str]:
-    match = re.search(rf"^{title}\n((?:\d+ .*\n)+)", text, re.M)
-    rows = (line.split(" ", 1) for line in match.group(1).splitlines()) if match else ()
-    return {int(key): value for key, value in rows}
-
-
 class _Hlo:
     """The compiled step's instructions (by name) with what classifies them."""
 
     def __init__(self, text: str):
         self.instructions: dict[str, _Instruction] = {}
         self.computations: dict[str, list[str]] = {}
-        computation = None
+        members: list[str] = []  # the instructions of the computation being read (none before the first)
         for line in text.splitlines():
-            header = _COMPUTATION.match(line)
-            if header:
-                computation = self.computations.setdefault(header.group(1), [])
-                continue
             match = _INSTRUCTION.match(line)
-            if match is None or computation is None:
+            if match is None:
+                header = _COMPUTATION.match(line)
+                if header:
+                    members = self.computations.setdefault(header.group(1), [])
                 continue
             name, rest = match.groups()
             calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", rest)
             op_name = re.search(r'op_name="([^"]*)"', rest)
-            frame = re.search(r"stack_frame_id=(\d+)", rest)
             target = re.search(r'custom_call_target="([^"]*)"', rest)
-            self.instructions[name] = _Instruction(
-                _opcode(rest), tuple(calls), op_name.group(1) if op_name else "",
-                int(frame.group(1)) if frame else None, target.group(1) if target else "")
-            computation.append(name)
-        functions = {key: value.strip('"') for key, value in _table(text, "FunctionNames").items()}
-        locations = {key: int(re.search(r"function_name_id=(\d+)", value).group(1))
-                     for key, value in _table(text, "FileLocations").items()}
-        self.frames = {key: (int(re.search(r"file_location_id=(\d+)", value).group(1)),
-                             int(re.search(r"parent_frame_id=(\d+)", value).group(1)))
-                       for key, value in _table(text, "StackFrames").items()}
-        self.function_of_location = {key: functions.get(value, "") for key, value in locations.items()}
-
-    def _stack(self, frame: int | None) -> set[str]:
-        names, seen = set(), set()
-        while frame in self.frames and frame not in seen:
-            seen.add(frame)
-            location, parent = self.frames[frame]
-            names.add(self.function_of_location.get(location, ""))
-            frame = parent
-        return names
+            self.instructions[name] = _Instruction(_opcode(rest), tuple(calls), op_name.group(1) if op_name else "",
+                                                   target.group(1) if target else "")
+            members.append(name)
 
     def _opcodes(self, name: str, seen: set[str]) -> set[str]:
         """Opcodes (and custom-call targets) of `name` and of every computation it calls."""
@@ -116,17 +111,23 @@ class _Hlo:
                     found |= self._opcodes(inner, seen)
         return found
 
+    def instruction_name(self, name: str, event_name: str) -> str:
+        """The instruction `name`, else the one the kernel `event_name` was generated for (XLA names a fusion's
+        kernel after it, "." made "_"); "" when the HLO has neither."""
+        candidates = (name, event_name, re.sub(r"_(\d+)$", r".\1", event_name))
+        return next((c for c in candidates if c in self.instructions), "")
+
     def classify(self, name: str, event_name: str, name_stack: str) -> tuple[str, frozenset]:
         """(kind, regions) of the instruction `name`, else of the one the kernel `event_name` was generated for
-        (XLA names a fusion's kernel after it, "." made "_"); with neither in the HLO, the kind from the kernel's
-        name and the regions from the event's JAX `name_stack` alone."""
-        candidates = (name, event_name, re.sub(r"_(\d+)$", r".\1", event_name))
-        name = next((c for c in candidates if c in self.instructions), "")
+        (XLA names a fusion's kernel after it, "." made "_"). The regions are those of the instruction's op_name
+        and of the event's own `name_stack` (its annotation's text); with no instruction in the HLO, the kind
+        comes from the kernel's name."""
+        name = self.instruction_name(name, event_name)
         instruction = self.instructions.get(name)
         by_name = next((kind for kind, pattern in _KERNEL_KINDS if pattern.search(event_name)), None)
+        regions = regions_of(name_stack)
         if instruction is None:
-            regions = {"recompute"} if "rematted_computation" in name_stack else set()
-            return by_name or "elementwise", frozenset(regions)
+            return by_name or "elementwise", regions
         own = {instruction.opcode.removesuffix("-start").removesuffix("-done"), instruction.target}
         if own & set(_COLLECTIVES) or "nccl" in event_name.lower():
             kind = "communication"
@@ -136,35 +137,29 @@ class _Hlo:
             ops = self._opcodes(name, set())
             gemm = ops & set(_GEMM_OPS) or any("gemm" in op or "cublas" in op for op in ops)
             kind = "gemm" if gemm else by_name or "elementwise"
-        stack = self._stack(instruction.stack_frame)
-        regions = {region for region, functions in _REGION_FUNCTIONS.items() if stack & functions}
-        if any(_ATTENTION_FUNCTION.match(function) for function in stack):
-            regions.add("attention")
-        if "rematted_computation" in instruction.op_name:
-            regions.add("recompute")
-        return kind, frozenset(regions)
+        return kind, regions | regions_of(instruction.op_name)
 
 
 def _hlo_op(event) -> tuple[str, str]:
-    """(the HLO instruction an event executes, its JAX name stack): the `hlo_op` stat, or the instruction named
-    in the event's XLA annotation; the `tf_op` stat; "" for what the event lacks."""
+    """(the HLO instruction an event executes: its `hlo_op` stat, or the instruction named in its XLA annotation,
+    "" when none; the text of all its string stats, where a GPU kernel's annotation puts its op_name: "tf_op",
+    "name" or the raw annotation, as the profiler version has it)."""
     stats = {key: value for key, value in event.stats}
-    name_stack = str(stats.get("tf_op", ""))
+    text = " ".join(value for value in stats.values() if isinstance(value, str))
     if "hlo_op" in stats:
-        return str(stats["hlo_op"]), name_stack
-    for value in stats.values():
-        match = _HLO_OP.search(value) if isinstance(value, str) else None
-        if match:
-            return match.group(1), name_stack
-    return "", name_stack
+        return str(stats["hlo_op"]), text
+    match = _HLO_OP.search(text)
+    return (match.group(1) if match else ""), text
 
 
-def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], list[tuple[float, float]]]:
-    """(device events of device 0, step windows) of a jax.profiler trace, in seconds."""
+def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], list[tuple[float, float]], dict]:
+    """(device events of device 0, step windows, how they were classified) of a jax.profiler trace, in seconds.
+    The last says how many events were found in the HLO text and how many got a region, with a few kernels that
+    were not found: what to look at when a GPU profile's regions come out empty."""
     hlo = _Hlo(hlo_text)
     planes = list(jax.profiler.ProfileData.from_file(xplane_path).planes)
     gpu = [p for p in planes if p.name == "/device:GPU:0"]
-    events, windows = [], []
+    events, windows, found, unmatched = [], [], 0, {}
     for plane in planes:
         on_host = plane.name.startswith("/host:CPU")
         for line in plane.lines:
@@ -180,9 +175,15 @@ def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], li
                     continue  # a CPU thread's own bookkeeping (thunk executor, thread pool), not an op
                 kind, regions = hlo.classify(op, event.name, name_stack)
                 events.append(DeviceEvent(event.name, event.start_ns / 1e9, event.end_ns / 1e9, kind, regions))
+                if hlo.instruction_name(op, event.name):
+                    found += 1
+                elif len(unmatched) < _UNMATCHED_SAMPLE:
+                    unmatched.setdefault(event.name[:80], {"hlo_op": op, "annotation": name_stack[:300]})
     if gpu and not events:
         raise ValueError(f"no kernels on the streams of {gpu[0].name}; its lines: {[l.name for l in gpu[0].lines]}")
-    return events, sorted(windows)
+    lookup = {"events": len(events), "found_in_hlo": found, "with_region": sum(bool(e.regions) for e in events),
+              "not_found": unmatched}
+    return events, sorted(windows), lookup
 
 
 class StepProfiler:
@@ -217,4 +218,5 @@ class StepProfiler:
             raise RuntimeError("no profiled step has run")
         with self._scratch as scratch:
             (xplane,) = glob.glob(f"{scratch}/**/*.xplane.pb", recursive=True)
-            return {**breakdown(*trace_events(xplane, hlo_text)), "device": jax.devices()[0].device_kind}
+            events, windows, lookup = trace_events(xplane, hlo_text)
+            return {**breakdown(events, windows), "device": jax.devices()[0].device_kind, "hlo_lookup": lookup}

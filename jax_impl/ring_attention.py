@@ -162,14 +162,16 @@ def _backward_step(block: RingBlock | None, grads, dout, q, k_block, v_block, ou
 
 
 def _ring_forward(cfg: _RingConfig, world: int, rank, q, k, v):
-    """(out float32, lse float32) of the local queries."""
+    """(out float32, in q's dtype when P = 1; lse float32) of the local queries."""
     local_len = q.shape[1]
-    # Step 0 is the whole diagonal block, so merging into an empty accumulator (0, -inf) starts it exactly.
-    acc = (jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], -jnp.inf, jnp.float32).transpose(0, 2, 1))
+    # Step 0 is the whole diagonal block (`ring_block`'s "same"), whose result starts the accumulators as it is:
+    # merging it into empty ones, (0, -inf), gives the same numbers with one more pass over them per layer. With
+    # no other block (P = 1) the kernel writes the inputs' dtype, the cast back to it then being none.
+    acc = flash_attention_forward(q, k, v, causal=cfg.causal, softmax_scale=cfg.softmax_scale,
+                                  out_dtype=jnp.float32 if world > 1 else q.dtype, backend=cfg.backend)
     k_block, v_block = k, v
-    for step in range(world):
-        if step:
-            k_block, v_block = _to_next((k_block, v_block), cfg, world)
+    for step in range(1, world):
+        k_block, v_block = _to_next((k_block, v_block), cfg, world)
         acc = _run_step(_forward_step, step, rank, cfg, local_len, acc, q, k_block, v_block)
     return acc
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -75,9 +76,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl import checkpointing
 from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, stack_layers, unstack_layers
-from jax_impl.parallel import (activation_sharding, make_mesh, mesh_shape, parameter_shardings, put_sharded,
-                               ring_attention_fn, sharded_batch)
-from jax_impl.profiling import StepProfiler
+from jax_impl.parallel import (activation_sharding, make_mesh, mesh_shape, overlap_compiler_options,
+                               parameter_shardings, put_sharded, ring_attention_fn, sharded_batch)
+from jax_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_for_backward
 from weights.fp8 import fallback_line, fp8_linears
@@ -160,6 +161,8 @@ class StepSpec:
     layer_weights: str = "in-layer"
     # a step whose loss or grad norm is not finite returns the state it was given (--skip-non-finite-steps)
     skip_non_finite: bool = False
+    # XLA options the step is compiled with (`jax_impl.parallel.overlap_compiler_options`): (name, value) pairs
+    compiler_options: tuple[tuple[str, bool], ...] = ()
 
 
 def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: jax.Array, positions: jax.Array,
@@ -193,7 +196,8 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
     hidden = llama.hidden_states(tokens, positions)
     head = weights["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
     valid_count = valid_target_count(*tokens.shape)
-    loss = sharded_cross_entropy_sum(hidden, head, targets, spec.mesh, spec.loss_chunk_tokens) / valid_count
+    with region("loss"):
+        loss = sharded_cross_entropy_sum(hidden, head, targets, spec.mesh, spec.loss_chunk_tokens) / valid_count
     if not with_logits:
         return loss
     return loss, jax.lax.stop_gradient(llama.logits(hidden).astype(jnp.float32))
@@ -247,13 +251,13 @@ def adamw_update(params: dict[str, jax.Array], grads: dict[str, jax.Array], stat
 
 # --- the step -----------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
-def train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: jax.Array,
-               coefficients: dict[str, jax.Array], spec: StepSpec) -> tuple[State, jax.Array, jax.Array]:
+def _train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: jax.Array,
+                coefficients: dict[str, jax.Array], spec: StepSpec) -> tuple[State, jax.Array, jax.Array]:
     """(new state, loss, grad norm before clipping) of one optimizer step on a global batch."""
     loss, grads = jax.value_and_grad(next_token_loss)(state["model"], tokens, targets, positions, spec)
-    grads, grad_norm = clip_gradients(grads, spec.optimizer.grad_clip_norm)
-    params, optimizer = adamw_update(state["model"], grads, state["optimizer"], coefficients, spec.optimizer)
+    with region("optimizer"):
+        grads, grad_norm = clip_gradients(grads, spec.optimizer.grad_clip_norm)
+        params, optimizer = adamw_update(state["model"], grads, state["optimizer"], coefficients, spec.optimizer)
     if spec.skip_non_finite:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params, optimizer = jax.tree.map(lambda new, old: jnp.where(finite, new, old), (params, optimizer),
@@ -262,6 +266,30 @@ def train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: j
     keep = functools.partial(jax.tree.map, jax.lax.with_sharding_constraint)
     return {"model": keep(params, shardings),
             "optimizer": {k: keep(v, shardings) for k, v in optimizer.items()}}, loss, grad_norm
+
+
+@functools.lru_cache(maxsize=4)
+def _jitted_step(compiler_options: tuple[tuple[str, bool], ...]):
+    """The step jitted with these XLA options (a jit takes its options once: one jit per option set); the training
+    state is donated, its buffers reused for the new one."""
+    return jax.jit(_train_step, static_argnames=("spec",), donate_argnames=("state",),
+                   compiler_options=dict(compiler_options) or None)
+
+
+class _TrainStep:
+    """`train_step(state, tokens, targets, positions, coefficients, spec=spec)`: (new state, loss, grad norm before
+    clipping) of one optimizer step on a global batch, jitted (one compilation per `StepSpec`) with the spec's
+    XLA options; `train_step.lower(...)` as a jitted function's."""
+
+    def __call__(self, state: State, tokens: jax.Array, targets: jax.Array, positions: jax.Array,
+                 coefficients: dict[str, jax.Array], *, spec: StepSpec) -> tuple[State, jax.Array, jax.Array]:
+        return _jitted_step(spec.compiler_options)(state, tokens, targets, positions, coefficients, spec=spec)
+
+    def lower(self, *args, spec: StepSpec):
+        return _jitted_step(spec.compiler_options).lower(*args, spec=spec)
+
+
+train_step = _TrainStep()
 
 
 def step_scalars(coefficients: dict[str, float]) -> dict[str, jax.Array]:
@@ -373,7 +401,9 @@ def _step_spec(settings, config: LlamaConfig, mesh: Mesh) -> StepSpec:
     return StepSpec(config=config, mesh=mesh, dtype=settings.dtype, remat=settings.activation_checkpointing,
                     attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
                     loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
-                    optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps)
+                    optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps,
+                    compiler_options=overlap_compiler_options(mesh.devices.flat[0].platform, settings.xla_overlap,
+                                                              os.environ.get("XLA_FLAGS", "")))
 
 
 def step_memory_plan(settings: TrainSettings, devices: Sequence[jax.Device] | None = None) -> dict[str, int]:
@@ -427,7 +457,7 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
     """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches) in this process over
     `devices` (default: all of JAX's, whose count must match `settings.mesh`); see `weights.settings.TrainSettings`
     for the fields read here. Calls `on_step(step=, loss=, lr=, grad_norm=, seconds=,
-    peak_memory_bytes=[per device])` after every step. Resumes from the latest checkpoint with `settings.resume`,
+    peak_memory_bytes=[per device])` after every step (step N's once step N + 1 is queued). Resumes from the latest checkpoint with `settings.resume`,
     saves every `settings.ckpt_every` steps and at the end of the run, exports the final weights to
     `settings.export_paths` when set. Returns the final training state. Bad input (mesh, batch shape, checkpoint)
     raises BadInputError before anything is computed or written. A step with a non-finite loss or grad norm stops
@@ -447,27 +477,50 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
             print(f"resumed from {latest} (step {start})", flush=True)
         stop = settings.stop_at or batches.shape[0]
         profiler = StepProfiler(profiled_steps(start, stop) if settings.profile else range(0))
+        # No host synchronisation between untraced steps: step N's numbers are read once step N + 1 is queued, so
+        # the host prepares and dispatches the next step while the devices run this one (the devices idled for
+        # that host work before). A step's time is the host's between the completions it saw of its predecessor
+        # and of itself. A traced step runs alone, so that its window holds its own work only.
+        pending: tuple | None = None
+        last_done = time.perf_counter()
+
+        def report(step: int, loss: jax.Array, grad_norm: jax.Array, lr: float) -> None:
+            nonlocal last_done
+            loss, grad_norm = float(loss), float(grad_norm)  # waits for that step
+            done = time.perf_counter()
+            peaks = peak_memory_bytes(mesh)  # in every process: collective in a run spanning processes
+            if on_step is not None:
+                on_step(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=done - last_done,
+                        peak_memory_bytes=peaks)
+            last_done = done
+            skipped = check_step_finite(settings, step, loss, grad_norm, latest)  # raises unless skipping
+            if skipped is not None:
+                _print_to_stderr(skipped)
+
         for step in range(start, stop):
-            began = time.perf_counter()
+            if step in profiler.steps and pending is not None:
+                report(*pending)
+                pending = None
             profiler.begin(step)
             tokens, targets, positions = sharded_batch(batches[step], mesh)
             coefficients = adamw_coefficients(settings.optimizer, step)
             state, loss, grad_norm = train_step(state, tokens, targets, positions, step_scalars(coefficients),
                                                 spec=spec)
-            loss = float(loss)  # synchronises the devices: the step's time is complete
+            if pending is not None:
+                report(*pending)
+            pending = (step, loss, grad_norm, coefficients["lr"])
+            if step in profiler.steps:
+                report(*pending)  # the traced step ends with its completion
+                pending = None
             profiler.end(step)
-            seconds = time.perf_counter() - began
-            grad_norm = float(grad_norm)
-            peaks = peak_memory_bytes(mesh)  # in every process: collective in a run spanning processes
-            if on_step is not None:
-                on_step(step=step, loss=loss, lr=coefficients["lr"], grad_norm=grad_norm, seconds=seconds,
-                        peak_memory_bytes=peaks)
-            skipped = check_step_finite(settings, step, loss, grad_norm, latest)  # raises unless skipping
-            if skipped is not None:
-                _print_to_stderr(skipped)
             if checkpoint_due(settings, step + 1, stop):
+                if pending is not None:
+                    report(*pending)  # a checkpoint holds only steps seen to be finite
+                    pending = None
                 checkpointing.save_checkpoint(manager, step + 1, state, meta)
                 latest = settings.ckpt_dir / checkpointing.step_dir_name(step + 1)
+        if pending is not None:
+            report(*pending)
         if settings.profile and on_profile is not None:  # the step compiled before: its HLO comes from the cache
             on_profile(profiler.breakdown(train_step.lower(state, tokens, targets, positions, step_scalars(
                 coefficients), spec=spec).compile().as_text()))

@@ -11,10 +11,11 @@ the categories add up to the step by construction, and communication that overla
 sum: `communication_total_s` (the union of all communication, hidden or not) is reported beside the categories.
 
 An event's category: communication first (by its kind); then the region of the step it ran in, innermost
-meaning first: recomputation (a checkpointed layer rerun in the backward), optimizer (gradient clipping and
-AdamW), loss (LM head logits and cross-entropy, forward and backward), attention (the attention function, forward
-and backward, with the ring's own work); then by kind: GEMMs, and everything else (RMSNorm, RoPE, SwiGLU,
-residual adds, casts, copies, FSDP's copy-in/out) as elementwise.
+meaning first: optimizer (gradient clipping and AdamW), loss (LM head logits and cross-entropy, forward and
+backward, the chunks' logits recomputed for the backward included), recomputation (a checkpointed layer rerun in
+the backward), attention (the attention function, forward and backward, with the ring's own work); then by kind:
+GEMMs, and everything else (RMSNorm, RoPE, SwiGLU, residual adds, casts, copies, FSDP's copy-in/out) as
+elementwise.
 
 profile.json: {"step_s": mean profiled step, "categories": {name: seconds per step}, "communication_total_s",
 "steps": how many steps were profiled, "top": [{"name", "category", "seconds"}] (per step, the costliest device
@@ -41,7 +42,7 @@ CATEGORIES = {
     "idle": "no device work at all (host gaps: launches, Python, synchronisation)",
 }
 KINDS = ("communication", "attention", "gemm", "elementwise")  # what an event is, from its own name or op
-REGIONS = ("recompute", "optimizer", "loss", "attention")  # where in the step it ran; innermost meaning first
+REGIONS = ("optimizer", "loss", "recompute", "attention")  # where in the step it ran; innermost meaning first
 PROFILE_JSON = "profile.json"
 STEP_ANNOTATION = "twinflash/step"
 PROFILED_STEPS = 3

@@ -40,6 +40,8 @@ class TrainSettings:
     skip_non_finite_steps  a step with a non-finite loss or grad norm is skipped (its update not applied)
                    instead of stopping the run
     profile        trace the last steps and write their time breakdown to OUT/profile.json (weights/profiling.py)
+    xla_overlap    JAX on GPUs: the train step compiled with XLA's options for overlapping communication with
+                   compute (`jax_impl.parallel.overlap_compiler_options`); False: XLA's defaults
     """
 
     backend: str
@@ -68,6 +70,7 @@ class TrainSettings:
     eager: bool = False
     profile: bool = False
     skip_non_finite_steps: bool = False
+    xla_overlap: bool = True
 
     @property
     def export_paths(self) -> tuple[Path, Path] | None:

@@ -78,8 +78,15 @@ def check_attention_backend(settings) -> None:
 
 # --- the step ---------------------------------------------------------------------------------------------------
 
+LOGITS_CHUNK_ROWS_MULTIPLE = 256  # a GEMM tile's rows: the default chunk is a whole number of them
+
+
 def default_loss_chunk_tokens(vocab_size: int) -> int:
-    return max(1, LOGITS_CHUNK_ELEMENTS // vocab_size)
+    """Positions per loss chunk when the settings name none: at most `LOGITS_CHUNK_ELEMENTS` logits, in whole
+    multiples of 256 rows where that many fit (at vocab 128256: 2048 rather than 2092 rows, which left every
+    chunk's LM-head GEMMs a ragged last tile and every power-of-two length a remainder chunk of its own)."""
+    rows = max(1, LOGITS_CHUNK_ELEMENTS // vocab_size)
+    return rows // LOGITS_CHUNK_ROWS_MULTIPLE * LOGITS_CHUNK_ROWS_MULTIPLE or rows
 
 
 def adamw_coefficients(config: OptimizerConfig, step: int) -> dict[str, float]:

@@ -116,6 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and the fused AdamW kernel")
     parser.add_argument("--profile", action="store_true", help="trace the last steps and write their time "
                         "breakdown by category to OUT/profile.json (and print it)")
+    parser.add_argument("--no-xla-overlap", action="store_false", dest="xla_overlap", help="JAX on GPUs: compile "
+                        "the step with XLA's defaults, not with its options for overlapping communication with "
+                        "compute (a before/after measurement)")
     parser.add_argument("--skip-non-finite-steps", action="store_true", help="skip a step whose loss or grad norm "
                         "is not finite (its update not applied) instead of stopping the run")
     parser.add_argument("--export", type=Path, dest="export_dir",
@@ -146,7 +149,7 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
         ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
         ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume, stop_at=args.stop_at, out=args.out,
         export_dir=args.export_dir, plan_memory=args.plan_memory, eager=args.eager,
-        profile=args.profile, skip_non_finite_steps=args.skip_non_finite_steps)
+        profile=args.profile, skip_non_finite_steps=args.skip_non_finite_steps, xla_overlap=args.xla_overlap)
     check_attention_backend(settings)
     check_fp8_settings(settings.fp8, settings.dtype, settings.batch * settings.seq_len // mesh.size)
     if settings.fp8 and settings.backend == "torch" and importlib.util.find_spec("torchao") is None:
@@ -371,7 +374,6 @@ def _run_jax(settings: TrainSettings, scratch: Path, nodes: Nodes) -> int:
     process with that many emulated host devices (JAX fixes its CPU device count when it first starts). A run
     spanning nodes runs in a child process that joins the other nodes' (`jax.distributed`) before JAX starts,
     with this node's share of the mesh as its host devices on CPU (JAX is not started here)."""
-    os.environ.setdefault(*JAX_GPU_MEMORY_FRACTION)  # read when JAX starts its GPU backend, here or in a child
     if nodes.spans_hosts:
         if settings.plan_memory:
             raise BadInputError("--plan-memory plans one process's devices: run it without --nnodes")
@@ -436,6 +438,8 @@ def run_command(args: argparse.Namespace) -> int:
     with interruptible(), tempfile.TemporaryDirectory(prefix="twinflash-train-") as scratch:
         try:
             if args.backend == "jax":
+                # read when JAX starts its GPU backend (here, at jax.device_count() below, or in a child)
+                os.environ.setdefault(*JAX_GPU_MEMORY_FRACTION)
                 if nodes.spans_hosts:
                     settings = settings_from_args(args, None)
                 else:
