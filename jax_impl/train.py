@@ -457,7 +457,7 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
     """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches) in this process over
     `devices` (default: all of JAX's, whose count must match `settings.mesh`); see `weights.settings.TrainSettings`
     for the fields read here. Calls `on_step(step=, loss=, lr=, grad_norm=, seconds=,
-    peak_memory_bytes=[per device])` after every step (step N's once step N + 1 is queued). Resumes from the latest checkpoint with `settings.resume`,
+    peak_memory_bytes=[per device])` after every step. Resumes from the latest checkpoint with `settings.resume`,
     saves every `settings.ckpt_every` steps and at the end of the run, exports the final weights to
     `settings.export_paths` when set. Returns the final training state. Bad input (mesh, batch shape, checkpoint)
     raises BadInputError before anything is computed or written. A step with a non-finite loss or grad norm stops
@@ -477,50 +477,27 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
             print(f"resumed from {latest} (step {start})", flush=True)
         stop = settings.stop_at or batches.shape[0]
         profiler = StepProfiler(profiled_steps(start, stop) if settings.profile else range(0))
-        # No host synchronisation between untraced steps: step N's numbers are read once step N + 1 is queued, so
-        # the host prepares and dispatches the next step while the devices run this one (the devices idled for
-        # that host work before). A step's time is the host's between the completions it saw of its predecessor
-        # and of itself. A traced step runs alone, so that its window holds its own work only.
-        pending: tuple | None = None
-        last_done = time.perf_counter()
-
-        def report(step: int, loss: jax.Array, grad_norm: jax.Array, lr: float) -> None:
-            nonlocal last_done
-            loss, grad_norm = float(loss), float(grad_norm)  # waits for that step
-            done = time.perf_counter()
-            peaks = peak_memory_bytes(mesh)  # in every process: collective in a run spanning processes
-            if on_step is not None:
-                on_step(step=step, loss=loss, lr=lr, grad_norm=grad_norm, seconds=done - last_done,
-                        peak_memory_bytes=peaks)
-            last_done = done
-            skipped = check_step_finite(settings, step, loss, grad_norm, latest)  # raises unless skipping
-            if skipped is not None:
-                _print_to_stderr(skipped)
-
         for step in range(start, stop):
-            if step in profiler.steps and pending is not None:
-                report(*pending)
-                pending = None
+            began = time.perf_counter()
             profiler.begin(step)
             tokens, targets, positions = sharded_batch(batches[step], mesh)
             coefficients = adamw_coefficients(settings.optimizer, step)
             state, loss, grad_norm = train_step(state, tokens, targets, positions, step_scalars(coefficients),
                                                 spec=spec)
-            if pending is not None:
-                report(*pending)
-            pending = (step, loss, grad_norm, coefficients["lr"])
-            if step in profiler.steps:
-                report(*pending)  # the traced step ends with its completion
-                pending = None
+            loss = float(loss)  # synchronises the devices: the step's time is complete
             profiler.end(step)
+            seconds = time.perf_counter() - began
+            grad_norm = float(grad_norm)
+            peaks = peak_memory_bytes(mesh)  # in every process: collective in a run spanning processes
+            if on_step is not None:
+                on_step(step=step, loss=loss, lr=coefficients["lr"], grad_norm=grad_norm, seconds=seconds,
+                        peak_memory_bytes=peaks)
+            skipped = check_step_finite(settings, step, loss, grad_norm, latest)  # raises unless skipping
+            if skipped is not None:
+                _print_to_stderr(skipped)
             if checkpoint_due(settings, step + 1, stop):
-                if pending is not None:
-                    report(*pending)  # a checkpoint holds only steps seen to be finite
-                    pending = None
                 checkpointing.save_checkpoint(manager, step + 1, state, meta)
                 latest = settings.ckpt_dir / checkpointing.step_dir_name(step + 1)
-        if pending is not None:
-            report(*pending)
         if settings.profile and on_profile is not None:  # the step compiled before: its HLO comes from the cache
             on_profile(profiler.breakdown(train_step.lower(state, tokens, targets, positions, step_scalars(
                 coefficients), spec=spec).compile().as_text()))
