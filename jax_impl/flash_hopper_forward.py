@@ -65,9 +65,9 @@ class HopperConfig:
     `bwd_overlap`: the backward issues its independent wgmmas together and awaits each only where its result is
     read (False: each is awaited when issued; see `flash_hopper_backward._gradient_step`). `bwd_form`:
     "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in
-    fp32 by TMA reduce-add); see flash_hopper_backward.py. The two-kernel form is the default: 456-464 TFLOP/s
-    fwd+bwd against the one-kernel form's 407-441 on an H200 (D=128, S=16k; compare/results/README.md,
-    2026-11-22)."""
+    fp32 by TMA reduce-add); see flash_hopper_backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
+    causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at D=128 with `bwd_overlap`,
+    485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64: 381)."""
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
@@ -75,7 +75,7 @@ class HopperConfig:
     bwd_block_kv: int = 64
     bwd_num_stages: int = 2
     dq_block_q: int = 64
-    dq_block_kv: int = 64
+    dq_block_kv: int = 128
     bwd_overlap: bool = True
     bwd_form: str = "two_kernel"
 
@@ -96,7 +96,10 @@ class HopperConfig:
 
 def default_config(head_dim: int) -> HopperConfig:
     """Heuristic: block_kv 128 for D <= 128 (FA3's and tokamax's sm90 choice), 2 stages; shared memory at
-    D=128: Q 32 KB + K/V 2 x 2 x 32 KB + an fp32 out tile 64 KB when the ring asks for fp32 out."""
+    D=128: Q 32 KB + K/V 2 x 2 x 32 KB + an fp32 out tile 64 KB when the ring asks for fp32 out. The dQ kernel
+    at D=128 holds Q and dO (32 KB each), K/V slots (2 stages x 2 x 32 KB at dq_block_kv 128) and a 32 KB fp32
+    out tile, 224 KB: dq_block_q 128 or a third stage exceed the 227 KB (compile errors in the 2026-11-23 sweep).
+    Backward defaults, both head dims: `bwd_overlap` and dq_block_kv 128 (fastest of the sweep at D=128 and 64)."""
     del head_dim  # both supported head dims take the same blocks today; the argument keeps the call sites honest
     return HopperConfig()
 
@@ -104,12 +107,13 @@ def default_config(head_dim: int) -> HopperConfig:
 def autotune_space(head_dim: int) -> tuple[HopperConfig, ...]:
     """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family mosaic`), each a full
     config timed as one, `default_config(head_dim)` first: the backward's schedule, stages and dQ blocks one
-    at a time, then the forward's K/V block and stages (D=64: a 256-key forward block early). Register files bound the rest: a dK/dV warpgroup holds
-    dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so bwd_block_kv stays 64 at D=128."""
+    at a time, then the forward's K/V block and stages (D=64: a 256-key forward block early). Register files
+    bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
+    bwd_block_kv stays 64."""
     base = default_config(head_dim)
     variants = [dict(bwd_overlap=not base.bwd_overlap)] + ([dict(block_kv=256)] if head_dim <= 64 else []) + [
-        dict(dq_block_kv=128), dict(bwd_num_stages=3), dict(dq_block_q=128), dict(bwd_num_stages=3, dq_block_kv=128),
-        dict(block_kv=64), dict(num_stages=3), dict(bwd_form="one_kernel")]
+        dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
+        dict(num_stages=3), dict(bwd_form="one_kernel")]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(dict.fromkeys(configs))
 

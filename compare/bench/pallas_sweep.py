@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="5 candidates per kernel instead of the full grid")
     parser.add_argument("--family", choices=("triton", "mosaic"), default="triton",
                         help="which Pallas kernel family to sweep (mosaic: sm90 only)")
-    parser.add_argument("--budget-s", type=float, help="mosaic: start no candidate after this many seconds into a point")
+    parser.add_argument("--budget-s", type=float,
+                        help="mosaic: start no candidate after this many seconds into a point")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("compare/results/pallas_sweep.json"))
     return parser
