@@ -304,11 +304,11 @@ def _jax_part(args) -> None:
         if impl == "pallas_mha":  # no GQA: K/V repeated to H heads outside the timed call
             k, v = (jnp.repeat(x, args.heads // kv_heads, axis=2) for x in (k, v))
 
-        def loss(q, k, v):
+        def loss(q, k, v, dout):  # dout an argument: closed over, XLA would fold it (and its transposes) at compile
             return jnp.sum(attend(q, k, v, causal).astype(jnp.float32) * dout.astype(jnp.float32))
 
         fwd_ms = jax_median_ms(jax.jit(lambda q, k, v: attend(q, k, v, causal)), q, k, v, repeats=repeats)
-        fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=repeats)
+        fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, dout, repeats=repeats)
         return _result(args, impl, seq_len, causal, kv_heads, head_dim, fwd_ms, fwdbwd_ms)
 
     for point in _points(args):

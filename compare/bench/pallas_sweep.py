@@ -131,11 +131,11 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
     for label, config in (("table", default), ("best", tuned)):
         attention = functools.partial(flash_attention, causal=causal, backend="pallas_triton", config=config)
 
-        def loss(q, k, v):
+        def loss(q, k, v, dout):  # dout an argument: closed over, XLA would fold it at compile time
             return jnp.sum(attention(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
 
         fwd_ms = jax_median_ms(jax.jit(attention), q, k, v, repeats=args.repeats)
-        fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=args.repeats)
+        fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, dout, repeats=args.repeats)
         rows.append(_emit(dict(point, kernel="flash_attention", sizes=label, block_sizes=repr(config),
                                fwd_ms=fwd_ms, fwd_tflops=fwd_flops / (fwd_ms * 1e-3) / 1e12, fwdbwd_ms=fwdbwd_ms,
                                fwdbwd_tflops=3.5 * fwd_flops / (fwdbwd_ms * 1e-3) / 1e12)))
@@ -161,12 +161,12 @@ def sweep_mosaic_point(args, head_dim: int, causal: bool) -> list[dict]:
     point = dict(S=s, batch=b, heads=h, kv_heads=hkv, head_dim=head_dim, causal=causal)
 
     def timed(attend) -> dict:
-        def loss(q, k, v):
+        def loss(q, k, v, dout):  # dout an argument: closed over, XLA would fold it at compile time
             return jnp.sum(attend(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        ms = jax_median_ms(grads, q, k, v, repeats=args.repeats)
+        ms = jax_median_ms(grads, q, k, v, dout, repeats=args.repeats)
         return dict(fwdbwd_ms=ms, fwdbwd_tflops=3.5 * fwd_flops / (ms * 1e-3) / 1e12,
-                    results=[np.asarray(x, np.float32) for x in (jax.jit(attend)(q, k, v), *grads(q, k, v))])
+                    results=[np.asarray(x, np.float32) for x in (jax.jit(attend)(q, k, v), *grads(q, k, v, dout))])
 
     def forward_ms(attend) -> dict:
         ms = jax_median_ms(jax.jit(attend), q, k, v, repeats=args.repeats)
