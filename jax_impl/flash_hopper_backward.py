@@ -11,10 +11,12 @@ out) and lse in the exp2 domain (rows with lse -inf and padded rows get +inf, so
     (one flat loop, head fastest) through `bwd_num_stages` slots, starting at the first query block that
     sees the CTA's keys. Per step (4 wgmmas): S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
     dS^T = P^T (dP^T - delta), dK += dS^T Q. Blocks crossing the causal diagonal are masked.
-  - dQ kernel: a CTA owns 2 * bwd_block_q query rows of one (batch, head); the TMA warpgroup streams K/V
-    blocks as in the forward (unmasked, then masked steps; longest tiles first). Per step (3 wgmmas):
-    S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
-The softmax scale multiplies dQ and dK once at the end.
+  - dQ kernel: a CTA owns 2 * dq_block_q query rows of one (batch, head); the TMA warpgroup streams K/V
+    blocks of dq_block_kv keys as in the forward (unmasked, then masked steps; longest tiles first). Per step
+    (3 wgmmas): S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+The softmax scale multiplies dQ and dK once at the end. Both kernels run their steps through `_gradient_step`,
+which with `HopperConfig.bwd_overlap` issues S and dP together and awaits each wgmma only where its result is
+read; every step still ends with all of its wgmmas complete (the accumulators are values between steps).
 
 `HopperConfig.bwd_form` picks the form: "two_kernel" runs both kernels above; "one_kernel" (FlashAttention-3's
 form, 5 wgmmas per step, no dQ kernel) runs the dK/dV kernel only, which also adds each step's dQ share into an
@@ -24,9 +26,9 @@ fp32 dQ in global memory by TMA reduce-add:
     split in chunks of 64 between the warpgroups (D=64: one chunk, taken by the warpgroups in turn);
   - the fp32 chunk goes out by `copy_smem_to_gmem(..., reduction_op="add")` into a zeroed dQ that the kernel
     takes as a mutable JAX Ref (aliased in and out: `pl.kernel` with a `plgpu.Mesh`).
-Measured on an H200 (D=128, S=16k, compare/results/README.md, 2026-11-22), the one-kernel form reaches 407-441
-TFLOP/s fwd+bwd against the two-kernel form's 456-464, so "two_kernel" is the default: here each of its five
-wgmmas runs to completion before the next step (the matmul helpers wait), and every step adds a barrier between
+Measured on an H200 (S=16k, compare/results/README.md, 2026-11-22 and 2026-11-23), the one-kernel form reaches
+407-441 TFLOP/s fwd+bwd at D=128 with every wgmma awaited when issued and 337 with `bwd_overlap`, against the
+two-kernel form's 456-464 and 485, so "two_kernel" is the default: every one-kernel step adds a barrier between
 the two warpgroups plus an fp32 shared-memory round trip and TMA reduce-add for dQ, with nothing to overlap them.
 GPU interpreter: it has no TMA reduction (nor aliased Refs), so under interpretation (lines marked INTERPRET) each
 CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the wrapper adds the slices up
