@@ -61,11 +61,11 @@ from .remat import keep_for_backward
 from weights.attention import check_attention_shapes
 
 BACKENDS = ("pallas", "pallas_mosaic", "pallas_triton", "reference", "cudnn")
-# Head dims at which "pallas" takes the Mosaic kernels on sm90, as measured on an H200 (compare/results/README.md,
-# 2026-11-22; the GPU tests of tests/test_flash_hopper_jax.py passed there): at D=128 the Mosaic forward runs at
-# cuDNN's rate and forward+backward 14-25 % above the Triton lowering at every measured point. D=64's
-# forward+backward has not been timed against the Triton lowering yet, so D=64 keeps it.
-MOSAIC_DEFAULT_HEAD_DIMS = (128,)
+# Head dims at which "pallas" takes the Mosaic kernels on sm90, as measured on an H200 (compare/results/README.md;
+# the GPU tests of tests/test_flash_hopper_jax.py passed there): at D=128 forward+backward 14-25 % above the
+# Triton lowering (2026-11-22); at D=64, 16k, 392-410 TF/s (2026-11-23) against the Triton lowering's 345 with
+# its retuned blocks (2026-11-21, non-causal, Hkv=8, where Mosaic runs 410).
+MOSAIC_DEFAULT_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_HEAD_DIM = 256
 

@@ -11,10 +11,12 @@ out) and lse in the exp2 domain (rows with lse -inf and padded rows get +inf, so
     (one flat loop, head fastest) through `bwd_num_stages` slots, starting at the first query block that
     sees the CTA's keys. Per step (4 wgmmas): S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
     dS^T = P^T (dP^T - delta), dK += dS^T Q. Blocks crossing the causal diagonal are masked.
-  - dQ kernel: a CTA owns 2 * bwd_block_q query rows of one (batch, head); the TMA warpgroup streams K/V
-    blocks as in the forward (unmasked, then masked steps; longest tiles first). Per step (3 wgmmas):
-    S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
-The softmax scale multiplies dQ and dK once at the end.
+  - dQ kernel: a CTA owns 2 * dq_block_q query rows of one (batch, head); the TMA warpgroup streams K/V
+    blocks of dq_block_kv keys as in the forward (unmasked, then masked steps; longest tiles first). Per step
+    (3 wgmmas): S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+The softmax scale multiplies dQ and dK once at the end. Both kernels run their steps through `_gradient_step`,
+which with `HopperConfig.bwd_overlap` issues S and dP together and awaits each wgmma only where its result is
+read; every step still ends with all of its wgmmas complete (the accumulators are values between steps).
 
 `HopperConfig.bwd_form` picks the form: "two_kernel" runs both kernels above; "one_kernel" (FlashAttention-3's
 form, 5 wgmmas per step, no dQ kernel) runs the dK/dV kernel only, which also adds each step's dQ share into an
@@ -24,9 +26,9 @@ fp32 dQ in global memory by TMA reduce-add:
     split in chunks of 64 between the warpgroups (D=64: one chunk, taken by the warpgroups in turn);
   - the fp32 chunk goes out by `copy_smem_to_gmem(..., reduction_op="add")` into a zeroed dQ that the kernel
     takes as a mutable JAX Ref (aliased in and out: `pl.kernel` with a `plgpu.Mesh`).
-Measured on an H200 (D=128, S=16k, compare/results/README.md, 2026-11-22), the one-kernel form reaches 407-441
-TFLOP/s fwd+bwd against the two-kernel form's 456-464, so "two_kernel" is the default: here each of its five
-wgmmas runs to completion before the next step (the matmul helpers wait), and every step adds a barrier between
+Measured on an H200 (S=16k, compare/results/README.md, 2026-11-22 and 2026-11-23), the one-kernel form reaches
+407-441 TFLOP/s fwd+bwd at D=128 with every wgmma awaited when issued and 337 with `bwd_overlap`, against the
+two-kernel form's 456-464 and 485, so "two_kernel" is the default: every one-kernel step adds a barrier between
 the two warpgroups plus an fp32 shared-memory round trip and TMA reduce-add for dQ, with nothing to overlap them.
 GPU interpreter: it has no TMA reduction (nor aliased Refs), so under interpretation (lines marked INTERPRET) each
 CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the wrapper adds the slices up
@@ -38,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .flash_forward import LOG2E, output_struct, pad_axis, round_up
 from .flash_hopper_forward import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, PRODUCER_REGISTERS, HopperConfig,
-                                   copy_in, interpret_params, iota, layout, matmul_acc, matmul_nt, produce,
+                                   copy_in, interpret_params, iota, layout, matmul_nt, produce,
                                    query_tile, smem_transforms, stream_kv, warpgroup_rows)
 
 # jax 0.10's plgpu.load takes an index argument that 0.11 dropped.
@@ -92,10 +95,55 @@ def _matmul_tn_sum(pairs, *, interpret: bool):
     return pl.run_scoped(compute, plgpu.ACC((a.shape[1], b.shape[1]), jnp.float32))
 
 
+def _gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, probs_acc, dscores_acc, *, overlap: bool,
+                   interpret: bool):
+    """One backward step's matmuls around its elementwise math, all fp32-accumulating:
+    S = a b^T and dP = c d^T from the shared-memory pairs `scores_pair` and `dprobs_pair`, P = probs_of(S),
+    probs_acc = (acc, rhs): acc + P rhs (None: no such product), dS = dscores_of(P, dP),
+    dscores_acc = (acc, rhs): acc + dS rhs. Returns the updated accumulators (None for an absent one).
+
+    `overlap` (HopperConfig.bwd_overlap): S and dP are issued together and each product is awaited only where
+    its result is read (S while dP runs, dP while P rhs runs), so the tensor cores have the next wgmma queued
+    while the warpgroup computes P or dS; without it, every wgmma is awaited as soon as it is issued."""
+    accs = tuple(pair[0] for pair in (probs_acc, dscores_acc) if pair is not None)
+    if interpret:  # INTERPRET: plain dots (see flash_hopper_forward's docstring); no asynchrony to express
+        def dot(a, b):
+            return jnp.dot(a if isinstance(a, jax.Array) else a[...], b[...], preferred_element_type=jnp.float32)
+        probs = probs_of(matmul_nt(*scores_pair, interpret=True))
+        dprobs = matmul_nt(*dprobs_pair, interpret=True)
+        new_probs_acc = None if probs_acc is None else probs_acc[0] + dot(probs.astype(probs_acc[1].dtype),
+                                                                            probs_acc[1])
+        dscores = dscores_of(probs, dprobs)
+        return new_probs_acc, dscores_acc[0] + dot(dscores.astype(dscores_acc[1].dtype), dscores_acc[1])
+
+    def settle():
+        if not overlap:
+            plgpu.wgmma_wait(0)
+
+    def compute(acc_refs):
+        def scoped(scores_ref, dprobs_ref):
+            plgpu.wgmma(scores_ref, scores_pair[0], plgpu.transpose_ref(scores_pair[1], (1, 0)))
+            settle()
+            plgpu.wgmma(dprobs_ref, dprobs_pair[0], plgpu.transpose_ref(dprobs_pair[1], (1, 0)))
+            settle()
+            probs = probs_of(plgpu.wgmma_accumulator_load(scores_ref, wait_n=1 if overlap else 0))
+            if probs_acc is not None:
+                plgpu.wgmma(acc_refs[0], probs.astype(probs_acc[1].dtype), probs_acc[1])
+                settle()
+            dprobs = plgpu.wgmma_accumulator_load(dprobs_ref, wait_n=1 if overlap and probs_acc is not None else 0)
+            dscores = dscores_of(probs, dprobs)
+            plgpu.wgmma(acc_refs[-1], dscores.astype(dscores_acc[1].dtype), dscores_acc[1])
+        shape = (scores_pair[0].shape[0], scores_pair[1].shape[0])
+        pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+    results = pl.run_state(compute)(tuple(plgpu.ACC.init(acc) for acc in accs))  # awaits every wgmma
+    return (results[0] if probs_acc is not None else None), results[-1]
+
+
 def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_ref, dv_ref, k_smem2, v_smem2,
                  out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, kv_barriers, q_barriers, dout_barriers,
                  lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool, scale: float, block_q: int,
-                 block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int, interpret: bool):
+                 block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int, overlap: bool,
+                 interpret: bool):
     """dK/dV (and with `dq_ref`, the one-kernel form, dQ by reduce-add; else dq_ref, ds_smem and ds_ready are
     None)."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
@@ -151,24 +199,32 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             slot = lax.rem(t - begin, stages)
             for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
                 plgpu.barrier_wait(barrier.at[slot])
-            scores_t = matmul_nt(k_smem, q_smem.at[slot], interpret=interpret) * (scale * LOG2E)
             lse2 = _load_stats(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
-            probs_t = jnp.exp2(scores_t - lax.broadcast_in_dim(lse2, scores_t.shape, [1]))
-            if masked:
-                q_pos = lax.div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
-                k_pos = k_first + iota(scores_t.shape, 0, interpret=interpret)
-                probs_t = jnp.where(k_pos <= q_pos + offset, probs_t, 0.0)
-            dv = matmul_acc(dv, probs_t.astype(dout_smem.dtype), dout_smem.at[slot], interpret=interpret)
-            dprobs_t = matmul_nt(v_smem, dout_smem.at[slot], interpret=interpret)
             delta = _load_stats(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
-            dscores_t = (probs_t * (dprobs_t - lax.broadcast_in_dim(delta, dprobs_t.shape, [1]))).astype(q_smem.dtype)
-            if dq_ref is not None:
-                # dS^T tiles alternate between two buffers: a warpgroup writes buffer t % 2 again only after the
-                # ds_ready barrier of step t + 1, which the other reaches after its dQ wgmmas of step t.
-                parity = lax.rem(t - begin, 2)
-                ds_smem.at[parity, wg][...] = dscores_t
-                plgpu.commit_smem()
-            dk = matmul_acc(dk, dscores_t, q_smem.at[slot], interpret=interpret)
+            # dS^T tiles of the one-kernel form alternate between two buffers: a warpgroup writes buffer t % 2
+            # again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ wgmmas
+            # of step t.
+            parity = lax.rem(t - begin, 2)
+
+            def probs_of(scores_t):
+                probs_t = jnp.exp2(scores_t * (scale * LOG2E) - lax.broadcast_in_dim(lse2, scores_t.shape, [1]))
+                if masked:
+                    q_pos = lax.div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
+                    k_pos = k_first + iota(scores_t.shape, 0, interpret=interpret)
+                    probs_t = jnp.where(k_pos <= q_pos + offset, probs_t, 0.0)
+                return probs_t
+
+            def dscores_of(probs_t, dprobs_t):
+                dscores_t = (probs_t * (dprobs_t - lax.broadcast_in_dim(delta, dprobs_t.shape, [1]))
+                             ).astype(q_smem.dtype)
+                if dq_ref is not None:
+                    ds_smem.at[parity, wg][...] = dscores_t
+                    plgpu.commit_smem()
+                return dscores_t
+
+            dv, dk = _gradient_step((k_smem, q_smem.at[slot]), (v_smem, dout_smem.at[slot]), probs_of, dscores_of,
+                                    (dv, dout_smem.at[slot]), (dk, q_smem.at[slot]), overlap=overlap,
+                                    interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
             if dq_ref is not None:
                 plgpu.barrier_arrive(ds_ready)
@@ -203,7 +259,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
 def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_smem2, dout_smem2, lse_smem2,
                delta_smem2, out_smem2, k_smem, v_smem, row_barriers, k_barriers, v_barriers, k_consumed,
                v_consumed, *, causal: bool, scale: float, block_q: int, block_kv: int, stages: int, group: int,
-               offset: int, seq_k: int, num_kv: int, num_tiles: int, interpret: bool):
+               offset: int, seq_k: int, num_kv: int, num_tiles: int, overlap: bool, interpret: bool):
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     tile_first, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q,
                                                   block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv)
@@ -225,17 +281,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
             slot = lax.rem(kv_step, stages)
             plgpu.barrier_wait(k_barriers.at[slot])
             plgpu.barrier_wait(v_barriers.at[slot])
-            scores = matmul_nt(q_smem, k_smem.at[slot], interpret=interpret) * (scale * LOG2E)
-            probs = jnp.exp2(scores - lax.broadcast_in_dim(lse2, scores.shape, [0]))
-            if masked:
-                q_pos = q_first + iota(scores.shape, 0, interpret=interpret)
-                k_pos = kv_step * block_kv + iota(scores.shape, 1, interpret=interpret)
-                seen = (k_pos <= q_pos + offset) if causal else (k_pos < seq_k)
-                probs = jnp.where(seen, probs, 0.0)
-            dprobs = matmul_nt(dout_smem, v_smem.at[slot], interpret=interpret)
+
+            def probs_of(scores):
+                probs = jnp.exp2(scores * (scale * LOG2E) - lax.broadcast_in_dim(lse2, scores.shape, [0]))
+                if masked:
+                    q_pos = q_first + iota(scores.shape, 0, interpret=interpret)
+                    k_pos = kv_step * block_kv + iota(scores.shape, 1, interpret=interpret)
+                    seen = (k_pos <= q_pos + offset) if causal else (k_pos < seq_k)
+                    probs = jnp.where(seen, probs, 0.0)
+                return probs
+
+            def dscores_of(probs, dprobs):
+                return probs * (dprobs - lax.broadcast_in_dim(delta, dprobs.shape, [0]))
+
+            _, dq = _gradient_step((q_smem, k_smem.at[slot]), (dout_smem, v_smem.at[slot]), probs_of, dscores_of,
+                                   None, (dq, k_smem.at[slot]), overlap=overlap, interpret=interpret)
             plgpu.barrier_arrive(v_consumed.at[slot])
-            dscores = probs * (dprobs - lax.broadcast_in_dim(delta, dprobs.shape, [0]))
-            dq = matmul_acc(dq, dscores.astype(k_smem.dtype), k_smem.at[slot], interpret=interpret)
             plgpu.barrier_arrive(k_consumed.at[slot])
             return dq
 
@@ -302,9 +363,10 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     seq_k, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
-    q_len = round_up(seq_q, COMPUTE_WARPGROUPS * block_q)
-    k_len = round_up(seq_k, COMPUTE_WARPGROUPS * block_kv)
-    num_q_blocks, num_kv = q_len // block_q, k_len // block_kv
+    # Padded for both kernels: query tiles of the dQ kernel, key tiles of the dK/dV kernel and the dQ kernel's steps
+    q_len = round_up(seq_q, COMPUTE_WARPGROUPS * math.lcm(block_q, config.dq_block_q))
+    k_len = round_up(seq_k, math.lcm(COMPUTE_WARPGROUPS * block_kv, config.dq_block_kv))
+    num_q_blocks = q_len // block_q
     offset = seq_k - seq_q
 
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
@@ -335,7 +397,8 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
         if not one_kernel:
             refs = refs[:len(inputs)] + (None,) + refs[len(inputs):]
         _dkdv_kernel(*refs, **smem, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
-                     stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks, interpret=interpret)
+                     stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
+                     overlap=config.bwd_overlap, interpret=interpret)
 
     results = _launch(
         dkdv_kernel,
@@ -360,15 +423,16 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     else:
         dk, dv = results
         dq = _dq_call(inputs, causal=causal, scale=softmax_scale, config=config, group=group, offset=offset,
-                      seq_k=seq_k, num_kv=num_kv, out_width=out_width, dq_shape=dq_shape, interpret=interpret)
+                      seq_k=seq_k, out_width=out_width, dq_shape=dq_shape, interpret=interpret)
     return dq[:, :seq_q], dk[:, :seq_k], dv[:, :seq_k]
 
 
 def _dq_call(inputs, *, causal: bool, scale: float, config: HopperConfig, group: int, offset: int, seq_k: int,
-             num_kv: int, out_width: int, dq_shape, interpret: bool):
+             out_width: int, dq_shape, interpret: bool):
     """The two-kernel form's dQ kernel on the padded inputs."""
     batch, q_len, heads, head_dim = dq_shape
-    block_q, block_kv, wgs = config.bwd_block_q, config.bwd_block_kv, COMPUTE_WARPGROUPS
+    block_q, block_kv, wgs = config.dq_block_q, config.dq_block_kv, COMPUTE_WARPGROUPS
+    num_kv = inputs[1].shape[1] // block_kv
     dtype = inputs[0].dtype
     transforms = smem_transforms(dtype)
 
@@ -380,7 +444,7 @@ def _dq_call(inputs, *, causal: bool, scale: float, config: HopperConfig, group:
     return _launch(
         functools.partial(_dq_kernel, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
                           stages=stages, group=group, offset=offset, seq_k=seq_k, num_kv=num_kv,
-                          num_tiles=num_tiles, interpret=interpret),
+                          num_tiles=num_tiles, overlap=config.bwd_overlap, interpret=interpret),
         dict(q_smem2=tiles(wgs, block_q), dout_smem2=tiles(wgs, block_q),
              lse_smem2=plgpu.SMEM((wgs, block_q), jnp.float32), delta_smem2=plgpu.SMEM((wgs, block_q), jnp.float32),
              out_smem2=plgpu.SMEM((wgs, block_q, out_width), jnp.float32, transforms=smem_transforms(jnp.float32)),

@@ -58,19 +58,25 @@ COMPUTE_REGISTERS = (512 - PRODUCER_REGISTERS) // COMPUTE_WARPGROUPS // 8 * 8
 
 @dataclasses.dataclass(frozen=True)
 class HopperConfig:
-    """Block sizes of the Mosaic kernels. Forward: each compute warpgroup owns `block_q` query rows (a CTA
-    2 * block_q) and steps over K/V by `block_kv` through `num_stages` shared-memory slots. Backward dK/dV: a
-    warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
-    owns `bwd_block_q` query rows and steps over keys by `bwd_block_kv`. `bwd_form`: "two_kernel" (a separate dQ
-    kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in fp32 by TMA reduce-add);
-    see flash_hopper_backward.py. The two-kernel form is the default: 456-464 TFLOP/s fwd+bwd against the
-    one-kernel form's 407-441 on an H200 (D=128, S=16k; compare/results/README.md, 2026-11-22)."""
+    """Block sizes and schedule of the Mosaic kernels. Forward: each compute warpgroup owns `block_q` query rows
+    (a CTA 2 * block_q) and steps over K/V by `block_kv` through `num_stages` shared-memory slots. Backward dK/dV:
+    a warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
+    owns `dq_block_q` query rows and steps over keys by `dq_block_kv`; both through `bwd_num_stages` slots.
+    `bwd_overlap`: the backward issues its independent wgmmas together and awaits each only where its result is
+    read (False: each is awaited when issued; see `flash_hopper_backward._gradient_step`). `bwd_form`:
+    "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in
+    fp32 by TMA reduce-add); see flash_hopper_backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
+    causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at D=128 with `bwd_overlap`,
+    485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64: 381)."""
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
     bwd_block_q: int = 64
     bwd_block_kv: int = 64
     bwd_num_stages: int = 2
+    dq_block_q: int = 64
+    dq_block_kv: int = 128
+    bwd_overlap: bool = True
     bwd_form: str = "two_kernel"
 
     def __post_init__(self):
@@ -80,9 +86,9 @@ class HopperConfig:
             # its dQ and dK/dV tiles leave through the same fp32 shared-memory buffer
             raise ValueError("HopperConfig: the one-kernel backward needs bwd_block_q == bwd_block_kv, got "
                              f"{self.bwd_block_q} and {self.bwd_block_kv}")
-        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
-            if getattr(self, name) % 64:
-                raise ValueError(f"HopperConfig.{name} must be a multiple of 64 (wgmma tiles), got "
+        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_q", "dq_block_kv"):
+            if getattr(self, name) % 64 or getattr(self, name) < 64:
+                raise ValueError(f"HopperConfig.{name} must be a positive multiple of 64 (wgmma tiles), got "
                                  f"{getattr(self, name)}")
         if self.num_stages < 1 or self.bwd_num_stages < 1:
             raise ValueError("HopperConfig stages must be >= 1")
@@ -90,16 +96,26 @@ class HopperConfig:
 
 def default_config(head_dim: int) -> HopperConfig:
     """Heuristic: block_kv 128 for D <= 128 (FA3's and tokamax's sm90 choice), 2 stages; shared memory at
-    D=128: Q 32 KB + K/V 2 x 2 x 32 KB + an fp32 out tile 64 KB when the ring asks for fp32 out."""
+    D=128: Q 32 KB + K/V 2 x 2 x 32 KB + an fp32 out tile 64 KB when the ring asks for fp32 out. The dQ kernel
+    at D=128 holds Q and dO (32 KB each), K/V slots (2 stages x 2 x 32 KB at dq_block_kv 128) and a 32 KB fp32
+    out tile, 224 KB: dq_block_q 128 or a third stage exceed the 227 KB (compile errors in the 2026-11-23 sweep).
+    Backward defaults, both head dims: `bwd_overlap` and dq_block_kv 128 (fastest of the sweep at D=128 and 64)."""
     del head_dim  # both supported head dims take the same blocks today; the argument keeps the call sites honest
     return HopperConfig()
 
 
-# Candidates for `compare` sweeps: each is a full config, timed as one.
-AUTOTUNE_SPACE = tuple(HopperConfig(block_q=64, block_kv=kv, num_stages=st, bwd_block_q=64, bwd_block_kv=bkv,
-                                    bwd_form=form)
-                       for kv in (64, 128) for st in (2, 3) for bkv in (64, 128) for form in BACKWARD_FORMS
-                       if form == "two_kernel" or bkv == 64)
+def autotune_space(head_dim: int) -> tuple[HopperConfig, ...]:
+    """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family mosaic`), each a full
+    config timed as one, `default_config(head_dim)` first: the backward's schedule, stages and dQ blocks one
+    at a time, then the forward's K/V block and stages (D=64: a 256-key forward block early). Register files
+    bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
+    bwd_block_kv stays 64."""
+    base = default_config(head_dim)
+    variants = [dict(bwd_overlap=not base.bwd_overlap)] + ([dict(block_kv=256)] if head_dim <= 64 else []) + [
+        dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
+        dict(num_stages=3), dict(bwd_form="one_kernel")]
+    configs = [base] + [dataclasses.replace(base, **change) for change in variants]
+    return tuple(dict.fromkeys(configs))
 
 
 def supports(q, head_dim: int) -> str | None:
@@ -126,8 +142,8 @@ def causal_kv_steps(q_first, block_q: int, block_kv: int, *, causal: bool, offse
                     num_kv: int):
     """For query rows [q_first, q_first + block_q): (n_full, n_end). K/V blocks [0, n_full) are seen fully by
     every row, [n_full, n_end) need the mask, blocks from n_end on are seen by no row."""
-    if not causal:
-        return seq_k // block_kv, num_kv
+    if not causal:  # blocks wholly past seq_k (padding for another kernel's tiles) are seen by no row
+        return seq_k // block_kv, min(-(-seq_k // block_kv), num_kv)
     n_end = jnp.clip(lax.div(jnp.maximum(q_first + block_q + offset + block_kv - 1, 0), block_kv), 0, num_kv)
     n_full = jnp.minimum(lax.div(jnp.maximum(q_first + offset + 1, 0), block_kv), n_end)
     return n_full, n_end

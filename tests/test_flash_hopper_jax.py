@@ -26,7 +26,7 @@ from test_flash_attention_jax import (_float64_attention, _flash_and_naive, _fla
 
 from jax_impl.attention import reference_attention
 from jax_impl.flash_attention import BACKENDS, flash_attention, flash_attention_forward
-from jax_impl.flash_hopper_forward import HopperConfig, supports
+from jax_impl.flash_hopper_forward import HopperConfig, autotune_space, default_config, supports
 
 on_hopper = pytest.mark.skipif(
     jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
@@ -52,6 +52,16 @@ def test_mosaic_flash_rule_against_float64(seq_q, seq_k, heads, kv_heads, head_d
     assert not _flash_rule_violations(flash, naive, exact)
     unseen = np.isneginf(exact[1]).transpose(0, 2, 1)  # [B, Sq, H]: rows that see no key get out 0 and dq 0
     assert not np.any(np.asarray(flash[0], np.float32)[unseen]) and not np.any(np.asarray(flash[2])[unseen])
+
+
+def test_mosaic_keys_padded_past_the_dq_step_meet_the_rule():
+    """Sk a multiple of the dQ kernel's 64-key step but not of the dK/dV kernel's 128-key tile: the padding holds a
+    whole dQ step no row sees, which the non-causal step range must leave out (before it did, the step was
+    streamed but never consumed and the interpreted kernel waited forever)."""
+    q, k, v, dout = _inputs(1, 100, 192, 2, 2, 64, jnp.bfloat16)
+    flash, naive = _flash_and_naive(q, k, v, dout, causal=False, backend="pallas_mosaic",
+                                    config=HopperConfig(dq_block_kv=64))
+    assert not _flash_rule_violations(flash, naive, _float64_attention(q, k, v, dout, causal=False, scale=1 / 8))
 
 
 def test_mosaic_negative_control_fails_the_rule():
@@ -82,6 +92,17 @@ def test_config_rejects_blocks_wgmma_cannot_tile():
     with pytest.raises(ValueError, match="bwd_block_q == bwd_block_kv"):
         HopperConfig(bwd_block_kv=128, bwd_form="one_kernel")
     HopperConfig(bwd_block_kv=128)  # the two-kernel form takes unequal backward blocks
+
+
+def test_autotune_space_starts_at_the_default_and_varies_the_backward():
+    for head_dim in (64, 128):
+        space = autotune_space(head_dim)
+        assert space[0] == default_config(head_dim) and len(set(space)) == len(space) > 5
+        assert {c.bwd_overlap for c in space} == {True, False} and {c.bwd_form for c in space} == {"one_kernel",
+                                                                                                   "two_kernel"}
+        assert {c.dq_block_kv for c in space} == {64, 128}
+    assert any(c.block_kv == 256 for c in autotune_space(64)) and not any(c.block_kv == 256
+                                                                          for c in autotune_space(128))
 
 
 # ---------------------------------------------------------------------------------------------------------------

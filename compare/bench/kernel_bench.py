@@ -12,6 +12,8 @@ Measured, bf16, batch 1, H=32 (defaults), for each S (--seq-lens), causal and no
               pallas_mosaic  ours forced to the Hopper Mosaic GPU kernels (backend="pallas_mosaic")
               pallas_mosaic_one_kernel  the same with the one-kernel (FA3) backward (HopperConfig(bwd_form=
                           "one_kernel")); measured only when --impls names it
+              pallas_triton  ours forced to the Triton-lowering kernels (backend="pallas_triton"); measured only
+                          when --impls names it
               jax_cudnn   jax.nn.dot_product_attention(implementation="cudnn") (GQA native)
               pallas_mha  JAX's shipped Pallas kernel, jax.experimental.pallas.ops.gpu.attention.mha
                           (K/V repeated to H heads outside the timed call, it has no GQA)
@@ -55,7 +57,7 @@ from weights.flops import attention_flops
 IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"),
          "jax": ("pallas", "pallas_mosaic", "jax_cudnn", "pallas_mha", "tokamax")}
 TRITON_PATHS = ("triton_hopper", "triton_portable", "triton_gluon")  # measured only when --triton-paths names them
-EXTRA_IMPLS = {"jax": ("pallas_mosaic_one_kernel",)}  # measured only when --impls names them
+EXTRA_IMPLS = {"jax": ("pallas_mosaic_one_kernel", "pallas_triton")}  # measured only when --impls names them
 KNOWN_IMPLS = tuple(i for part in IMPLS for i in (*IMPLS[part], *EXTRA_IMPLS.get(part, ())))
 RATIOS = (("ours/FA2", "triton", "sdpa_flash"), ("ours/cuDNN", "triton", "sdpa_cudnn"),
           ("pallas/mha", "pallas", "pallas_mha"), ("pallas/jax-cuDNN", "pallas", "jax_cudnn"),
@@ -269,12 +271,14 @@ def _jax_part(args) -> None:
         impls["pallas"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal)
         impls["pallas_mosaic"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
                                                                          backend="pallas_mosaic")
+        impls["pallas_triton"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
+                                                                         backend="pallas_triton")
         one_kernel = HopperConfig(bwd_form="one_kernel")
         impls["pallas_mosaic_one_kernel"] = lambda q, k, v, causal: flash_attention(
             q, k, v, causal=causal, backend="pallas_mosaic", config=one_kernel)
     except Exception as err:
         error = f"import: {type(err).__name__}: {err}"[:300]
-        import_errors.update(pallas=error, pallas_mosaic=error, pallas_mosaic_one_kernel=error)
+        import_errors.update(pallas=error, pallas_mosaic=error, pallas_mosaic_one_kernel=error, pallas_triton=error)
     impls["jax_cudnn"] = lambda q, k, v, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                               implementation="cudnn")
     try:
@@ -300,11 +304,11 @@ def _jax_part(args) -> None:
         if impl == "pallas_mha":  # no GQA: K/V repeated to H heads outside the timed call
             k, v = (jnp.repeat(x, args.heads // kv_heads, axis=2) for x in (k, v))
 
-        def loss(q, k, v):
+        def loss(q, k, v, dout):  # dout an argument: closed over, XLA would fold it (and its transposes) at compile
             return jnp.sum(attend(q, k, v, causal).astype(jnp.float32) * dout.astype(jnp.float32))
 
         fwd_ms = jax_median_ms(jax.jit(lambda q, k, v: attend(q, k, v, causal)), q, k, v, repeats=repeats)
-        fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=repeats)
+        fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, dout, repeats=repeats)
         return _result(args, impl, seq_len, causal, kv_heads, head_dim, fwd_ms, fwdbwd_ms)
 
     for point in _points(args):

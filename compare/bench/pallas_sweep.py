@@ -1,6 +1,7 @@
 """Block-size sweep of the JAX Pallas FlashAttention kernels on one GPU (`python -m compare.bench.pallas_sweep`).
 
-For each head dim (--head-dims) it times, bf16, B x S x H (Hkv) as given, causal and/or full:
+--family triton (default), the Triton-lowering kernels: for each head dim (--head-dims) it times, bf16,
+B x S x H (Hkv) as given, causal and/or full:
   fwd   the forward kernel over FORWARD_CANDIDATES;
   dkdv  the backward (both kernels) over DKDV_CANDIDATES, the dQ kernel held at its table default;
   dq    the backward over DQ_CANDIDATES, the dK/dV kernel held at the best dkdv found;
@@ -11,15 +12,25 @@ Timing: block_until_ready, median of --repeats after two warm-up calls. TFLOP/s 
 `weights.flops.attention_flops` (backward = 2.5 forwards). Prints one JSON object per line and a summary with
 ready-to-paste `jax_impl.flash_forward.GPU_CONFIGS` entries; writes all rows to --out. Every config reaches the
 kernels as an argument (`config=`), so each timed function is its own trace.
+
+--family mosaic, the Hopper Mosaic GPU kernels: for each head dim and causal setting, every `HopperConfig` of
+`jax_impl.flash_hopper_forward.autotune_space(D)` (the heuristic's default first) through
+`flash_attention(backend="pallas_mosaic", config=...)`: fwd+bwd, and fwd once per distinct forward block
+sizes, timed as `bench kernels` times them, beside JAX cuDNN on the same inputs. Outputs and gradients are
+compared with the default config's (max_abs_diff); a config that fails to compile is an error row. --budget-s
+(per point) stops starting new candidates once spent (their rows say so), so a sweep fits a time-limited call.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
+import math
 import os
+import time
 from pathlib import Path
 
 from compare.bench.kernel_bench import jax_median_ms
@@ -49,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--causal", choices=("causal", "full", "both"), default="causal")
     parser.add_argument("--kernels", default="fwd,dkdv,dq", help="subset of fwd,dkdv,dq")
     parser.add_argument("--quick", action="store_true", help="5 candidates per kernel instead of the full grid")
+    parser.add_argument("--family", choices=("triton", "mosaic"), default="triton",
+                        help="which Pallas kernel family to sweep (mosaic: sm90 only)")
+    parser.add_argument("--budget-s", type=float,
+                        help="mosaic: start no candidate after this many seconds into a point")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("compare/results/pallas_sweep.json"))
     return parser
@@ -116,15 +131,76 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
     for label, config in (("table", default), ("best", tuned)):
         attention = functools.partial(flash_attention, causal=causal, backend="pallas_triton", config=config)
 
-        def loss(q, k, v):
+        def loss(q, k, v, dout):  # dout an argument: closed over, XLA would fold it at compile time
             return jnp.sum(attention(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
 
         fwd_ms = jax_median_ms(jax.jit(attention), q, k, v, repeats=args.repeats)
-        fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=args.repeats)
+        fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, dout, repeats=args.repeats)
         rows.append(_emit(dict(point, kernel="flash_attention", sizes=label, block_sizes=repr(config),
                                fwd_ms=fwd_ms, fwd_tflops=fwd_flops / (fwd_ms * 1e-3) / 1e12, fwdbwd_ms=fwdbwd_ms,
                                fwdbwd_tflops=3.5 * fwd_flops / (fwdbwd_ms * 1e-3) / 1e12)))
     print(f"# head_dim {head_dim} causal={causal}: {padded_head_dim(head_dim)}: {tuned!r},", flush=True)
+    return rows
+
+
+def sweep_mosaic_point(args, head_dim: int, causal: bool) -> list[dict]:
+    """Every Mosaic candidate of `autotune_space(head_dim)` and JAX cuDNN at one point; returns the rows."""
+    deadline = time.monotonic() + (args.budget_s if args.budget_s is not None else math.inf)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_impl.flash_attention import flash_attention
+    from jax_impl.flash_hopper_forward import autotune_space
+
+    b, s, h, hkv = args.batch, args.seq_len, args.heads, args.kv_heads
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, dout = (jax.random.normal(key, (b, s, heads, head_dim), jnp.bfloat16)
+                     for key, heads in zip(keys, (h, hkv, hkv, h)))
+    fwd_flops = attention_flops(b, h, s, s, head_dim, causal, backward=False)
+    point = dict(S=s, batch=b, heads=h, kv_heads=hkv, head_dim=head_dim, causal=causal)
+
+    def timed(attend) -> dict:
+        def loss(q, k, v, dout):  # dout an argument: closed over, XLA would fold it at compile time
+            return jnp.sum(attend(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        ms = jax_median_ms(grads, q, k, v, dout, repeats=args.repeats)
+        return dict(fwdbwd_ms=ms, fwdbwd_tflops=3.5 * fwd_flops / (ms * 1e-3) / 1e12,
+                    results=[np.asarray(x, np.float32) for x in (jax.jit(attend)(q, k, v), *grads(q, k, v, dout))])
+
+    def forward_ms(attend) -> dict:
+        ms = jax_median_ms(jax.jit(attend), q, k, v, repeats=args.repeats)
+        return dict(fwd_ms=ms, fwd_tflops=fwd_flops / (ms * 1e-3) / 1e12)
+
+    cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")
+    row = dict(point, impl="jax_cudnn")
+    try:
+        row |= forward_ms(cudnn) | {key: value for key, value in timed(cudnn).items() if key != "results"}
+    except Exception as err:  # cuDNN's absence is a result of the sweep, not its end
+        row["error"] = f"{type(err).__name__}: {err}"[:300]
+    rows, first, forward_rows = [_emit(row)], None, {}
+    for config in autotune_space(head_dim):
+        row = dict(point, impl="pallas_mosaic", config=dataclasses.asdict(config))
+        if time.monotonic() > deadline:
+            rows.append(_emit(row | {"error": "skipped: --budget-s spent"}))
+            continue
+        attend = functools.partial(flash_attention, causal=causal, backend="pallas_mosaic", config=config)
+        try:
+            result = timed(attend)
+            first = first or result["results"]
+            row["max_abs_diff"] = max(float(np.max(np.abs(a - c))) for a, c in zip(result.pop("results"), first))
+            forward = (config.block_q, config.block_kv, config.num_stages)
+            if forward not in forward_rows:
+                forward_rows[forward] = forward_ms(attend)
+            row |= forward_rows[forward] | result
+        except Exception as err:  # a config that does not compile or run is a result, not a crash
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+        rows.append(_emit(row))
+    timed_rows = [r for r in rows if r["impl"] == "pallas_mosaic" and "fwdbwd_ms" in r]
+    if timed_rows:
+        best = min(timed_rows, key=lambda r: r["fwdbwd_ms"])
+        print(f"# D={head_dim} causal={causal}: best fwd+bwd {best['fwdbwd_tflops']:.0f} TF/s with {best['config']}; "
+              f"default {timed_rows[0]['fwdbwd_tflops']:.0f}", flush=True)
     return rows
 
 
@@ -136,7 +212,11 @@ def main(argv=None) -> int:
         raise SystemExit("pallas_sweep needs jax with a GPU backend (the kernels are timed compiled, not interpreted)")
     print(json.dumps({"meta": {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}}), flush=True)
     causals = {"causal": (True,), "full": (False,), "both": (True, False)}[args.causal]
-    rows = [row for head_dim in args.head_dims for causal in causals for row in sweep_point(args, head_dim, causal)]
+    if args.family == "mosaic":
+        rows = [row for head_dim in args.head_dims for causal in causals
+                for row in sweep_mosaic_point(args, head_dim, causal)]
+    else:
+        rows = [row for head_dim in args.head_dims for causal in causals for row in sweep_point(args, head_dim, causal)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1))
     print(f"# wrote {len(rows)} rows to {args.out}", flush=True)
