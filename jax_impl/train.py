@@ -315,14 +315,10 @@ def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh) -> 
     def load(name: str) -> jax.Array:
         if not is_stacked(name):
             return put_sharded(source.tensor(name).astype(np.float32, copy=False), shardings[name])
-        made: dict[tuple, np.ndarray] = {}  # a replicated weight asks every device for the same rows: read once
 
         def rows(index: tuple[slice, ...]) -> np.ndarray:
-            key = tuple((part.start, part.stop, part.step) for part in index)
-            if key not in made:
-                made[key] = np.stack([source.tensor_slice(layer, index[1:]).astype(np.float32, copy=False)
-                                      for layer in layer_names[name][index[0]]])
-            return made[key]
+            return np.stack([source.tensor_slice(layer, index[1:]).astype(np.float32, copy=False)
+                             for layer in layer_names[name][index[0]]])
         return jax.make_array_from_callback(shapes[name], shardings[name], rows)
 
     return {name: load(name) for name in shapes}
