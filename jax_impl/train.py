@@ -76,8 +76,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl import checkpointing
 from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, stack_layers, unstack_layers
-from jax_impl.parallel import (activation_sharding, make_mesh, mesh_shape, overlap_compiler_options,
-                               parameter_shardings, put_sharded, ring_attention_fn, sharded_batch)
+from jax_impl.parallel import (make_mesh, mesh_shape, overlap_compiler_options, parameter_shardings, put_sharded,
+                               ring_attention_fn, sharded_batch)
 from jax_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_for_backward
@@ -393,58 +393,18 @@ def build_training(settings: TrainSettings, devices: Sequence[jax.Device] | None
     source = open_weights(settings.model, settings.seed)
     params = load_parameters(source, mesh)
     state = {"model": params, "optimizer": init_optimizer_state(params)}
-    return Training(mesh, _step_spec(settings, source.config, mesh), state, source,
+    return Training(mesh, step_spec(settings, source.config, mesh), state, source,
                     run_metadata(settings, source.config))
 
 
-def _step_spec(settings, config: LlamaConfig, mesh: Mesh) -> StepSpec:
+def step_spec(settings: TrainSettings, config: LlamaConfig, mesh: Mesh) -> StepSpec:
+    """The jitted step's static description for `settings` on `mesh`."""
     return StepSpec(config=config, mesh=mesh, dtype=settings.dtype, remat=settings.activation_checkpointing,
                     attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
                     loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
                     optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps,
                     compiler_options=overlap_compiler_options(mesh.devices.flat[0].platform, settings.xla_overlap,
                                                               os.environ.get("XLA_FLAGS", "")))
-
-
-def step_memory_plan(settings: TrainSettings, devices: Sequence[jax.Device] | None = None) -> dict[str, int]:
-    """XLA's plan of the train step of `settings` per device (`memory_plan`); no weights are read or made."""
-    check_attention_backend(settings)
-    mesh = make_mesh(settings.mesh, devices)
-    config = open_weights(settings.model, settings.seed).config
-    return memory_plan(_step_spec(settings, config, mesh), settings.batch, settings.seq_len)
-
-
-def memory_plan(spec: StepSpec, batch: int, seq_len: int) -> dict[str, int]:
-    """XLA's plan of the train step of `spec` on a [batch, seq_len] batch per device, in bytes: "arguments" (the
-    sharded training state and batch), "outputs", "aliased" (outputs reusing donated arguments) and "temporaries"
-    (everything the step allocates while it runs). The step is compiled for abstract inputs (shapes and
-    shardings): nothing is made or run, so a configuration can be checked before a GPU is spent on it. A plan
-    compiled for CPU devices is larger than the GPU's (CPU fuses less and keeps bf16 work in fp32: before issue 19
-    the 8B step at 32k tokens on 4 devices planned 127 GiB of temporaries plus 22 GiB of state on CPU and peaked
-    at 82 GiB on an H200), so compare CPU plans with each other."""
-    shapes = state_shapes(spec.config)
-    shardings = parameter_shardings(spec.mesh, shapes)
-    params = {name: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[name])
-              for name, shape in shapes.items()}
-    state = {"model": params, "optimizer": {"exp_avg": params, "exp_avg_sq": params}}
-    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=activation_sharding(spec.mesh, "tokens"))
-    positions = jax.ShapeDtypeStruct((seq_len,), jnp.int32, sharding=activation_sharding(spec.mesh, "positions"))
-    scalars = step_scalars(adamw_coefficients(spec.optimizer, 0))
-    lowered = train_step.lower(state, tokens, tokens, positions, scalars, spec=spec)
-    plan = lowered.compile(_plan_compiler_options(spec.mesh)).memory_analysis()
-    return {"arguments": plan.argument_size_in_bytes, "outputs": plan.output_size_in_bytes,
-            "aliased": plan.alias_size_in_bytes, "temporaries": plan.temp_size_in_bytes}
-
-
-def _plan_compiler_options(mesh: Mesh) -> dict[str, str]:
-    """XLA options of a planning compile. On CPU, XLA emulates each bf16 dynamic slice of the activations that the
-    checkpointed layers saved (a slice per layer in the backward loop) on a float32 copy of the whole stack, and
-    loop-invariant code motion then hoists that conversion out of the loop: two float32 copies of every layer's
-    saved activations (16 GiB per device for the 8B step at 32k tokens on 2 devices) that a GPU, which slices
-    bf16 natively, never makes. The plan leaves that pass out on CPU."""
-    if mesh.devices.flat[0].platform != "cpu":
-        return {}
-    return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
 def _print_to_stderr(line: str) -> None:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jax_impl.parallel import make_mesh
-from jax_impl.train import StepSpec, memory_plan
+from jax_impl.memory_plan import memory_plan
+from jax_impl.train import StepSpec
 from weights import parameter_shapes, preset
 from weights.parallel import MeshShape
 from weights.schedule import OptimizerConfig

@@ -347,7 +347,8 @@ def _run_jax_here(settings: TrainSettings, progress: Path | None = None) -> int:
     """A JAX run in this process, over all of JAX's devices; its steps done recorded in `progress`."""
     import jax
 
-    from jax_impl.train import run_training, step_memory_plan
+    from jax_impl.memory_plan import step_memory_plan
+    from jax_impl.train import run_training
 
     if settings.plan_memory:
         check_shape(settings, jax.device_count())
