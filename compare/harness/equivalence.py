@@ -12,6 +12,7 @@ quantity, a few hundred to a thousand float32 ulps, and far below what a real mi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,13 +71,17 @@ def _logits_metrics(logits: np.ndarray, reference: np.ndarray) -> tuple[float, f
     return max_diff, diff_sum / ref.size, ref_max, ref_sum / ref.size, kl
 
 
+def float64_chunks(array: np.ndarray) -> Iterator[np.ndarray]:
+    """`array`'s values in order, as float64 copies of CHUNK_ELEMENTS at a time."""
+    flat = array.reshape(-1)
+    for start in range(0, flat.size, CHUNK_ELEMENTS):
+        yield flat[start:start + CHUNK_ELEMENTS].astype(np.float64)
+
+
 def _gradient_metrics(grad: np.ndarray, reference: np.ndarray) -> tuple[float, float, float, float]:
     """(max |grad - reference|, max |reference|, norm(grad), norm(reference)) in float64, a chunk at a time."""
-    ours, ref = grad.reshape(-1), reference.reshape(-1)
     max_diff = ref_max = squares = ref_squares = 0.0
-    for start in range(0, ref.size, CHUNK_ELEMENTS):
-        a = ours[start:start + CHUNK_ELEMENTS].astype(np.float64)
-        b = ref[start:start + CHUNK_ELEMENTS].astype(np.float64)
+    for a, b in zip(float64_chunks(grad), float64_chunks(reference), strict=True):
         squares, ref_squares = squares + float(a @ a), ref_squares + float(b @ b)
         max_diff = max(max_diff, float(np.abs(np.subtract(a, b, out=a), out=a).max()))
         ref_max = max(ref_max, float(np.abs(b, out=b).max()))

@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
-from compare.harness.equivalence import CHUNK_ELEMENTS
+from compare.harness.equivalence import float64_chunks
 from compare.harness.jobs import (PERTURBATION, Job, Phases, SetupClock, bench_units, exposed_seconds,
                                   forward_passes, is_collective_op, is_out_of_memory, job_batches, launched_at,
                                   mark_progress, mark_started, read_job_file, timed_steps, union_seconds, write_result)
@@ -81,9 +81,8 @@ def _weight_sums(run: Training) -> dict[str, list[float]]:
     as one float64 copy and its square took 11 s)."""
     sums = {}
     for name, param in _unstacked_on_host(run.state["model"]).items():
-        flat, total, squares = param.reshape(-1), 0.0, 0.0
-        for start in range(0, flat.size, CHUNK_ELEMENTS):
-            chunk = flat[start:start + CHUNK_ELEMENTS].astype(np.float64)
+        total = squares = 0.0
+        for chunk in float64_chunks(param):
             total, squares = total + float(chunk.sum()), squares + float(chunk @ chunk)
         sums[name] = [total, squares]
     return sums
