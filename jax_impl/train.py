@@ -312,14 +312,20 @@ def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh) -> 
     shapes = state_shapes(source.config)
     shardings = parameter_shardings(mesh, shapes)
 
-    def load(name: str) -> jax.Array:
-        if not is_stacked(name):
-            return put_sharded(source.tensor(name).astype(np.float32, copy=False), shardings[name])
+    def rows(name: str, index: tuple[slice, ...]) -> np.ndarray:
+        layers = layer_names[name][index[0]]
+        first = source.tensor_slice(layers[0], index[1:])
+        stacked = np.empty((len(layers), *first.shape), first.dtype)  # filled in place: no stacking copy
+        stacked[0] = first
+        for i, layer in enumerate(layers[1:], start=1):
+            stacked[i] = source.tensor_slice(layer, index[1:])
+        return stacked
 
-        def rows(index: tuple[slice, ...]) -> np.ndarray:
-            return np.stack([source.tensor_slice(layer, index[1:]).astype(np.float32, copy=False)
-                             for layer in layer_names[name][index[0]]])
-        return jax.make_array_from_callback(shapes[name], shardings[name], rows)
+    def load(name: str) -> jax.Array:
+        array = (jax.make_array_from_callback(shapes[name], shardings[name], functools.partial(rows, name))
+                 if is_stacked(name) else put_sharded(source.tensor(name), shardings[name]))
+        # the host moves the checkpoint's own dtype (half of float32's bytes for bf16); the devices widen it
+        return array.astype(jnp.float32)
 
     return {name: load(name) for name in shapes}
 
