@@ -77,7 +77,8 @@ class GluonBackwardConfig:
     whether a non-causal program starts its walk over the query blocks where its key block's causal walk would.
     `warp_specialize` runs the FlashAttention-3 form instead (`flash_gluon_backward_ws.py`: two consumer
     warpgroups, a loader warp, a dQ writer warp; block_n 128, dQ by TMA reduce-add, `dq_buffers` float32 dQ
-    tiles per consumer, registers split by setmaxnreg: `consumer_regs` for the worker consumer, `producer_regs`
+    tiles per consumer, `kv_in_regs` whether each consumer holds its K and V rows in registers (S^T and dP^T as
+    register-A matmuls), registers split by setmaxnreg: `consumer_regs` for the worker consumer, `producer_regs`
     for the two single warps, the default consumer what `max_regs` leaves; dp_first does not apply)."""
     block_n: int = 128
     block_m: int = 64
@@ -87,6 +88,7 @@ class GluonBackwardConfig:
     stagger: bool = True
     warp_specialize: bool = False
     dq_buffers: int = 2
+    kv_in_regs: bool = False
     max_regs: int = 168
     consumer_regs: int = 240
     producer_regs: int = 24
@@ -388,7 +390,8 @@ def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if config.warp_specialize:
         gluon_backward_ws_kernel[grid](
             *tensors_and_strides, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
-            NUM_STAGES=config.num_stages, DQ_BUFFERS=config.dq_buffers, STAGGER=config.stagger, **layouts,
+            NUM_STAGES=config.num_stages, DQ_BUFFERS=config.dq_buffers, STAGGER=config.stagger,
+            KV_IN_REGS=config.kv_in_regs, **layouts,
             CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
             num_warps=config.num_warps, maxnreg=config.max_regs)
     else:

@@ -106,7 +106,7 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @jit
-def _loader(args, consumer: gl.constexpr, CAUSAL: gl.constexpr):
+def _loader(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
      stride_dks, stride_dvs) = args
@@ -120,7 +120,7 @@ def _loader(args, consumer: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @jit
-def _dq_writer(args, consumer: gl.constexpr, CAUSAL: gl.constexpr):
+def _dq_writer(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
      stride_dks, stride_dvs) = args
@@ -139,7 +139,7 @@ def _dq_writer(args, consumer: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @jit
-def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr):
+def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
      stride_dks, stride_dvs) = args
@@ -171,6 +171,11 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr):
     dk = gl.zeros([KEYS_PER_CONSUMER, head_dim], gl.float32, kv_layout)
     dv = gl.zeros([KEYS_PER_CONSUMER, head_dim], gl.float32, kv_layout)
     mbarrier.wait(kv_ready, 0)
+    if KV_IN_REGS:  # S^T's and dP^T's A operands from registers: half their shared-memory reads
+        st_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout,
+                                                       k_width=32 // dtype.primitive_bitwidth)
+        k_mine = k_mine.load(st_operand)
+        v_mine = v_mine.load(st_operand)
     for step in range(n_steps):
         slot = step % num_stages
         block = step_tile(step, walk)[1]
@@ -222,13 +227,13 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @jit
-def _consumer0(args, consumer: gl.constexpr, CAUSAL: gl.constexpr):
-    _consume(args, 0, CAUSAL)
+def _consumer0(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    _consume(args, 0, CAUSAL, KV_IN_REGS)
 
 
 @jit
-def _consumer1(args, consumer: gl.constexpr, CAUSAL: gl.constexpr):
-    _consume(args, 1, CAUSAL)
+def _consumer1(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    _consume(args, 1, CAUSAL, KV_IN_REGS)
 
 
 def _kernel_decorator():
@@ -246,7 +251,7 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                              n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
                              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                             DQ_BUFFERS: gl.constexpr, STAGGER: gl.constexpr,
+                             DQ_BUFFERS: gl.constexpr, STAGGER: gl.constexpr, KV_IN_REGS: gl.constexpr,
                              Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
                              STATS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -305,8 +310,8 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
             n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
             stride_dks, stride_dvs)
     gl.warp_specialize([
-        (_consumer0, (args, 0, CAUSAL)),
-        (_consumer1, (args, 1, CAUSAL)),
-        (_loader, (args, 0, CAUSAL)),
-        (_dq_writer, (args, 0, CAUSAL)),
+        (_consumer0, (args, 0, CAUSAL, KV_IN_REGS)),
+        (_consumer1, (args, 1, CAUSAL, KV_IN_REGS)),
+        (_loader, (args, 0, CAUSAL, KV_IN_REGS)),
+        (_dq_writer, (args, 0, CAUSAL, KV_IN_REGS)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
