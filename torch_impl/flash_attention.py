@@ -57,8 +57,9 @@ SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Whether backend "triton" runs the Gluon backward where it runs the inputs (else the portable one). On since it ran
-# faster than the portable backward at every point measured on H200 (388-415 TF/s credited against 370-390 at D=128,
-# 357-368 against 331-344 at D=64: compare/results/kernels-gluon-backward-2026-11-23-h200-tuning).
+# faster than the portable backward at every point measured on H200; its warp-specialised form, the default since,
+# 520-540 TF/s credited against 377-395 at D=128, 426-429 against 332-337 at D=64 at 16k (compare/results/
+# kernels-gluon-backward-2026-11-23-h200-h13d; the lockstep form: kernels-gluon-backward-2026-11-23-h200-tuning).
 TRITON_PICKS_GLUON_BACKWARD = True
 _FLASH_ATTN_MISSING = "backend 'flash_attn' needs the optional flash-attn package: pip install 'twinflash[flash-attn]'"
 

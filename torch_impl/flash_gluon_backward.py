@@ -14,8 +14,13 @@ the resident A operands:
 added into a float32 dQ accumulator that all programs share (FA3's way, `dq_reduction="tma"`: the block is stored
 to a double-buffered shared tile and added by one asynchronous TMA reduce-add, `cp.reduce.async.bulk.tensor`, that
 Triton 3.6 lowers but its Gluon does not name; or by atomic reductions from registers, `red.v2.f32` pairs by inline
-PTX). The kernel runs `block_n // 16` warps: one warpgroup per 64 keys, which
-split the dQ matmul by columns. A step's dQ, dK and dV matmuls stay in flight into the next step, until its S^T
+PTX).
+
+Two forms of that step. The default (`warp_specialize`, FlashAttention-3's structure: `flash_gluon_backward_ws.py`)
+splits the program into two consumer warpgroups of 64 keys each, a TMA loader warp and a dQ writer warp, the
+registers handed over by setmaxnreg (240 a consumer thread): 520-540 TF/s at D=128 on H200 against 415 / 398 for
+the lockstep form. The lockstep form, here, runs `block_n // 16` warps that issue their own loads: one warpgroup
+per 64 keys, which split the dQ matmul by columns. A step's dQ, dK and dV matmuls stay in flight into the next step, until its S^T
 matmul is done; then the previous dQ goes out (with `dp_first`, while dP^T runs), and the softmax runs while dP^T
 does. Registers are the limit at D=128 (255 a thread, dK and dV take 128): the compile check
 (tests/test_triton_compile.py) holds ptxas to keeping every wgmma asynchronous.
@@ -115,9 +120,14 @@ def lockstep_config(head_dim: int) -> GluonBackwardConfig:
 
 
 def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonBackwardConfig:
-    """The launch shape for a call class: the lockstep form's best (`lockstep_config`)."""
+    """The launch shape for a call class, as measured on H200 at 16k (compare/results/
+    kernels-gluon-backward-2026-11-23-h200-h13d): the warp-specialised form, 520 / 540 TF/s causal / not at D=128
+    (2 stages and two dQ tiles per consumer; 3 stages and one ran 518 / 537; the lockstep form 415 / 398), 429 / 426
+    at D=64 (64-row query blocks, 3 stages, K and V in registers; in shared memory 407-416; lockstep 358 / 367)."""
     del causal, seq_bucket
-    return lockstep_config(head_dim)
+    if head_dim == 128:
+        return GluonBackwardConfig(warp_specialize=True, num_stages=2, dq_buffers=2)
+    return GluonBackwardConfig(warp_specialize=True, block_m=64, num_stages=3, kv_in_regs=True)
 
 
 # dQ += x for a pair (x0 at p0, x1 at p1) of one thread's dQ values: one 8-byte vector reduction where the pair is
