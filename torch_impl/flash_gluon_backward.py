@@ -20,15 +20,15 @@ Two forms of that step. The default (`warp_specialize`, FlashAttention-3's struc
 splits the program into two consumer warpgroups of 64 keys each, a TMA loader warp and a dQ writer warp, the
 registers handed over by setmaxnreg (240 a consumer thread): 520-540 TF/s at D=128 on H200 against 415 / 398 for
 the lockstep form. The lockstep form, here, runs `block_n // 16` warps that issue their own loads: one warpgroup
-per 64 keys, which split the dQ matmul by columns. A step's dQ, dK and dV matmuls stay in flight into the next step, until its S^T
-matmul is done; then the previous dQ goes out (with `dp_first`, while dP^T runs), and the softmax runs while dP^T
-does. Registers are the limit at D=128 (255 a thread, dK and dV take 128): the compile check
-(tests/test_triton_compile.py) holds ptxas to keeping every wgmma asynchronous.
+per 64 keys, which split the dQ matmul by columns. A step's dQ, dK and dV matmuls stay in flight into the next
+step, until its S^T matmul is done; then the previous dQ goes out (with `dp_first`, while dP^T runs), and the
+softmax runs while dP^T does. Registers are the limit at D=128 (255 a thread, dK and dV take 128): the compile
+check (tests/test_triton_compile.py) holds ptxas to keeping every wgmma asynchronous, in both forms.
 Q and dO tiles, and the row statistics (lse in log2 units, delta: padded copies, so one TMA row each) come in by
-TMA through a `num_stages`-deep ring guarded by mbarriers; the refill of a slot is issued right after the per-step
-barrier that tells both warpgroups are past the step that last read it (the barrier is needed anyway: the dQ
-matmul reads both warpgroups' halves of dS, double-buffered so the next step's store cannot overwrite it while
-the other warpgroup's dQ still reads it).
+TMA through a `num_stages`-deep ring guarded by mbarriers; in the lockstep form the refill of a slot is issued right
+after the per-step barrier that tells both warpgroups are past the step that last read it (the barrier is needed
+anyway: the dQ matmul reads both warpgroups' halves of dS, double-buffered so the next step's store cannot
+overwrite it while the other warpgroup's dQ still reads it).
 
 Causal: a key block skips the query blocks that see none of it and masks only the diagonal ones (plus, in the last
 key block, the keys past the end); longest key blocks are the first ones, launched first by the grid's order.

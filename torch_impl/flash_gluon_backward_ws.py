@@ -16,7 +16,12 @@ forks into four partitions (`gl.warp_specialize`):
   - a dQ writer warp: each consumer stores its float32 dQ half to a shared tile (`dq_buffers` deep) and tells the
     writer, which adds it to the global float32 accumulator by one TMA reduce-add and frees the tile once the
     TMA unit has read it: the consumers never wait on the reduction.
-Registers: the consumers get `consumer_regs` (setmaxnreg), the two single warps `producer_regs`.
+Each step waits all five of its wgmma (FlashAttention-3's choice at D=128 too: dQ deferred by a step would need 32
+more registers than the consumers' 240). `kv_in_regs` holds each consumer's K and V rows in registers, so that
+S^T and dP^T read only Q and dO from shared memory (it fits at D=64). Registers (setmaxnreg): the worker consumer
+gets `consumer_regs`, the two single warps `producer_regs`, the default consumer what `max_regs` for all 384
+threads leaves (240 each at the defaults). Measured on H200: compare/results/
+kernels-gluon-backward-2026-11-23-h200-h13d.
 """
 
 from __future__ import annotations
@@ -106,7 +111,7 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @jit
-def _loader(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
+def _loader(args):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
      stride_dks, stride_dvs) = args
@@ -120,7 +125,7 @@ def _loader(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.c
 
 
 @jit
-def _dq_writer(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
+def _dq_writer(args):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
      stride_dks, stride_dvs) = args
@@ -227,12 +232,12 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.
 
 
 @jit
-def _consumer0(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
+def _consumer0(args, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
     _consume(args, 0, CAUSAL, KV_IN_REGS)
 
 
 @jit
-def _consumer1(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
+def _consumer1(args, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
     _consume(args, 1, CAUSAL, KV_IN_REGS)
 
 
@@ -310,8 +315,8 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
             n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
             stride_dks, stride_dvs)
     gl.warp_specialize([
-        (_consumer0, (args, 0, CAUSAL, KV_IN_REGS)),
-        (_consumer1, (args, 1, CAUSAL, KV_IN_REGS)),
-        (_loader, (args, 0, CAUSAL, KV_IN_REGS)),
-        (_dq_writer, (args, 0, CAUSAL, KV_IN_REGS)),
+        (_consumer0, (args, CAUSAL, KV_IN_REGS)),
+        (_consumer1, (args, CAUSAL, KV_IN_REGS)),
+        (_loader, (args, )),
+        (_dq_writer, (args, )),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
