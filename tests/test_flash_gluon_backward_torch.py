@@ -23,7 +23,7 @@ from torch_impl.flash_attention import flash_attention_backward
 from torch_impl.flash_backward import row_delta, triton_backward
 from torch_impl.flash_forward import triton_forward
 from compare.bench.gluon_sweep import backward_candidates
-from torch_impl.flash_gluon_backward import gluon_backward
+from torch_impl.flash_gluon_backward import GluonBackwardConfig, gluon_backward, lockstep_config
 from torch_impl.flash_gluon_forward import GLUON_AVAILABLE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,9 +60,10 @@ def _beyond_portable(q, k, v, dout, causal, scale, **kwargs):
     return {n: (ours[n], portable[n]) for n in ours if not ours[n] <= 2 * portable[n] + twins.KERNEL_ATOL}
 
 
-# Every config the sweep times, per head dim (the default first): dQ by TMA reduce-add and by vector atomics, 64-
-# and 128-row query blocks, 2 and 3 stages, staggered walks or not (non-causal).
+# Every config the sweep times, per head dim (the default first): the lockstep form and the warp-specialised one
+# (64- and 128-row query blocks, 2 to 4 stages, one or two dQ tiles per consumer), and dQ by vector atomics.
 CONFIGS = [(head_dim, config) for head_dim in (128, 64) for config in backward_candidates(head_dim, False)]
+CONFIGS.append((128, GluonBackwardConfig(**{**vars(lockstep_config(128)), "dq_reduction": "vector_atomics"})))
 
 
 @pytest.mark.gpu

@@ -113,10 +113,11 @@ for head_dim in (128, 64):
 
 
 # The Gluon backward at both head dims in every config the sweep times (compare.bench.gluon_sweep; the GPU tests
-# launch some of them), causal and not: the warpgroup matmuls, TMA loads and dq's float32 reductions (TMA reduce-add
-# or atomics) must be in its PTX; ptxas must keep the matmuls asynchronous (it serializes them all when it cannot
-# prove a pipeline safe, and says so); its registers (ptxas's count, whose spills it reports) and shared memory must
-# fit one sm_90 block.
+# launch them all) and dQ by vector atomics, causal and not, in both forms (lockstep; warp-specialised, whose PTX
+# must also hand registers over between its partitions): the warpgroup matmuls, TMA loads and dq's float32
+# reductions (TMA reduce-add or atomics) must be in its PTX; ptxas must keep the matmuls asynchronous (it serializes
+# them all when it cannot prove a pipeline safe, and says so); its registers (ptxas's count, whose spills it
+# reports) and shared memory must fit one sm_90 block.
 _COMPILE_GLUON_BACKWARD = r"""
 import contextlib, io, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
@@ -126,23 +127,32 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import torch_impl.flash_gluon_backward as gb
+import torch_impl.flash_gluon_backward_ws as gws
 from compare.bench.gluon_sweep import backward_candidates
 
 REDUCTION_OPS = {"tma": "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add",
                  "vector_atomics": "red.relaxed.gpu.global.add.v2.f32"}
 SM90_REGISTERS, SM90_SHARED_BYTES = 65536, 227 * 1024  # per block
-fn = gb._gluon_backward_kernel
+atomics = gb.GluonBackwardConfig(**{**vars(gb.lockstep_config(128)), "dq_reduction": "vector_atomics"})
 for head_dim in (128, 64):
     for causal in (True, False):
-        for config in backward_candidates(head_dim, causal):
-            q_layout, kv_layout, ds_layout, stats_layout, dq_layout = gb.shared_layouts(torch.bfloat16, head_dim,
-                                                                                        config)
+        for config in backward_candidates(head_dim, causal) + ([atomics] if head_dim == 128 else []):
+            layouts = gb.shared_layouts(torch.bfloat16, head_dim, config)
             constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
-                              BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-                              DQ_REDUCTION=config.dq_reduction, DP_FIRST=config.dp_first,
-                              STAGGER=config.stagger, Q_LAYOUT=q_layout,
-                              KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout,
-                              DQ_LAYOUT=dq_layout)
+                              NUM_STAGES=config.num_stages, STAGGER=config.stagger,
+                              **dict(zip(("Q_LAYOUT", "KV_LAYOUT", "DS_LAYOUT", "STATS_LAYOUT", "DQ_LAYOUT"), layouts)))
+            ops = ["wgmma.mma_async", "cp.async.bulk.tensor", REDUCTION_OPS[config.dq_reduction]]
+            options = {"num_warps": config.num_warps}
+            if config.warp_specialize:
+                fn = gws.gluon_backward_ws_kernel
+                constexprs.update(DQ_BUFFERS=config.dq_buffers, KV_IN_REGS=config.kv_in_regs,
+                                  CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs)
+                options["maxnreg"] = config.max_regs
+                ops.append("setmaxnreg")
+            else:
+                fn = gb._gluon_backward_kernel
+                constexprs.update(BLOCK_N=config.block_n, DQ_REDUCTION=config.dq_reduction,
+                                  DP_FIRST=config.dp_first)
             fp32 = {"Lse2", "Lse", "Delta", "DQ", "DK", "DV"}
             signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name in fp32 else "*bf16"
                          if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
@@ -150,22 +160,21 @@ for head_dim in (128, 64):
                                     constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
             log = io.StringIO()
             with contextlib.redirect_stdout(log):
-                kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                        options={"num_warps": config.num_warps})
+                kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
             name = f"gluon backward D={head_dim} causal={causal} {config}"
-            for op in ("wgmma.mma_async", "cp.async.bulk.tensor", REDUCTION_OPS[config.dq_reduction]):
+            for op in ops:
                 if op not in kernel.asm["ptx"]:
                     sys.exit(f"{name}: no {op} in its PTX")
             if "wgmma.mma_async instructions are serialized" in log.getvalue():
                 sys.exit(f"{name}: ptxas serialized its wgmma: {log.getvalue()}")
             registers = int(re.search(r"Used (\d+) registers", log.getvalue()).group(1))
             spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
-            threads = 32 * config.num_warps
+            threads = int(re.search(r"\.reqntid (\d+)", kernel.asm["ptx"]).group(1))
             if registers * threads > SM90_REGISTERS or kernel.metadata.shared > SM90_SHARED_BYTES:
                 sys.exit(f"{name}: {registers} registers x {threads} threads, {kernel.metadata.shared} B shared "
                          f"exceed an sm_90 block")
-            print(f"compiled {name}: {registers} registers, {spills.group(1) if spills else 0} B spilled, "
-                  f"{kernel.metadata.shared} B shared", flush=True)
+            print(f"compiled {name}: {registers} registers x {threads} threads, "
+                  f"{spills.group(1) if spills else 0} B spilled, {kernel.metadata.shared} B shared", flush=True)
 """
 
 
@@ -200,5 +209,5 @@ def test_gluon_forward_compiles_for_sm90():
 def test_gluon_backward_compiles_for_sm90_within_its_registers_and_shared_memory():
     done = _compile(block_d=128, script=_COMPILE_GLUON_BACKWARD)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-    assert done.stdout.count("compiled gluon backward") == 12, done.stdout
+    assert done.stdout.count("compiled gluon backward") == 16, done.stdout
     print(done.stdout)

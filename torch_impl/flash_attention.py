@@ -9,7 +9,8 @@ Backends (`backend=`):
   "triton_gluon"     forces the Gluon sm_90 kernels both ways (Triton 3.6, head dims 64/128, bf16/fp16): the forward
                 (`flash_gluon_forward.py`: warp-specialised TMA producer, two ping-pong consumer warpgroups) and the
                 one-kernel backward (`flash_gluon_backward.py`: K/V resident, five async wgmma per query block, dQ
-                by TMA reduce-add); "triton" picks both on sm_90 where they run the call.
+                by TMA reduce-add; warp-specialised like FlashAttention-3's, `flash_gluon_backward_ws.py`); "triton"
+                picks both on sm_90 where they run the call.
   "triton_hopper"    forces the sm_90 path both ways (`flash_hopper_forward.py`, `flash_hopper_backward.py`: TMA
                 descriptors, one FA3-style backward kernel); head dims 64/128, bf16/fp16.
   "triton_portable"  forces the portable `tl` kernels (`flash_forward.py`, `flash_backward.py`), which the CPU
@@ -57,8 +58,9 @@ SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Whether backend "triton" runs the Gluon backward where it runs the inputs (else the portable one). On since it ran
-# faster than the portable backward at every point measured on H200 (388-415 TF/s credited against 370-390 at D=128,
-# 357-368 against 331-344 at D=64: compare/results/kernels-gluon-backward-2026-11-23-h200-tuning).
+# faster than the portable backward at every point measured on H200; its warp-specialised form, the default since,
+# 520-540 TF/s credited against 377-395 at D=128, 426-429 against 332-337 at D=64 at 16k (compare/results/
+# kernels-gluon-backward-2026-11-23-h200-h13d; the lockstep form: kernels-gluon-backward-2026-11-23-h200-tuning).
 TRITON_PICKS_GLUON_BACKWARD = True
 _FLASH_ATTN_MISSING = "backend 'flash_attn' needs the optional flash-attn package: pip install 'twinflash[flash-attn]'"
 

@@ -14,16 +14,21 @@ the resident A operands:
 added into a float32 dQ accumulator that all programs share (FA3's way, `dq_reduction="tma"`: the block is stored
 to a double-buffered shared tile and added by one asynchronous TMA reduce-add, `cp.reduce.async.bulk.tensor`, that
 Triton 3.6 lowers but its Gluon does not name; or by atomic reductions from registers, `red.v2.f32` pairs by inline
-PTX). The kernel runs `block_n // 16` warps: one warpgroup per 64 keys, which
-split the dQ matmul by columns. A step's dQ, dK and dV matmuls stay in flight into the next step, until its S^T
-matmul is done; then the previous dQ goes out (with `dp_first`, while dP^T runs), and the softmax runs while dP^T
-does. Registers are the limit at D=128 (255 a thread, dK and dV take 128): the compile check
-(tests/test_triton_compile.py) holds ptxas to keeping every wgmma asynchronous.
+PTX).
+
+Two forms of that step. The default (`warp_specialize`, FlashAttention-3's structure: `flash_gluon_backward_ws.py`)
+splits the program into two consumer warpgroups of 64 keys each, a TMA loader warp and a dQ writer warp, the
+registers handed over by setmaxnreg (240 a consumer thread): 520-540 TF/s at D=128 on H200 against 415 / 398 for
+the lockstep form. The lockstep form, here, runs `block_n // 16` warps that issue their own loads: one warpgroup
+per 64 keys, which split the dQ matmul by columns. A step's dQ, dK and dV matmuls stay in flight into the next
+step, until its S^T matmul is done; then the previous dQ goes out (with `dp_first`, while dP^T runs), and the
+softmax runs while dP^T does. Registers are the limit at D=128 (255 a thread, dK and dV take 128): the compile
+check (tests/test_triton_compile.py) holds ptxas to keeping every wgmma asynchronous, in both forms.
 Q and dO tiles, and the row statistics (lse in log2 units, delta: padded copies, so one TMA row each) come in by
-TMA through a `num_stages`-deep ring guarded by mbarriers; the refill of a slot is issued right after the per-step
-barrier that tells both warpgroups are past the step that last read it (the barrier is needed anyway: the dQ
-matmul reads both warpgroups' halves of dS, double-buffered so the next step's store cannot overwrite it while
-the other warpgroup's dQ still reads it).
+TMA through a `num_stages`-deep ring guarded by mbarriers; in the lockstep form the refill of a slot is issued right
+after the per-step barrier that tells both warpgroups are past the step that last read it (the barrier is needed
+anyway: the dQ matmul reads both warpgroups' halves of dS, double-buffered so the next step's store cannot
+overwrite it while the other warpgroup's dQ still reads it).
 
 Causal: a key block skips the query blocks that see none of it and masks only the diagonal ones (plus, in the last
 key block, the keys past the end); longest key blocks are the first ones, launched first by the grid's order.
@@ -51,19 +56,16 @@ import triton.language as tl
 
 from torch_impl.flash_backward import row_delta
 from torch_impl.flash_forward import LOG2E
+from torch_impl.flash_gluon_backward_ws import (gluon_backward_ws_kernel, issue_tile_loads, key_block_walk,
+                                                step_tile, tma_reduce_add)
 from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, jit
 from torch_impl.flash_hopper_forward import set_descriptor_allocator
 
 if GLUON_AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton._C.libtriton import ir as triton_ir
-    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
-else:
-    def builtin(fn):
-        return fn
 
 # How a step's dQ block joins the float32 accumulator all programs share: "tma" stores it to shared memory and
 # adds it with one asynchronous TMA reduce-add (it leaves the critical path); "vector_atomics" adds it from
@@ -77,64 +79,55 @@ class GluonBackwardConfig:
     """Launch shape of the Gluon backward: `block_n` resident keys per program (one warpgroup per 64 of them),
     `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight, `dq_reduction` one
     of DQ_REDUCTIONS, `dp_first` whether dP^T is issued before the previous step's dQ goes out, `stagger`
-    whether a non-causal program starts its walk over the query blocks where its key block's causal walk would."""
+    whether a non-causal program starts its walk over the query blocks where its key block's causal walk would.
+    `warp_specialize` runs the FlashAttention-3 form instead (`flash_gluon_backward_ws.py`: two consumer
+    warpgroups, a loader warp, a dQ writer warp; block_n 128, dQ by TMA reduce-add, `dq_buffers` float32 dQ
+    tiles per consumer, `kv_in_regs` whether each consumer holds its K and V rows in registers (S^T and dP^T as
+    register-A matmuls), registers split by setmaxnreg: `consumer_regs` for the worker consumer, `producer_regs`
+    for the two single warps, the default consumer what `max_regs` leaves; dp_first does not apply)."""
     block_n: int = 128
     block_m: int = 64
     num_stages: int = 2
     dq_reduction: str = "tma"
     dp_first: bool = False
     stagger: bool = True
+    warp_specialize: bool = False
+    dq_buffers: int = 2
+    kv_in_regs: bool = False
+    max_regs: int = 168
+    consumer_regs: int = 240
+    producer_regs: int = 24
 
     def __post_init__(self):
         if self.dq_reduction not in DQ_REDUCTIONS:
             raise ValueError(f"dq_reduction {self.dq_reduction!r} is none of {DQ_REDUCTIONS}")
+        if self.warp_specialize and (self.block_n != 128 or self.dq_reduction != "tma"):
+            raise ValueError("the warp-specialised backward takes block_n 128 and dq_reduction 'tma'")
 
     @property
     def num_warps(self) -> int:
-        return self.block_n // 16
+        return 4 if self.warp_specialize else self.block_n // 16
 
 
-def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonBackwardConfig:
-    """The launch shape for a call class, as measured on H200 at 16k (compare/results/
+def lockstep_config(head_dim: int) -> GluonBackwardConfig:
+    """The best lockstep shape measured on H200 at 16k (compare/results/
     kernels-gluon-backward-2026-11-23-h200-tuning): dQ by TMA reduce-add (411 / 390 TF/s causal / not at D=128,
     against 387 / 368 by vector atomics), dP^T issued once dQ is out (issued before, ptxas serializes the wgmma at
     D=128 for want of registers; at D=64 it ran 3-7 % slower). D=128: 64-row query blocks, 2 stages (K, V, two
     Q/dO stages, two dS and two float32 dQ tiles take 225 KiB of the 227 an sm_90 block may have). D=64: 128-row
     query blocks, 2 stages (357 / 368 TF/s, against 350 / 353 for 64 rows and 3 stages)."""
+    return GluonBackwardConfig(block_m=64 if head_dim == 128 else 128, num_stages=2)
+
+
+def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonBackwardConfig:
+    """The launch shape for a call class, as measured on H200 at 16k (compare/results/
+    kernels-gluon-backward-2026-11-23-h200-h13d): the warp-specialised form, 520 / 540 TF/s causal / not at D=128
+    (2 stages and two dQ tiles per consumer; 3 stages and one ran 518 / 537; the lockstep form 415 / 398), 429 / 426
+    at D=64 (64-row query blocks, 3 stages, K and V in registers; in shared memory 407-416; lockstep 358 / 367)."""
     del causal, seq_bucket
     if head_dim == 128:
-        return GluonBackwardConfig(block_m=64, num_stages=2)
-    return GluonBackwardConfig(block_m=128, num_stages=2)
-
-
-@jit
-def _step_tile(step, walk):
-    """(query head, query block) of step `step` of a program's walk (first_block, blocks_per_head, first_head,
-    rotation): the group's heads one after the other, each one's blocks [first_block, first_block +
-    blocks_per_head) from `rotation` blocks in, wrapping around."""
-    first_block, blocks_per_head, first_head, rotation = walk
-    return first_head + step // blocks_per_head, first_block + (step % blocks_per_head + rotation) % blocks_per_head
-
-
-@jit
-def _issue_tile_loads(descs, bufs, ready, step, n_steps, walk, seq_pad):
-    """Start the TMA loads of step `step`'s tiles (Q, dO: [block_m, D]; lse2, delta: [block_m]) into their ring
-    slot (nothing past the last step)."""
-    q_desc, do_desc, lse_desc, delta_desc = descs
-    q_bufs, do_bufs, lse_bufs, delta_bufs = bufs
-    num_stages: gl.constexpr = q_bufs.type.shape[0]
-    block_m: gl.constexpr = q_bufs.type.shape[1]
-    head_dim: gl.constexpr = q_bufs.type.shape[2]
-    slot = step % num_stages
-    bar = ready.index(slot)
-    in_range = step < n_steps
-    head, block = _step_tile(step, walk)
-    row0 = block * block_m
-    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes, pred=in_range)
-    tma.async_copy_global_to_shared(q_desc, [row0, head * head_dim], bar, q_bufs.index(slot), pred=in_range)
-    tma.async_copy_global_to_shared(do_desc, [row0, head * head_dim], bar, do_bufs.index(slot), pred=in_range)
-    tma.async_copy_global_to_shared(lse_desc, [head * seq_pad + row0], bar, lse_bufs.index(slot), pred=in_range)
-    tma.async_copy_global_to_shared(delta_desc, [head * seq_pad + row0], bar, delta_bufs.index(slot), pred=in_range)
+        return GluonBackwardConfig(warp_specialize=True, num_stages=2, dq_buffers=2)
+    return GluonBackwardConfig(warp_specialize=True, block_m=64, num_stages=3, kv_in_regs=True)
 
 
 # dQ += x for a pair (x0 at p0, x1 at p1) of one thread's dQ values: one 8-byte vector reduction where the pair is
@@ -155,16 +148,6 @@ mov.b32 $1, 0;
 }""")
 
 
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Add the shared-memory tile `src` into the global block of `tensor_desc` at `coord` by one asynchronous TMA
-    reduce-add (`cp.reduce.async.bulk.tensor`): the op Triton 3.6 lowers for sm_90 but its Gluon does not name;
-    `tma.store_wait` waits for its read of `src` like a TMA store's."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                              src.handle)
-
-
 @jit
 def _add_to_dq(dq, dq_base, step, walk, seq_q, stride_dqs):
     """Add step `step`'s dQ block into the float32 accumulator [Sq, H * D] (of this batch) all programs share, by
@@ -172,7 +155,7 @@ def _add_to_dq(dq, dq_base, step, walk, seq_q, stride_dqs):
     pointers stay adjacent."""
     block_m: gl.constexpr = dq.shape[0]
     head_dim: gl.constexpr = dq.shape[1]
-    head, block = _step_tile(step, walk)
+    head, block = step_tile(step, walk)
     rows = block * block_m + gl.arange(0, block_m, layout=gl.SliceLayout(1, dq.type.layout))
     cols = gl.arange(0, head_dim, layout=gl.SliceLayout(0, dq.type.layout))
     in_bounds = gl.expand_dims(rows < seq_q, 1)
@@ -197,8 +180,8 @@ def _reduce_dq_tile(dq_desc, dq_bufs, step, walk):
     """Issue the TMA reduce-add of step `step`'s staged dQ block (rows past the end are clipped by the TMA unit)."""
     block_m: gl.constexpr = dq_bufs.type.shape[1]
     head_dim: gl.constexpr = dq_bufs.type.shape[2]
-    head, block = _step_tile(step, walk)
-    _tma_reduce_add(dq_desc, [block * block_m, head * head_dim], dq_bufs.index(step % 2))
+    head, block = step_tile(step, walk)
+    tma_reduce_add(dq_desc, [block * block_m, head * head_dim], dq_bufs.index(step % 2))
 
 
 # Lengths and head counts are not specialized on (divisible by 16, equal to 1): one compile per head dim, causal
@@ -232,26 +215,9 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     kv_head = pid_bh % n_kv_heads
     col0 = gl.program_id(0) * BLOCK_N
     n_heads = n_kv_heads * group
-    first_head = kv_head * group  # GQA: query heads [first_head, first_head + group) read this K/V head
-
-    # Query blocks this key block meets: [first_block, n_blocks), masked before full_block (query i sees key j
-    # iff j <= i + diagonal), and everywhere in the key block that runs past the end.
     diagonal = seq_k - seq_q
-    n_blocks = gl.cdiv(seq_q, BLOCK_M)
-    if CAUSAL:
-        first_block = gl.minimum(gl.maximum(col0 - diagonal, 0) // BLOCK_M, n_blocks)
-        full_block = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(col0 + BLOCK_N - 1 - diagonal, 0), BLOCK_M),
-                                           first_block), n_blocks)
-    else:
-        first_block = 0
-        full_block = 0
-    full_block = gl.where(col0 + BLOCK_N > seq_k, n_blocks, full_block)
-    blocks_per_head = gl.maximum(n_blocks - first_block, 1)
-    n_steps = group * (n_blocks - first_block)
-    # Without a causal mask every program would walk the same query blocks in step, all adding into the same dQ
-    # rows at once; STAGGER starts key block j's walk 2j blocks in, as the causal walks start.
-    rotation = (col0 // BLOCK_M) % blocks_per_head if STAGGER and not CAUSAL else 0
-    walk = (first_block, blocks_per_head, first_head, rotation)
+    walk, n_steps, full_block = key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL, STAGGER, BLOCK_M,
+                                               BLOCK_N)
 
     k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
                                         [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
@@ -294,7 +260,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     tma.async_copy_global_to_shared(k_desc, [col0, 0], kv_ready, k_buf)
     tma.async_copy_global_to_shared(v_desc, [col0, 0], kv_ready, v_buf)
     for i in gl.static_range(NUM_STAGES - 1):
-        _issue_tile_loads(descs, bufs, ready, i, n_steps, walk, seq_pad)
+        issue_tile_loads(descs, bufs, ready, i, n_steps, walk, seq_pad)
 
     qk_scale = softmax_scale * LOG2E
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
@@ -309,7 +275,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     mbarrier.wait(kv_ready, 0)
     for step in range(n_steps):
         slot = step % NUM_STAGES
-        block = _step_tile(step, walk)[1]
+        block = step_tile(step, walk)[1]
         rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
         q_buf = q_bufs.index(slot)
@@ -348,7 +314,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
         if DQ_REDUCTION == "tma":
             if step > 0:
                 _reduce_dq_tile(dq_desc, dq_bufs, step - 1, walk)
-        _issue_tile_loads(descs, bufs, ready, step + NUM_STAGES - 1, n_steps, walk, seq_pad)
+        issue_tile_loads(descs, bufs, ready, step + NUM_STAGES - 1, n_steps, walk, seq_pad)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, zeros_q, use_acc=False, is_async=True)
     dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
     if n_steps > 0:
@@ -376,13 +342,14 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
 
 def shared_layouts(dtype: torch.dtype, head_dim: int, config: GluonBackwardConfig):
     """(Q/dO tile, K/V tile, dS^T tile, row statistics, float32 dQ tile) shared-memory layouts: the widest swizzle
-    for each 2D tile, none for the float32 rows."""
+    for each 2D tile, none for the float32 rows. The warp-specialised form stages dQ in halves of D."""
     element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    dq_cols = head_dim // 2 if config.warp_specialize else head_dim
     return (gl.NVMMASharedLayout.get_default_for([config.block_m, head_dim], element),
             gl.NVMMASharedLayout.get_default_for([config.block_n, head_dim], element),
             gl.NVMMASharedLayout.get_default_for([config.block_n, config.block_m], element),
             gl.NVMMASharedLayout.get_default_for([config.block_m], gl.float32),
-            gl.NVMMASharedLayout.get_default_for([config.block_m, head_dim], gl.float32))
+            gl.NVMMASharedLayout.get_default_for([config.block_m, dq_cols], gl.float32))
 
 
 def padded_row_stats(lse: torch.Tensor, delta: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -421,16 +388,26 @@ def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     lse2, delta = padded_row_stats(lse, delta, config.block_m)
     q_layout, kv_layout, ds_layout, stats_layout, dq_layout = shared_layouts(q.dtype, head_dim, config)
     set_descriptor_allocator(q.device)
-    _gluon_backward_kernel[(triton.cdiv(seq_k, config.block_n), batch * n_kv_heads)](
+    grid = (triton.cdiv(seq_k, config.block_n), batch * n_kv_heads)
+    tensors_and_strides = (
         q, k, v, dout, lse2, delta, dq, dk, dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, lse2.shape[-1], softmax_scale,
-        HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        NUM_STAGES=config.num_stages, DQ_REDUCTION=config.dq_reduction, DP_FIRST=config.dp_first,
-        STAGGER=config.stagger,
-        Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout, DQ_LAYOUT=dq_layout,
-        num_warps=config.num_warps)
+        n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, lse2.shape[-1], softmax_scale)
+    layouts = dict(Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout,
+                   DQ_LAYOUT=dq_layout)
+    if config.warp_specialize:
+        gluon_backward_ws_kernel[grid](
+            *tensors_and_strides, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
+            NUM_STAGES=config.num_stages, DQ_BUFFERS=config.dq_buffers, STAGGER=config.stagger,
+            KV_IN_REGS=config.kv_in_regs, **layouts,
+            CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
+            num_warps=config.num_warps, maxnreg=config.max_regs)
+    else:
+        _gluon_backward_kernel[grid](
+            *tensors_and_strides, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            NUM_STAGES=config.num_stages, DQ_REDUCTION=config.dq_reduction, DP_FIRST=config.dp_first,
+            STAGGER=config.stagger, **layouts, num_warps=config.num_warps)
     dq = dq.mul_(softmax_scale)
     return (dq if grad_dtype == torch.float32 else dq.to(grad_dtype)), dk, dv

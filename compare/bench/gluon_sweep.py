@@ -34,17 +34,20 @@ def candidates(head_dim: int, causal: bool):
 
 
 def backward_candidates(head_dim: int, causal: bool):
-    """GluonBackwardConfigs to time: the default first, then dQ by vector atomics instead of the TMA reduce-add; at
-    D=64 also the runner-up shape (64-row query blocks, 3 stages); non-causal, also the walks unstaggered. (D=128
-    has no room for 3 stages, 128-row blocks or dP^T issued first: shared memory or registers.)"""
-    from torch_impl.flash_gluon_backward import GluonBackwardConfig, backward_config
+    """GluonBackwardConfigs to time: the default first, then the best lockstep form (compare/results/
+    kernels-gluon-backward-2026-11-23-h200-tuning) and the warp-specialised form (FlashAttention-3's structure)
+    around it: D=128, 2 Q/dO stages with two float32 dQ tiles per consumer or 3 stages with one (shared memory
+    holds one or the other); D=64, 64-row query blocks (128 rows spill) with 3 or 4 stages, and K and V in
+    registers (at D=128 they do not fit)."""
+    from torch_impl.flash_gluon_backward import GluonBackwardConfig, backward_config, lockstep_config
 
-    default = backward_config(head_dim, causal, 0)
-    space = [default, GluonBackwardConfig(**{**vars(default), "dq_reduction": "vector_atomics"})]
-    if head_dim == 64:
-        space.append(GluonBackwardConfig(**{**vars(default), "block_m": 64, "num_stages": 3}))
-    if not causal:
-        space.append(GluonBackwardConfig(**{**vars(default), "stagger": False}))
+    del causal
+    if head_dim == 128:
+        shapes = [dict(num_stages=2, dq_buffers=2), dict(num_stages=3, dq_buffers=1)]
+    else:
+        shapes = [dict(block_m=64, num_stages=s) for s in (3, 4)] + [dict(block_m=64, num_stages=3, kv_in_regs=True)]
+    space = [backward_config(head_dim, False, 0), lockstep_config(head_dim)]
+    space += [GluonBackwardConfig(warp_specialize=True, **shape) for shape in shapes]
     return list(dict.fromkeys(space))
 
 

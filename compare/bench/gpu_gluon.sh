@@ -22,6 +22,13 @@
 #   SWEEP_DIRECTION=backward SWEEP_HEAD_DIMS=128 SWEEP_CAUSAL=full SWEEP_S=45 TESTS_S=105 BENCH_S=150 HEAD_DIM=128 \
 #   TRITON_PATHS=triton_gluon TEST_FILES="tests/test_flash_gluon_backward_torch.py tests/test_flash_gluon_torch.py" \
 #   TESTS_K="backward or ring or cudnn" timeout 325 bash compare/bench/gpu_gluon.sh smoke,sweep,tests,bench
+# The warp-specialised backward's sweep with every config's contract against the portable backward (about 210 s):
+#   SWEEP_DIRECTION=backward SWEEP_S=190 TESTS_S=95 TEST_FILES=tests/test_flash_gluon_backward_torch.py \
+#   TESTS_K=external timeout 325 bash compare/bench/gpu_gluon.sh smoke,sweep,tests
+# and its tests and bench at both head dims (the bench about 130 s; give the tests more than 55 s):
+#   SEQ_LENS=16k,64k HEAD_DIM=128,64 BENCH_S=240 TESTS_S=55 TEST_FILES="tests/test_flash_gluon_backward_torch.py \
+#   tests/test_flash_gluon_torch.py" TESTS_K="(backward or ring) and not external" timeout 326 \
+#   bash compare/bench/gpu_gluon.sh smoke,tests,bench
 # The Gluon backward's run (issue 13; about 410 s at most):
 #   SWEEP_DIRECTION=backward SWEEP_S=50 TESTS_S=120 BENCH_S=180 HEAD_DIM=128,64 TRITON_PATHS=triton_gluon \
 #   TEST_FILES="tests/test_flash_gluon_backward_torch.py tests/test_flash_gluon_torch.py" \

@@ -1,0 +1,322 @@
+"""The warp-specialised form of the Gluon (sm_90) FlashAttention backward (FlashAttention-3's structure), and the
+tile walk both forms share. The public API is `flash_gluon_backward.gluon_backward`, which launches this kernel
+when its config says `warp_specialize` (see `flash_gluon_backward.py` for the math and the contract, the same
+here).
+
+Where the lockstep form (`flash_gluon_backward._gluon_backward_kernel`) runs two warpgroups that issue their own
+loads and meet at a CTA-wide barrier every step, here one program (`block_n` = 128 keys of one batch and KV head)
+forks into four partitions (`gl.warp_specialize`):
+  - two consumer warpgroups (the default partition and a worker), each owning 64 of the keys: its K/V rows, its dK
+    and dV accumulators. Per query block: S^T = K_c Q^T and dP^T = V_c dO^T, P^T = exp2(S^T - lse) while dP^T is
+    in flight, dS^T = P^T (dP^T - delta) into its half of a shared dS tile, dV += P^T dO and dK += dS^T Q from
+    registers, and dQ's `D/2` columns of its own: dQ_c = dS K[:, c], which needs both halves of dS (the one place
+    the consumers wait on each other, through an mbarrier, not a barrier both must reach);
+  - a loader warp: K and V once, then Q, dO, lse and delta tiles by TMA into a `num_stages`-deep ring (a ready
+    barrier with the transaction count, an empty barrier both consumers release);
+  - a dQ writer warp: each consumer stores its float32 dQ half to a shared tile (`dq_buffers` deep) and tells the
+    writer, which adds it to the global float32 accumulator by one TMA reduce-add and frees the tile once the
+    TMA unit has read it: the consumers never wait on the reduction.
+Each step waits all five of its wgmma (FlashAttention-3's choice at D=128 too: dQ deferred by a step would need 32
+more registers than the consumers' 240). `kv_in_regs` holds each consumer's K and V rows in registers, so that
+S^T and dP^T read only Q and dO from shared memory (it fits at D=64). Registers (setmaxnreg): the worker consumer
+gets `consumer_regs`, the two single warps `producer_regs`, the default consumer what `max_regs` for all 384
+threads leaves (240 each at the defaults). Measured on H200: compare/results/
+kernels-gluon-backward-2026-11-23-h200-h13d.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from torch_impl.flash_forward import LOG2E
+from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, jit
+
+if GLUON_AVAILABLE:
+    from triton._C.libtriton import ir as triton_ir
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+else:
+    def builtin(fn):
+        return fn
+
+# One warpgroup's wgmma tile height; two consumers make the 128-key block.
+KEYS_PER_CONSUMER = tl.constexpr(64)
+
+
+@jit
+def key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL: gl.constexpr, STAGGER: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(walk, n_steps, full_block) of the key block at `col0`: the query blocks it meets, [first_block, n_blocks)
+    of every query head of the group, masked before full_block (query i sees key j iff j <= i + diagonal, and
+    everywhere in the key block that runs past the end). walk = (first_block, blocks_per_head, first_head,
+    rotation) for `step_tile`."""
+    diagonal = seq_k - seq_q
+    n_blocks = gl.cdiv(seq_q, BLOCK_M)
+    if CAUSAL:
+        first_block = gl.minimum(gl.maximum(col0 - diagonal, 0) // BLOCK_M, n_blocks)
+        full_block = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(col0 + BLOCK_N - 1 - diagonal, 0), BLOCK_M),
+                                           first_block), n_blocks)
+    else:
+        first_block = 0
+        full_block = 0
+    full_block = gl.where(col0 + BLOCK_N > seq_k, n_blocks, full_block)
+    blocks_per_head = gl.maximum(n_blocks - first_block, 1)
+    n_steps = group * (n_blocks - first_block)
+    # Without a causal mask every program would walk the same query blocks in step, all adding into the same dQ
+    # rows at once; STAGGER starts key block j's walk 2j blocks in, as the causal walks start.
+    rotation = (col0 // BLOCK_M) % blocks_per_head if STAGGER and not CAUSAL else 0
+    return (first_block, blocks_per_head, kv_head * group, rotation), n_steps, full_block
+
+
+@jit
+def step_tile(step, walk):
+    """(query head, query block) of step `step` of a program's walk (first_block, blocks_per_head, first_head,
+    rotation): the group's heads one after the other, each one's blocks [first_block, first_block +
+    blocks_per_head) from `rotation` blocks in, wrapping around."""
+    first_block, blocks_per_head, first_head, rotation = walk
+    return first_head + step // blocks_per_head, first_block + (step % blocks_per_head + rotation) % blocks_per_head
+
+
+@jit
+def issue_tile_loads(descs, bufs, ready, step, n_steps, walk, seq_pad):
+    """Start the TMA loads of step `step`'s tiles (Q, dO: [block_m, D]; lse2, delta: [block_m]) into their ring
+    slot (nothing past the last step)."""
+    q_desc, do_desc, lse_desc, delta_desc = descs
+    q_bufs, do_bufs, lse_bufs, delta_bufs = bufs
+    num_stages: gl.constexpr = q_bufs.type.shape[0]
+    block_m: gl.constexpr = q_bufs.type.shape[1]
+    head_dim: gl.constexpr = q_bufs.type.shape[2]
+    slot = step % num_stages
+    bar = ready.index(slot)
+    in_range = step < n_steps
+    head, block = step_tile(step, walk)
+    row0 = block * block_m
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes, pred=in_range)
+    tma.async_copy_global_to_shared(q_desc, [row0, head * head_dim], bar, q_bufs.index(slot), pred=in_range)
+    tma.async_copy_global_to_shared(do_desc, [row0, head * head_dim], bar, do_bufs.index(slot), pred=in_range)
+    tma.async_copy_global_to_shared(lse_desc, [head * seq_pad + row0], bar, lse_bufs.index(slot), pred=in_range)
+    tma.async_copy_global_to_shared(delta_desc, [head * seq_pad + row0], bar, delta_bufs.index(slot), pred=in_range)
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile `src` into the global block of `tensor_desc` at `coord` by one asynchronous TMA
+    reduce-add (`cp.reduce.async.bulk.tensor`): the op Triton 3.6 lowers for sm_90 but its Gluon does not name;
+    `tma.store_wait` waits for its read of `src` like a TMA store's."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                              src.handle)
+
+
+@jit
+def _loader(args):
+    (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
+     dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
+     stride_dks, stride_dvs) = args
+    num_stages: gl.constexpr = bufs[0].type.shape[0]
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [col0, 0], kv_ready, k_buf)
+    tma.async_copy_global_to_shared(v_desc, [col0, 0], kv_ready, v_buf)
+    for step in range(n_steps):
+        mbarrier.wait(empty.index(step % num_stages), ((step // num_stages) & 1) ^ 1)
+        issue_tile_loads(descs, bufs, ready, step, n_steps, walk, seq_pad)
+
+
+@jit
+def _dq_writer(args):
+    (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
+     dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
+     stride_dks, stride_dvs) = args
+    n_buffers: gl.constexpr = dq_bufs.type.shape[0] // 2
+    block_m: gl.constexpr = dq_bufs.type.shape[1]
+    half_dim: gl.constexpr = dq_bufs.type.shape[2]
+    for step in range(n_steps):
+        head, block = step_tile(step, walk)
+        buffer = step % n_buffers
+        for c in gl.static_range(2):
+            mbarrier.wait(dq_full.index(2 * buffer + c), (step // n_buffers) & 1)
+            tma_reduce_add(dq_desc, [block * block_m, (2 * head + c) * half_dim], dq_bufs.index(2 * buffer + c))
+        tma.store_wait(0)  # the TMA unit has read both halves: the consumers may refill them
+        for c in gl.static_range(2):
+            mbarrier.arrive(dq_empty.index(2 * buffer + c), count=1)
+
+
+@jit
+def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
+     dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
+     stride_dks, stride_dvs) = args
+    q_bufs, do_bufs, lse_bufs, delta_bufs = bufs
+    num_stages: gl.constexpr = q_bufs.type.shape[0]
+    block_m: gl.constexpr = q_bufs.type.shape[1]
+    head_dim: gl.constexpr = q_bufs.type.shape[2]
+    n_buffers: gl.constexpr = dq_bufs.type.shape[0] // 2
+    half_dim: gl.constexpr = dq_bufs.type.shape[2]
+    dtype: gl.constexpr = q_bufs.dtype
+    k_step: gl.constexpr = 256 // dtype.primitive_bitwidth
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, block_m, k_step])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, head_dim, k_step])
+    kv_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout,
+                                                   k_width=32 // dtype.primitive_bitwidth)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, half_dim, k_step])
+    my_col0 = col0 + consumer * KEYS_PER_CONSUMER
+    k_mine = k_buf.slice(consumer * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+    v_mine = v_buf.slice(consumer * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+    k_dq = k_buf.slice(consumer * half_dim, half_dim, dim=1)  # dQ's columns of this consumer
+    cols = my_col0 + gl.arange(0, KEYS_PER_CONSUMER, layout=gl.SliceLayout(1, st_layout))
+    diagonal = seq_k - seq_q
+    qk_scale = softmax_scale * LOG2E
+    zeros_t = gl.zeros([KEYS_PER_CONSUMER, block_m], gl.float32, st_layout)
+    zeros_q = gl.zeros([block_m, half_dim], gl.float32, dq_layout)
+    dk = gl.zeros([KEYS_PER_CONSUMER, head_dim], gl.float32, kv_layout)
+    dv = gl.zeros([KEYS_PER_CONSUMER, head_dim], gl.float32, kv_layout)
+    mbarrier.wait(kv_ready, 0)
+    if KV_IN_REGS:  # S^T's and dP^T's A operands from registers: half their shared-memory reads
+        st_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout,
+                                                       k_width=32 // dtype.primitive_bitwidth)
+        k_mine = k_mine.load(st_operand)
+        v_mine = v_mine.load(st_operand)
+    for step in range(n_steps):
+        slot = step % num_stages
+        block = step_tile(step, walk)[1]
+        rows = block * block_m + gl.arange(0, block_m, layout=gl.SliceLayout(0, st_layout))
+        q_buf = q_bufs.index(slot)
+        do_buf = do_bufs.index(slot)
+        mbarrier.wait(ready.index(slot), (step // num_stages) & 1)
+        s_t = warpgroup_mma(k_mine, q_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_mine, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
+        lse2 = lse_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
+        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+        if block < full_block:
+            visible = gl.expand_dims(cols, 1) < seq_k
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(cols, 1) <= gl.expand_dims(rows, 0) + diagonal)
+            p_t = gl.where(visible, p_t, 0.0)
+        delta = delta_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
+        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
+        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+        # This consumer's dS^T rows for both consumers' dQ matmuls. Its buffer was last read by the dQ matmuls
+        # two steps ago, which both consumers waited for before storing the dS of the step in between.
+        ds_buf = ds_bufs.index(step % 2)
+        ds_buf.slice(consumer * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER).store(ds_t)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_ready.index(step % 2), count=1)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), kv_operand), do_buf, dv, is_async=True)
+        mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_dq, zeros_q, use_acc=False, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, kv_operand), q_buf, dk, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
+        dq_slot = 2 * (step % n_buffers) + consumer
+        mbarrier.wait(dq_empty.index(dq_slot), ((step // n_buffers) & 1) ^ 1)
+        dq_bufs.index(dq_slot).store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(dq_full.index(dq_slot), count=1)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        mbarrier.arrive(empty.index(slot), count=1)  # this consumer is done with the step's Q/dO slot
+
+    out_rows = my_col0 + gl.arange(0, KEYS_PER_CONSUMER, layout=gl.SliceLayout(1, kv_layout))
+    out_cols = gl.arange(0, head_dim, layout=gl.SliceLayout(0, kv_layout))
+    in_bounds = gl.expand_dims(out_rows < seq_k, 1)
+    dk_ptrs = dk_base + gl.expand_dims(out_rows.to(gl.int64) * stride_dks, 1) + gl.expand_dims(out_cols, 0)
+    dv_ptrs = dv_base + gl.expand_dims(out_rows.to(gl.int64) * stride_dvs, 1) + gl.expand_dims(out_cols, 0)
+    gl.store(dk_ptrs, (dk * softmax_scale).to(dk_base.dtype.element_ty), mask=in_bounds)
+    gl.store(dv_ptrs, dv.to(dv_base.dtype.element_ty), mask=in_bounds)
+
+
+@jit
+def _consumer0(args, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    _consume(args, 0, CAUSAL, KV_IN_REGS)
+
+
+@jit
+def _consumer1(args, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    _consume(args, 1, CAUSAL, KV_IN_REGS)
+
+
+def _kernel_decorator():
+    if not GLUON_AVAILABLE:
+        return jit
+    from triton.experimental import gluon
+    return gluon.jit(do_not_specialize=("n_kv_heads", "group", "seq_q", "seq_k"))
+
+
+# Lengths and head counts are not specialized on, as in the lockstep form.
+@_kernel_decorator()
+def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
+                             stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                             stride_dob, stride_dos, stride_dqb, stride_dqs,
+                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                             n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
+                             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                             DQ_BUFFERS: gl.constexpr, STAGGER: gl.constexpr, KV_IN_REGS: gl.constexpr,
+                             Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
+                             STATS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BLOCK_N: gl.constexpr = 2 * KEYS_PER_CONSUMER
+    HALF_DIM: gl.constexpr = HEAD_DIM // 2
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    col0 = gl.program_id(0) * BLOCK_N
+    n_heads = n_kv_heads * group
+    walk, n_steps, full_block = key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL, STAGGER, BLOCK_M,
+                                               BLOCK_N)
+
+    k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
+                                        [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_desc = tma.make_tensor_descriptor(V + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh,
+                                        [seq_k, HEAD_DIM], [stride_vs, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_desc = tma.make_tensor_descriptor(Q + batch.to(gl.int64) * stride_qb, [seq_q, n_heads * HEAD_DIM],
+                                        [stride_qs, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_desc = tma.make_tensor_descriptor(DOut + batch.to(gl.int64) * stride_dob, [seq_q, n_heads * HEAD_DIM],
+                                         [stride_dos, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    stats = (batch * n_heads).to(gl.int64) * seq_pad
+    lse_desc = tma.make_tensor_descriptor(Lse2 + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
+    delta_desc = tma.make_tensor_descriptor(Delta + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
+    # dQ halves ([block_m, D/2] per consumer) go to the float32 accumulator, [Sq, H * D] per batch like Q.
+    dq_desc = tma.make_tensor_descriptor(DQ + batch.to(gl.int64) * stride_dqb, [seq_q, n_heads * HEAD_DIM],
+                                         [stride_dqs, 1], [BLOCK_M, HALF_DIM], DQ_LAYOUT)
+    k_buf = gl.allocate_shared_memory(K.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_buf = gl.allocate_shared_memory(V.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_LAYOUT)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_LAYOUT)
+    ds_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK_M, HALF_DIM], DQ_LAYOUT)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # released by both consumers
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)  # both halves of dS stored
+    for i in gl.static_range(2 * DQ_BUFFERS):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+
+    dk_base = DK + batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
+    dv_base = DV + batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+    args = ((q_desc, do_desc, lse_desc, delta_desc), (q_bufs, do_bufs, lse_bufs, delta_bufs), k_desc, v_desc,
+            k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs, dq_full, dq_empty, walk,
+            n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
+            stride_dks, stride_dvs)
+    gl.warp_specialize([
+        (_consumer0, (args, CAUSAL, KV_IN_REGS)),
+        (_consumer1, (args, CAUSAL, KV_IN_REGS)),
+        (_loader, (args, )),
+        (_dq_writer, (args, )),
+    ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
