@@ -112,26 +112,6 @@ def ring_attention_fn(mesh: Mesh, *, backend: str = "pallas", variant: str = "ri
                          mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
 
-def lowered_ring_attention(mesh: Mesh, *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-                           dtype, backend: str = "pallas", variant: str = "ring",
-                           platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
-    """The forward and backward of `ring_attention_fn(mesh, backend, variant)` at a train step's attention shapes
-    (global q [batch, seq_len, heads, head_dim], k/v with `kv_heads`, in `dtype`; the output is its own cotangent),
-    lowered for `platforms` (default: the devices'), to be compiled without running. Pallas's Mosaic GPU kernels
-    are compiled once per process and kept by a hash of their bytes, which these kernels share with the step's
-    (tests/test_compile_ahead.py): a process serving several points compiles their kernels ahead (`compare`'s JAX
-    worker), and each step's compilation then finds them done."""
-    attention = ring_attention_fn(mesh, backend=backend, variant=variant)
-    sharding = NamedSharding(mesh, PartitionSpec(*ACTIVATION_SHARDING["hidden"][:2], None, None))
-    q = jax.ShapeDtypeStruct((batch, seq_len, heads, head_dim), dtype, sharding=sharding)
-    kv = jax.ShapeDtypeStruct((batch, seq_len, kv_heads, head_dim), dtype, sharding=sharding)
-
-    def forward_and_backward(q, k, v):
-        out, pullback = jax.vjp(attention, q, k, v)
-        return pullback(out)
-    return jax.jit(forward_and_backward).trace(q, kv, kv).lower(lowering_platforms=platforms)
-
-
 def sharded_batch(tokens: np.ndarray, mesh: Mesh) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens, targets, positions) of a global int64 batch [batch, seq] as int32 global arrays on the mesh, split
     as `ACTIVATION_SHARDING["tokens"]` says (batch over fsdp, sequence over sp in the ring layout's order).

@@ -166,8 +166,8 @@ def bench_units(steps: int) -> int:
 
 class SetupClock:
     """A job's setup time beside its measured time, as the report shows them: `launch_s` (the process's start
-    until its first job began: interpreter, imports, device and process-group initialisation, on GPUs the JAX
-    worker's attention kernels of the later points compiled ahead; 0 for the later jobs of a process), `weights_s` (model built and weights read), `compile_s` (the first step's time beyond a
+    until its first job began: interpreter, imports, device and process-group initialisation; 0 for the later jobs
+    of a process), `weights_s` (model built and weights read), `compile_s` (the first step's time beyond a
     steady step: compilation, autotuning, allocator warm-up), `measured_s` (everything after the first step)."""
 
     def __init__(self, launched_at: float | None):

@@ -44,12 +44,11 @@ from compare.harness.jobs import (PERTURBATION, Job, Phases, SetupClock, bench_u
                                   forward_passes, is_collective_op, is_out_of_memory, job_batches, launched_at,
                                   mark_progress, mark_started, read_job_file, timed_steps, union_seconds, write_result)
 from compare.nodes import Nodes
-from jax_impl.model import DTYPES, stack_layers, unstack_layers
-from jax_impl.parallel import lowered_ring_attention, make_mesh, sharded_batch
+from jax_impl.model import stack_layers, unstack_layers
+from jax_impl.parallel import sharded_batch
 from jax_impl.train import (Training, build_training, init_distributed, next_token_loss, peak_memory_bytes,
                             step_scalars, train_step)
 from weights.layout import inverse_order, layout_order
-from weights.checkpoint import open_weights
 from weights.parallel import RING_LAYOUT
 from weights.training import adamw_coefficients
 
@@ -274,49 +273,12 @@ def bench(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
             "trace": trace_dir, "platform": platform, "setup": clock.result(first_s, step_s)}
 
 
-def attention_shapes_ahead(jobs: list[Job]) -> list[Job]:
-    """The benchmark jobs after the first whose Pallas attention kernels `compile_attention_ahead` compiles: one
-    per (devices, length, kernel) that the first job's own compilation does not already cover."""
-    first = jobs[0]
-    seen, ahead = {(first.devices, first.seq_len, first.attention_backend, first.dtype)}, []
-    for job in jobs[1:]:
-        key = (job.devices, job.seq_len, job.attention_backend, job.dtype)
-        if job.kind == "bench" and job.attention_backend.startswith("pallas") and key not in seen:
-            seen.add(key)
-            ahead.append(job)
-    return ahead
-
-
-def compile_attention_ahead(jobs: list[Job], devices: list) -> None:
-    """Before the first job, the Mosaic GPU attention kernels of the later points (`attention_shapes_ahead`),
-    compiled without running (`jax_impl.parallel.lowered_ring_attention`): each of those points' setup then pays
-    for its XLA step alone, and the first job's launch time holds this (about a second per kernel)."""
-    began = time.perf_counter()
-    ahead = attention_shapes_ahead(jobs)
-    for job in ahead:
-        settings = job.settings()
-        config = open_weights(settings.model).config
-        try:
-            lowered_ring_attention(make_mesh(settings.mesh, devices[:job.devices]), batch=settings.batch,
-                                   seq_len=settings.seq_len, heads=config.num_heads, kv_heads=config.num_kv_heads,
-                                   head_dim=config.head_dim, dtype=DTYPES[settings.dtype],
-                                   backend=settings.attention_backend, variant=settings.ring_variant).compile()
-        except Exception as failure:  # only time is at stake: the job itself meets and records any real error
-            print(f"twinflash: {job.id}: attention not compiled ahead ({type(failure).__name__}: {failure})"[:500],
-                  file=sys.stderr)
-    if ahead:
-        print(f"twinflash: the attention kernels of {len(ahead)} later points compiled ahead in "
-              f"{time.perf_counter() - began:.1f} s", file=sys.stderr)
-
-
 def main(argv: list[str]) -> int:
     jobs, work_dir = read_job_file(Path(argv[0]))
     started_at = launched_at()
     nodes = Nodes.from_env()  # a launch spanning nodes: this node's process joins the others' before JAX starts
     if nodes is not None:
         init_distributed(nodes.coordinator, nodes.count, nodes.rank, nodes.timeout_s)
-    if jax.default_backend() == "gpu":  # elsewhere Pallas interprets its kernels: nothing is compiled to keep
-        compile_attention_ahead(jobs, jax.devices())
     for job in jobs:
         mark_started(work_dir, job)
         clock = SetupClock(started_at)
