@@ -30,7 +30,8 @@ Variant "ring": at step s device r holds the K/V block of device j = (r - s) mod
 `jax.lax.ppermute` (P-1 hops; a hop depends only on the previous block, so XLA can overlap it with the step's
 compute). j == r only at step 0 (static); later j < r exactly when r >= s, which depends on the traced
 `jax.lax.axis_index`, so the step's block is chosen with `jax.lax.cond`. The causal work of each step is the table
-of `weights.attention.ring_block` (shared with the torch twin). Partial results are merged in float32; a row that saw no
+of `weights.attention.ring_block` (shared with the torch twin), a half-rows or half-columns block run as its
+half-by-half squares (`_kernel_pieces`: one kernel shape for every off-diagonal call). Partial results are merged in float32; a row that saw no
 key keeps lse -inf and output 0, without NaN. Backward: K/V go around again with float32 dK/dV accumulators
 travelling with their block (a separate ppermute, so the K/V hop need not wait for the gradients), arriving back
 at their owner after P hops; dq accumulates locally in float32; the pair backward gets the GLOBAL merged out and
@@ -90,13 +91,32 @@ def _updated(acc, index: slice, axis: int, value, *, add: bool = False):
     return jax.lax.dynamic_update_slice_in_dim(acc, value, start, axis=axis)
 
 
+def _kernel_pieces(block: RingBlock | None, local_len: int) -> tuple[RingBlock, ...]:
+    """The kernel calls of a step's block: a non-causal block of half the rows or half the columns (the zigzag
+    layout's "earlier" and "later" blocks, whose shapes differ) as its half-by-half squares, so that every
+    off-diagonal call of the ring has one shape. Each shape of a Pallas call is a kernel of its own that Mosaic GPU
+    compiles for every step compilation (jax 0.11 stamps each lowering's kernel bytes, so none is reused across
+    compilations: compare/results/jax-compile-profile-2026-11-23-h200/): one shape instead of two spares a 2-GPU
+    step three of its nine kernels. The torch twin's Triton kernels take any shape: it keeps whole blocks."""
+    if block is None:
+        return ()
+    if block.causal or block.rows == block.cols == ALL:
+        return (block,)
+    halves = (slice(None, local_len // 2), slice(local_len // 2, None))
+    return tuple(RingBlock(rows, cols, False) for rows in (halves if block.rows == ALL else (block.rows,))
+                 for cols in (halves if block.cols == ALL else (block.cols,)))
+
+
 def _run_step(step_fn, step: int, rank, cfg: _RingConfig, local_len: int, *operands):
-    """`step_fn(block, *operands)` for the block of step `step`, whose source rank is (rank - step) mod P. Only
-    step 0 holds the local block; later, the source is an earlier rank exactly when rank >= step (no wrap-around),
-    which depends on the traced rank, so the choice is a `lax.cond` when the two blocks differ."""
+    """`step_fn(pieces, *operands)` for the block of step `step` (`_kernel_pieces`), whose source rank is
+    (rank - step) mod P. Only step 0 holds the local block; later, the source is an earlier rank exactly when
+    rank >= step (no wrap-around), which depends on the traced rank, so the choice is a `lax.cond` when the two
+    blocks differ."""
+    def pieces(source: str) -> tuple[RingBlock, ...]:
+        return _kernel_pieces(ring_block(cfg.causal, cfg.layout, source, local_len), local_len)
     if step == 0:
-        return step_fn(ring_block(cfg.causal, cfg.layout, "same", local_len), *operands, cfg=cfg)
-    earlier, later = (ring_block(cfg.causal, cfg.layout, source, local_len) for source in ("earlier", "later"))
+        return step_fn(pieces("same"), *operands, cfg=cfg)
+    earlier, later = pieces("earlier"), pieces("later")
     if earlier == later:
         return step_fn(earlier, *operands, cfg=cfg)
     return jax.lax.cond(rank >= step, functools.partial(step_fn, earlier, cfg=cfg),
@@ -137,28 +157,29 @@ def _reduce_scatter(x: jax.Array, cfg: _RingConfig, world: int, axis: int) -> ja
     return jax.lax.psum_scatter(x, cfg.axis_name, scatter_dimension=axis, tiled=True)
 
 
-def _forward_step(block: RingBlock | None, acc, q, k_block, v_block, cfg: _RingConfig):
-    """The accumulated (out float32, lse) of the local queries with this block's partial result merged in."""
-    if block is None:
-        return acc
-    out, lse = flash_attention_forward(q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols],
-                                       causal=block.causal, softmax_scale=cfg.softmax_scale, out_dtype=jnp.float32,
-                                       backend=cfg.backend)
-    acc_out, acc_lse = acc
-    out, lse = _merge(acc_out[:, block.rows], acc_lse[:, :, block.rows], out, lse)
-    return _updated(acc_out, block.rows, 1, out), _updated(acc_lse, block.rows, 2, lse)
+def _forward_step(pieces: tuple[RingBlock, ...], acc, q, k_block, v_block, cfg: _RingConfig):
+    """The accumulated (out float32, lse) of the local queries with this step's partial results merged in."""
+    for block in pieces:
+        out, lse = flash_attention_forward(q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols],
+                                           causal=block.causal, softmax_scale=cfg.softmax_scale,
+                                           out_dtype=jnp.float32, backend=cfg.backend)
+        acc_out, acc_lse = acc
+        out, lse = _merge(acc_out[:, block.rows], acc_lse[:, :, block.rows], out, lse)
+        acc = _updated(acc_out, block.rows, 1, out), _updated(acc_lse, block.rows, 2, lse)
+    return acc
 
 
-def _backward_step(block: RingBlock | None, grads, dout, q, k_block, v_block, out, lse, cfg: _RingConfig):
-    """(dq, dk, dv) float32 accumulators with this block's gradients added (dk/dv: those of the block in hand)."""
-    if block is None:
-        return grads
-    dq_part, dk_part, dv_part = flash_attention_backward(
-        dout[:, block.rows], q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols], out[:, block.rows],
-        lse[:, :, block.rows], causal=block.causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend)
-    dq, dk, dv = grads
-    return (_updated(dq, block.rows, 1, dq_part, add=True), _updated(dk, block.cols, 1, dk_part, add=True),
-            _updated(dv, block.cols, 1, dv_part, add=True))
+def _backward_step(pieces: tuple[RingBlock, ...], grads, dout, q, k_block, v_block, out, lse, cfg: _RingConfig):
+    """(dq, dk, dv) float32 accumulators with this step's gradients added (dk/dv: those of the block in hand)."""
+    for block in pieces:
+        dq_part, dk_part, dv_part = flash_attention_backward(
+            dout[:, block.rows], q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols],
+            out[:, block.rows], lse[:, :, block.rows], causal=block.causal, softmax_scale=cfg.softmax_scale,
+            backend=cfg.backend)
+        dq, dk, dv = grads
+        grads = (_updated(dq, block.rows, 1, dq_part, add=True), _updated(dk, block.cols, 1, dk_part, add=True),
+                 _updated(dv, block.cols, 1, dv_part, add=True))
+    return grads
 
 
 def _ring_forward(cfg: _RingConfig, world: int, rank, q, k, v):

@@ -56,8 +56,8 @@ import triton.language as tl
 
 from torch_impl.flash_backward import row_delta
 from torch_impl.flash_forward import LOG2E
-from torch_impl.flash_gluon_backward_ws import (gluon_backward_ws_kernel, issue_tile_loads, key_block_walk,
-                                                step_tile, tma_reduce_add)
+from torch_impl.flash_gluon_backward_ws import (gluon_backward_ws_kernel, input_descriptors, issue_tile_loads,
+                                                key_block_walk, step_tile, tma_reduce_add)
 from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, jit
 from torch_impl.flash_hopper_forward import set_descriptor_allocator
 
@@ -219,19 +219,10 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     walk, n_steps, full_block = key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL, STAGGER, BLOCK_M,
                                                BLOCK_N)
 
-    k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
-                                        [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_desc = tma.make_tensor_descriptor(V + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh,
-                                        [seq_k, HEAD_DIM], [stride_vs, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    # Q and dO are [Sq, H * D] row-major per batch: one descriptor each serves every head of the group.
-    q_desc = tma.make_tensor_descriptor(Q + batch.to(gl.int64) * stride_qb, [seq_q, n_heads * HEAD_DIM],
-                                        [stride_qs, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
-    do_desc = tma.make_tensor_descriptor(DOut + batch.to(gl.int64) * stride_dob, [seq_q, n_heads * HEAD_DIM],
-                                         [stride_dos, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
-    # lse (log2 units) and delta, [H * seq_pad] per batch, padded with lse +inf (P = 0) and delta 0.
-    stats = (batch * n_heads).to(gl.int64) * seq_pad
-    lse_desc = tma.make_tensor_descriptor(Lse2 + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
-    delta_desc = tma.make_tensor_descriptor(Delta + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
+    k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc = input_descriptors(
+        Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+        stride_vh, stride_dob, stride_dos, batch, kv_head, n_heads, seq_q, seq_k, seq_pad, HEAD_DIM, BLOCK_M,
+        BLOCK_N, Q_LAYOUT, KV_LAYOUT, STATS_LAYOUT)
     k_buf = gl.allocate_shared_memory(K.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_buf = gl.allocate_shared_memory(V.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
     q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)

@@ -46,6 +46,28 @@ KEYS_PER_CONSUMER = tl.constexpr(64)
 
 
 @jit
+def input_descriptors(Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_kb, stride_ks, stride_kh,
+                      stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, batch, kv_head, n_heads, seq_q, seq_k,
+                      seq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, STATS_LAYOUT: gl.constexpr):
+    """TMA descriptors (k, v, q, dout, lse, delta) of one program's inputs: its KV head's [Sk, D] K and V rows; Q
+    and dO as [Sq, H * D] row-major per batch (one descriptor each serves every head of the group); lse (log2
+    units) and delta as [H * seq_pad] per batch (padded with lse +inf, P = 0, and delta 0)."""
+    k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
+                                        [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_desc = tma.make_tensor_descriptor(V + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh,
+                                        [seq_k, HEAD_DIM], [stride_vs, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_desc = tma.make_tensor_descriptor(Q + batch.to(gl.int64) * stride_qb, [seq_q, n_heads * HEAD_DIM],
+                                        [stride_qs, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_desc = tma.make_tensor_descriptor(DOut + batch.to(gl.int64) * stride_dob, [seq_q, n_heads * HEAD_DIM],
+                                         [stride_dos, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    stats = (batch * n_heads).to(gl.int64) * seq_pad
+    lse_desc = tma.make_tensor_descriptor(Lse2 + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
+    delta_desc = tma.make_tensor_descriptor(Delta + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
+    return k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc
+
+
+@jit
 def key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL: gl.constexpr, STAGGER: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """(walk, n_steps, full_block) of the key block at `col0`: the query blocks it meets, [first_block, n_blocks)
@@ -270,17 +292,10 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     walk, n_steps, full_block = key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL, STAGGER, BLOCK_M,
                                                BLOCK_N)
 
-    k_desc = tma.make_tensor_descriptor(K + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
-                                        [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_desc = tma.make_tensor_descriptor(V + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh,
-                                        [seq_k, HEAD_DIM], [stride_vs, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_desc = tma.make_tensor_descriptor(Q + batch.to(gl.int64) * stride_qb, [seq_q, n_heads * HEAD_DIM],
-                                        [stride_qs, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
-    do_desc = tma.make_tensor_descriptor(DOut + batch.to(gl.int64) * stride_dob, [seq_q, n_heads * HEAD_DIM],
-                                         [stride_dos, 1], [BLOCK_M, HEAD_DIM], Q_LAYOUT)
-    stats = (batch * n_heads).to(gl.int64) * seq_pad
-    lse_desc = tma.make_tensor_descriptor(Lse2 + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
-    delta_desc = tma.make_tensor_descriptor(Delta + stats, [n_heads * seq_pad], [1], [BLOCK_M], STATS_LAYOUT)
+    k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc = input_descriptors(
+        Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+        stride_vh, stride_dob, stride_dos, batch, kv_head, n_heads, seq_q, seq_k, seq_pad, HEAD_DIM, BLOCK_M,
+        BLOCK_N, Q_LAYOUT, KV_LAYOUT, STATS_LAYOUT)
     # dQ halves ([block_m, D/2] per consumer) go to the float32 accumulator, [Sq, H * D] per batch like Q.
     dq_desc = tma.make_tensor_descriptor(DQ + batch.to(gl.int64) * stride_dqb, [seq_q, n_heads * HEAD_DIM],
                                          [stride_dqs, 1], [BLOCK_M, HALF_DIM], DQ_LAYOUT)
