@@ -12,6 +12,7 @@ kernels by the flash rule. The JAX-only cases (2-D mesh, shard_map use, lowered 
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import re
 
@@ -22,10 +23,11 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jax_impl.attention import reference_attention
-from jax_impl.ring_attention import (_merge, gather_from_ring, ring_attention, ring_attention_sharded,
+from jax_impl.ring_attention import (_kernel_pieces, _merge, gather_from_ring, ring_attention, ring_attention_sharded,
                                      shard_for_ring)
 from ring_twins import (FOUR_DEVICES, FP32_TOL, NAMES, ONE_DEVICE, OUR_KERNELS_BF16, TWO_DEVICES, RingCase,
                         assert_flash_rule, assert_fp32_close, assert_matches, ids, inputs)
+from weights.attention import ring_block
 from weights.layout import LayoutError
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -282,3 +284,38 @@ def test_four_gpu_ring_bf16_meets_the_flash_rule(layout, variant):
         exact = _single_device_results(*(x.astype(jnp.float32) for x in (q, k, v, dout)), True)
     exact = {name: np.asarray(x, np.float64) for name, x in _named(exact).items()}
     assert_flash_rule(_named(got), _named(naive), exact)
+
+
+def test_off_diagonal_blocks_run_as_equal_squares():
+    # the zigzag layout's "earlier" (all rows, first half of the columns) and "later" (second half of the rows, all
+    # columns) blocks of a 2-device ring become half-by-half squares of one shape; the diagonal block stays whole
+    local = 8
+    pieces = {source: _kernel_pieces(ring_block(True, "zigzag", source, local), local)
+              for source in ("same", "earlier", "later")}
+    assert pieces["same"] == (ring_block(True, "zigzag", "same", local),)
+    shapes = {(len(range(local)[p.rows]), len(range(local)[p.cols])) for s in ("earlier", "later") for p in pieces[s]}
+    assert shapes == {(local // 2, local // 2)}
+    covered = {(r, c) for p in pieces["earlier"] for r in range(local)[p.rows] for c in range(local)[p.cols]}
+    assert covered == {(r, c) for r in range(local) for c in range(local // 2)}  # the whole block, once
+    assert len(pieces["earlier"]) == len(pieces["later"]) == 2
+
+
+def test_two_device_ring_lowers_six_mosaic_kernels(monkeypatch):
+    # Each distinct Pallas call of a step is a kernel Mosaic GPU compiles (with jax 0.11 once per compilation:
+    # compare/results/jax-compile-profile-2026-11-23-h200/). Lowered for CUDA on the CPU with the calls switched
+    # from the interpreter to Mosaic GPU: forward, dK/dV and dQ for the diagonal block and for the one off-diagonal
+    # square shape, where whole off-diagonal blocks (two shapes) made 9.
+    monkeypatch.setattr(importlib.import_module("jax_impl.flash_attention"), "_interpret", lambda: False)
+    mesh = _mesh((2, "sp"))
+    spec = PartitionSpec(None, "sp", None, None)
+    attention = jax.shard_map(functools.partial(ring_attention, axis_name="sp", backend="pallas_mosaic"), mesh=mesh,
+                              in_specs=(spec, spec, spec), out_specs=spec)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    q = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, 2048, 2, 64), jnp.bfloat16, sharding=sharding)
+
+    def forward_and_backward(q, k, v):
+        out, pullback = jax.vjp(attention, q, k, v)
+        return pullback(out)
+    text = jax.jit(forward_and_backward).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text))) == 6
