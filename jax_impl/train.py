@@ -304,26 +304,39 @@ def state_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return stack_layers(parameter_shapes(config), stack=lambda shapes: (len(shapes), *shapes[0]))
 
 
-def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh) -> dict[str, jax.Array]:
+def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh,
+                    host_arrays: dict | None = None) -> dict[str, jax.Array]:
     """float32 parameters in the training state's layout from a converted checkpoint or random preset weights.
     Each device receives its own slice: a stacked layer weight is read as each device's rows of every layer
-    (`tensor_slice`), any other one tensor at a time on the host (random weights are drawn once per tensor)."""
+    (`tensor_slice`), any other one tensor at a time on the host (random weights are drawn once per tensor).
+    `host_arrays`: a dict the caller keeps between loads of this same source (compare's JAX worker, whose jobs all
+    load the run's weights), which keeps each host array as read (the whole model in host memory), so that a later
+    load only copies them to the devices."""
     layer_names = stack_layers({name: name for name in source.names()}, stack=list)  # stack -> its layers' names
     shapes = state_shapes(source.config)
     shardings = parameter_shardings(mesh, shapes)
+    kept = {} if host_arrays is None else host_arrays
 
     def rows(name: str, index: tuple[slice, ...]) -> np.ndarray:
-        layers = layer_names[name][index[0]]
-        first = source.tensor_slice(layers[0], index[1:])
-        stacked = np.empty((len(layers), *first.shape), first.dtype)  # filled in place: no stacking copy
-        stacked[0] = first
-        for i, layer in enumerate(layers[1:], start=1):
-            stacked[i] = source.tensor_slice(layer, index[1:])
-        return stacked
+        key = (name, tuple((s.start, s.stop, s.step) for s in index))
+        if key not in kept:
+            layers = layer_names[name][index[0]]
+            first = source.tensor_slice(layers[0], index[1:])
+            stacked = np.empty((len(layers), *first.shape), first.dtype)  # filled in place: no stacking copy
+            stacked[0] = first
+            for i, layer in enumerate(layers[1:], start=1):
+                stacked[i] = source.tensor_slice(layer, index[1:])
+            kept[key] = stacked
+        return kept[key]
+
+    def whole(name: str) -> np.ndarray:
+        if (name, None) not in kept:
+            kept[name, None] = source.tensor(name)
+        return kept[name, None]
 
     def load(name: str) -> jax.Array:
         array = (jax.make_array_from_callback(shapes[name], shardings[name], functools.partial(rows, name))
-                 if is_stacked(name) else put_sharded(source.tensor(name), shardings[name]))
+                 if is_stacked(name) else put_sharded(whole(name), shardings[name]))
         # the host moves the checkpoint's own dtype (half of float32's bytes for bf16); the devices widen it
         return array.astype(jnp.float32)
 
@@ -391,13 +404,14 @@ class Training:
     meta: dict
 
 
-def build_training(settings: TrainSettings, devices: Sequence[jax.Device] | None = None) -> Training:
+def build_training(settings: TrainSettings, devices: Sequence[jax.Device] | None = None,
+                   host_arrays: dict | None = None) -> Training:
     """The sharded parameters and optimizer state of `settings` over `devices` (default: all of JAX's), loaded from
-    `settings.model`; no checkpoint read, nothing trained."""
+    `settings.model` (`host_arrays`: `load_parameters`'); no checkpoint read, nothing trained."""
     check_attention_backend(settings)
     mesh = make_mesh(settings.mesh, devices)
     source = open_weights(settings.model, settings.seed)
-    params = load_parameters(source, mesh)
+    params = load_parameters(source, mesh, host_arrays)
     state = {"model": params, "optimizer": init_optimizer_state(params)}
     return Training(mesh, step_spec(settings, source.config, mesh), state, source,
                     run_metadata(settings, source.config))

@@ -456,3 +456,33 @@ def test_cli_trains_on_a_cpu_mesh_from_a_fresh_process(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records)
+
+
+def test_load_parameters_reads_the_weights_once_with_host_arrays():
+    # compare's JAX worker keeps one `host_arrays` dict per weights for all jobs of a launch: the second load must
+    # read nothing from the source and give the same parameters (a source that counts its reads)
+    source = RandomWeights(preset("tiny"), seed=0)
+    reads = []
+
+    class Counted:
+        config = source.config
+        names = source.names
+
+        def tensor(self, name):
+            reads.append(name)
+            return source.tensor(name)
+
+        def tensor_slice(self, name, index):
+            reads.append(name)
+            return source.tensor_slice(name, index)
+
+    mesh = make_mesh(MeshShape(fsdp=2, sp=2))
+    kept = {}
+    first = load_parameters(Counted(), mesh, kept)
+    count = len(reads)
+    second = load_parameters(Counted(), mesh, kept)
+    assert count > 0 and len(reads) == count
+    for name in first:
+        np.testing.assert_array_equal(np.asarray(first[name]), np.asarray(second[name]))
+    load_parameters(Counted(), mesh)  # negative control: without the dict every load reads again
+    assert len(reads) == 2 * count

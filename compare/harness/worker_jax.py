@@ -99,12 +99,12 @@ def _train_steps(run: Training, batches: np.ndarray, steps: range) -> list[float
     return losses
 
 
-def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
+def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock, host_arrays: dict) -> dict:
     phases = Phases()  # each lap after a host read, which waits for the devices' work
     settings = job.settings()
     batches = job_batches(job)
     with jax.default_matmul_precision("highest" if jax.default_backend() == "gpu" else None):
-        run = build_training(settings, devices)
+        run = build_training(settings, devices, host_arrays)
         clock.weights_loaded()
         phases.lap("build")
         _perturb(run, job.perturb)
@@ -128,11 +128,11 @@ def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> d
             "setup": clock.result()}
 
 
-def curve(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
+def curve(job: Job, work_dir: Path, devices: list, clock: SetupClock, host_arrays: dict) -> dict:
     """A curve job (compare/harness/jobs.py): `twinflash train`'s steps on its batches, the loss of each."""
     settings = job.settings()
     batches = job_batches(job)
-    run = build_training(settings, devices)
+    run = build_training(settings, devices, host_arrays)
     clock.weights_loaded()
     _perturb(run, job.perturb)
     losses, seconds = [], []
@@ -221,11 +221,11 @@ def backend_compiles() -> Iterator[dict]:
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
-def bench(job: Job, work_dir: Path, devices: list, clock: SetupClock) -> dict:
+def bench(job: Job, work_dir: Path, devices: list, clock: SetupClock, host_arrays: dict) -> dict:
     settings = job.settings()
     batches = job_batches(job)
     units = bench_units(job.steps)
-    run = build_training(settings, devices)
+    run = build_training(settings, devices, host_arrays)
     clock.weights_loaded()
     peak_before = max(peak_memory_bytes(run.mesh))
     inputs = [sharded_batch(batch, run.mesh) for batch in batches]
@@ -279,14 +279,16 @@ def main(argv: list[str]) -> int:
     nodes = Nodes.from_env()  # a launch spanning nodes: this node's process joins the others' before JAX starts
     if nodes is not None:
         init_distributed(nodes.coordinator, nodes.count, nodes.rank, nodes.timeout_s)
+    host_arrays: dict[tuple[str, int], dict] = {}  # per weights: the jobs of a launch read them from disk once
     for job in jobs:
         mark_started(work_dir, job)
         clock = SetupClock(started_at)
         started_at = None  # the process's start is the first job's setup alone
+        weights = host_arrays.setdefault((job.model, job.seed), {})
         with backend_compiles() as compiles:
             try:
                 result = {"equivalence": equivalence, "bench": bench, "curve": curve}[job.kind](
-                    job, work_dir, jax.devices()[:job.devices], clock)
+                    job, work_dir, jax.devices()[:job.devices], clock, weights)
             except Exception as failure:  # recorded in the report; the sweep goes on
                 message = f"{type(failure).__name__}: {failure}"
                 traceback.print_exc()
