@@ -102,6 +102,12 @@ def _uses_mosaic(backend: str, q) -> bool:
     return q.shape[3] in MOSAIC_DEFAULT_HEAD_DIMS
 
 
+def runs_mosaic_kernels(backend: str, q) -> bool:
+    """Whether the Pallas Mosaic GPU kernels serve `backend`'s calls on inputs like q (the ring then runs its
+    blocks in as few kernel shapes as it can: `ring_attention._kernel_pieces`)."""
+    return backend in ("pallas", "pallas_mosaic") and _uses_mosaic(backend, q)
+
+
 def _pallas_config(backend: str, q, config, *, interpret: bool) -> TritonConfig | HopperConfig:
     """The config of the Pallas kernel family serving this call (a `HopperConfig` for Mosaic, else a
     `TritonConfig`): `config` if given, else the family's heuristic for q's head dim and dtype."""

@@ -31,7 +31,8 @@ Variant "ring": at step s device r holds the K/V block of device j = (r - s) mod
 compute). j == r only at step 0 (static); later j < r exactly when r >= s, which depends on the traced
 `jax.lax.axis_index`, so the step's block is chosen with `jax.lax.cond`. The causal work of each step is the table
 of `weights.attention.ring_block` (shared with the torch twin), a half-rows or half-columns block run as its
-half-by-half squares (`_kernel_pieces`: one kernel shape for every off-diagonal call). Partial results are merged in float32; a row that saw no
+half-by-half squares where the Mosaic kernels serve the calls (`_kernel_pieces`: one kernel shape for every
+off-diagonal call). Partial results are merged in float32; a row that saw no
 key keeps lse -inf and output 0, without NaN. Backward: K/V go around again with float32 dK/dV accumulators
 travelling with their block (a separate ppermute, so the K/V hop need not wait for the gradients), arriving back
 at their owner after P hops; dq accumulates locally in float32; the pair backward gets the GLOBAL merged out and
@@ -61,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jax_impl.flash_attention import flash_attention_backward, flash_attention_forward
+from jax_impl.flash_attention import flash_attention_backward, flash_attention_forward, runs_mosaic_kernels
 from jax_impl.remat import keep_for_backward
 from weights.attention import ALL, RingBlock, check_ring_choices, check_ring_shapes, ring_block
 from weights.layout import check_split, inverse_order, layout_order, position_runs
@@ -78,6 +79,7 @@ class _RingConfig:
     softmax_scale: float
     backend: str
     local_copies: bool = False  # static: a jit traced with it is cached apart from one without
+    square_pieces: bool = False  # `_kernel_pieces`: the Mosaic kernels serve the pair calls
 
 
 def _updated(acc, index: slice, axis: int, value, *, add: bool = False):
@@ -91,16 +93,18 @@ def _updated(acc, index: slice, axis: int, value, *, add: bool = False):
     return jax.lax.dynamic_update_slice_in_dim(acc, value, start, axis=axis)
 
 
-def _kernel_pieces(block: RingBlock | None, local_len: int) -> tuple[RingBlock, ...]:
-    """The kernel calls of a step's block: a non-causal block of half the rows or half the columns (the zigzag
-    layout's "earlier" and "later" blocks, whose shapes differ) as its half-by-half squares, so that every
-    off-diagonal call of the ring has one shape. Each shape of a Pallas call is a kernel of its own that Mosaic GPU
-    compiles for every step compilation (jax 0.11 stamps each lowering's kernel bytes, so none is reused across
-    compilations: compare/results/jax-compile-profile-2026-11-23-h200/): one shape instead of two spares a 2-GPU
-    step three of its nine kernels. The torch twin's Triton kernels take any shape: it keeps whole blocks."""
+def _kernel_pieces(block: RingBlock | None, local_len: int, squares: bool) -> tuple[RingBlock, ...]:
+    """The kernel calls of a step's block. With `squares` (the Mosaic kernels serve the calls), a non-causal block
+    of half the rows or half the columns (the zigzag layout's "earlier" and "later" blocks, whose shapes differ)
+    runs as its half-by-half squares, so that every off-diagonal call of the ring has one shape: each shape of a
+    Pallas call is a kernel of its own that Mosaic GPU compiles for every step compilation (jax 0.11 stamps each
+    lowering's kernel bytes, so none is reused across compilations: compare/results/
+    jax-compile-profile-2026-11-23-h200/), and one shape instead of two spares a 2-GPU step three of its nine
+    kernels. Other kernels gain nothing from fewer shapes (an interpreted call only costs more), nor does the
+    torch twin (Triton kernels take any shape): whole blocks."""
     if block is None:
         return ()
-    if block.causal or block.rows == block.cols == ALL:
+    if not squares or block.causal or block.rows == block.cols == ALL:
         return (block,)
     halves = (slice(None, local_len // 2), slice(local_len // 2, None))
     return tuple(RingBlock(rows, cols, False) for rows in (halves if block.rows == ALL else (block.rows,))
@@ -113,7 +117,7 @@ def _run_step(step_fn, step: int, rank, cfg: _RingConfig, local_len: int, *opera
     rank >= step (no wrap-around), which depends on the traced rank, so the choice is a `lax.cond` when the two
     blocks differ."""
     def pieces(source: str) -> tuple[RingBlock, ...]:
-        return _kernel_pieces(ring_block(cfg.causal, cfg.layout, source, local_len), local_len)
+        return _kernel_pieces(ring_block(cfg.causal, cfg.layout, source, local_len), local_len, cfg.square_pieces)
     if step == 0:
         return step_fn(pieces("same"), *operands, cfg=cfg)
     earlier, later = pieces("earlier"), pieces("later")
@@ -331,7 +335,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
                          "jax.shard_map over a mesh with that axis (or use ring_attention_sharded)") from err
     check_ring_shapes(q.shape, k.shape, v.shape, world, layout)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    cfg = _RingConfig(axis_name, bool(causal), layout, variant, scale, backend, bool(local_copies))
+    cfg = _RingConfig(axis_name, bool(causal), layout, variant, scale, backend, bool(local_copies),
+                      runs_mosaic_kernels(backend, q))
     out, lse = _ring_attention(q, k, v, cfg)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 

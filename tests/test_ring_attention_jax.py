@@ -110,6 +110,17 @@ def test_small_rings_match_single_device(case):
     _assert_twin_case(case, "reference")
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_square_pieces_match_single_device(world, monkeypatch):
+    """The off-diagonal blocks as half-by-half squares (`_kernel_pieces`, which the ring takes where the Mosaic
+    kernels serve the calls) are exact too: forced here with the reference pair math."""
+    monkeypatch.setattr(importlib.import_module("jax_impl.ring_attention"), "runs_mosaic_kernels",
+                        lambda backend, q: True)
+    q, k, v, dout = _inputs(1, 32, 4, 2, 8, seed=5)
+    got = _ring_results(q, k, v, dout, _mesh((world, "sp")), layout="zigzag")
+    _assert_fp32_close(got, _single_device_results(q, k, v, dout, True))
+
+
 @pytest.mark.parametrize("variant", ["ring", "allgather"])
 def test_two_dimensional_mesh_batch_over_fsdp(variant):
     """fsdp=2 x sp=2: each device holds one batch row's zigzag quarter; the ring runs over "sp" only."""
@@ -287,11 +298,13 @@ def test_four_gpu_ring_bf16_meets_the_flash_rule(layout, variant):
 
 
 def test_off_diagonal_blocks_run_as_equal_squares():
-    # the zigzag layout's "earlier" (all rows, first half of the columns) and "later" (second half of the rows, all
-    # columns) blocks of a 2-device ring become half-by-half squares of one shape; the diagonal block stays whole
+    # for the Mosaic kernels, the zigzag layout's "earlier" (all rows, first half of the columns) and "later" (second
+    # half of the rows, all columns) blocks become half-by-half squares of one shape; the diagonal block stays whole
     local = 8
-    pieces = {source: _kernel_pieces(ring_block(True, "zigzag", source, local), local)
+    pieces = {source: _kernel_pieces(ring_block(True, "zigzag", source, local), local, squares=True)
               for source in ("same", "earlier", "later")}
+    whole = ring_block(True, "zigzag", "later", local)
+    assert _kernel_pieces(whole, local, squares=False) == (whole,)  # kernels other than Mosaic's: whole blocks
     assert pieces["same"] == (ring_block(True, "zigzag", "same", local),)
     shapes = {(len(range(local)[p.rows]), len(range(local)[p.cols])) for s in ("earlier", "later") for p in pieces[s]}
     assert shapes == {(local // 2, local // 2)}
