@@ -6,7 +6,8 @@ causal (half of the score matrix is masked), and the backward as 2.5 forwards (f
 so forward + backward = 3.5 forwards. Softmax and masking flops are not counted.
 
 `model_flops_per_token` is the numerator of training MFU (6N plus causal attention, the backward counted as two
-forwards), used by `twinflash train` and `twinflash compare`; `PEAK_FLOPS_PER_DEVICE` is its denominator.
+forwards), used by `twinflash train` and `twinflash compare`; `PEAK_FLOPS_PER_DEVICE` is its denominator (an FP8 run's
+second MFU divides by `PEAK_FP8_FLOPS_PER_DEVICE`).
 `step_ceiling` is the MFU a training step would reach if it did nothing but its matmuls and attention kernels at
 given rates, the recomputation it does (uncredited) included: how far a target MFU is reachable at all.
 """
@@ -18,6 +19,9 @@ import dataclasses
 from weights.config import LlamaConfig
 
 PEAK_FLOPS_PER_DEVICE = 989e12  # dense bf16 peak of an H100/H200 SXM: the denominator of every MFU
+# dense FP8 (e4m3) peak of an H100/H200 SXM: 1,979 TFLOP/s (NVIDIA's H100 and H200 datasheets list 3,958 with
+# 2:4 sparsity, dense half that): the second MFU of an FP8 run (`twinflash compare --precisions bf16,fp8`)
+PEAK_FP8_FLOPS_PER_DEVICE = 1979e12
 
 
 def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool,

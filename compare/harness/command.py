@@ -21,6 +21,8 @@ Benchmark numbers, per backend x context length x device count (batch 1, the seq
   comm_exposed_s   the part of that time during which device 0 computed nothing (at most step_s)
   tokens/s     seq_len / step_s; TFLOP/s per device and MFU from `weights.flops` (formula in the report)
   scaling efficiency   step_s(1 device) / (devices * step_s(devices)), the same sequence on both
+With `--precisions bf16,fp8` every point runs once more in FP8 (`plan.py`), the noise floor's trainings of our
+kernels too (`noise_floor.py`), and the report compares them (compare/report/precision.py).
 Exit code: 0 when the equivalence section passes, 1 when it fails, 2 for bad input, 130 / 143 when interrupted by
 SIGINT / SIGTERM: the workers are stopped and the report of the jobs that finished is written, the rest marked
 "interrupted" (one line names it).
@@ -45,17 +47,19 @@ from compare.harness import noise_floor
 from compare.harness.across_nodes import Lead
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.harness.launches import CACHE_DIR, run_jobs
-from compare.harness.plan import (WEIGHTS_DIR, CompareSettings, check_model, gpu_count, gpu_memory_bytes, plan_jobs,
-                                  plan_settings, prepare_weights)
+from compare.harness.plan import (PRECISIONS, WEIGHTS_DIR, CompareSettings, check_model, gpu_count, gpu_memory_bytes,
+                                  plan_jobs, plan_settings, prepare_weights)
 from compare.harness.progress import RunProgress
 from compare.launch import Interrupted, interruptible
 from compare.nodes import Nodes
 from compare.report.data import add_scaling, benchmark_point, job_timing, report_dict
 from compare.report.fields import fmt_seq
+from compare.report.precision import precision_section
 from compare.report.write import load_peers, write_report
 from weights import PRESETS, open_weights
 from weights.atomic import check_output_dir
 from weights.errors import EXIT_CHECK_FAILED, EXIT_OK
+from weights.fp8 import INSTALL_TORCHAO
 from weights.parallel import REMAT_MODES
 
 
@@ -72,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steps per point and loss-curve steps (default 2 CPU, 3 GPU)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="benchmark dtype (default fp32 CPU, bf16 GPU); "
                         "the equivalence check is always fp32; bf16 in train mode adds the bf16 noise floor")
+    parser.add_argument("--precisions", type=names(PRECISIONS), default="bf16",
+                        help="train mode: bf16 (the --dtype as it is) and fp8 (the decoder layers' linears in FP8, "
+                             "as `twinflash train --fp8`; needs --dtype bf16, and torchao for torch: "
+                             f"{INSTALL_TORCHAO}): every benchmark point once per precision, and the noise floor's "
+                             "trainings of our kernels also in FP8; the report's precision section compares them")
     parser.add_argument("--backends", type=names(("torch", "jax")), default="torch,jax",
                         help="comma-separated: torch, jax")
     parser.add_argument("--ablation", type=names(("ours", "vendor", "reference")), default="ours,vendor,reference",
@@ -116,7 +125,7 @@ def _sig(value, scale: float = 1.0, suffix: str = "") -> str:
 _SUMMARY_COLUMNS = (
     ("backend", lambda p: p["backend"], 0), ("attn", lambda p: p["attention"], 0),
     ("S", lambda p: fmt_seq(p["seq_len"]), 0), ("dev", lambda p: str(p["devices"]), 0),
-    ("status", lambda p: p["status"], 0), ("step", lambda p: _sig(p["step_s"], 1e3, " ms"), 1),
+    ("prec", lambda p: p.get("precision") or "-", 0), ("status", lambda p: p["status"], 0), ("step", lambda p: _sig(p["step_s"], 1e3, " ms"), 1),
     ("tok/s", lambda p: _sig(p["tokens_per_s"]), 2), ("MFU", lambda p: _sig(p["mfu"], 100, "%"), 3),
     ("exp. comm", lambda p: _sig(p["comm_exposed_s"], 1e3, " ms"), 4),
     ("peak GiB", lambda p: _sig(p["peak_memory_bytes"], 2**-30), 5),
@@ -133,7 +142,9 @@ def _summary_table(report: dict, width: int):
     from rich.table import Table
 
     points = report["benchmark"]["points"]
-    columns = [c for c in _SUMMARY_COLUMNS if c[0] != "MFU" or any(p["mfu"] is not None for p in points)]
+    fp8 = any(p.get("precision") == "fp8" for p in points)
+    columns = [c for c in _SUMMARY_COLUMNS if (c[0] != "MFU" or any(p["mfu"] is not None for p in points))
+               and (c[0] != "prec" or fp8)]
     measure = Console(width=10_000, file=io.StringIO())
     while True:
         table = Table(title=f"twinflash compare: {report['model']['name']}, {report['settings']['mode']}",
@@ -214,15 +225,19 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
     results = {job.id: J.read_result(work_dir, job.id) for job in jobs}
     # computed here when the checks did not run first, or their comparison failed (it raises again, here)
     equivalence = early.get("equivalence") or _equivalence_section(jobs, work_dir, settings)
+    curves = {job.id: noise_floor.run_record(job, results[job.id]) | {"precision": "fp8" if job.fp8 else "bf16"}
+              for job in jobs if job.kind == "curve"}
     if bf16_floor is not None:
         equivalence["bf16"] = noise_floor.noise_floor_section(
-            bf16_floor, [noise_floor.run_record(job, results[job.id]) for job in jobs if job.kind == "curve"],
-            open_weights(check_path).config)
+            bf16_floor, [{k: v for k, v in curves[job.id].items() if k != "precision"} for job in jobs
+                         if job.kind == "curve" and not job.fp8], open_weights(check_path).config)
         console.print(f"bf16 noise floor: {equivalence['bf16']['verdict']}", markup=False, highlight=False)
     points = [benchmark_point(job, results[job.id], config, settings) for job in jobs if job.kind == "bench"]
     add_scaling(points, settings.platform)
     report = report_dict(settings=settings, config=config, equivalence=equivalence, points=points,
                          peers=load_peers(), argv=argv, jobs=[job_timing(job, results[job.id]) for job in jobs])
+    report["precision"] = precision_section(report, bf16_floor, [curves[job.id] for job in jobs if job.kind == "curve"
+                                                                 and job.attention == "ours"])
     write_report(report, out)
     _remove_bulk(work_dir)
     if not console.is_terminal:  # a log file gets the whole table; a terminal the columns that fit its width

@@ -57,7 +57,8 @@ _COLLECTIVE_OP = re.compile(r"(all[-_]gather|all[-_]reduce|reduce[-_]scatter|psu
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One unit of a backend's work. `kind`: "equivalence", "bench" or "curve"; `attention`: the harness's name of the
-    kernel family ("ours", "vendor", "reference") and `attention_backend` the backend's own kernel name."""
+    kernel family ("ours", "vendor", "reference") and `attention_backend` the backend's own kernel name; `fp8`: the
+    precision axis (`twinflash compare --precisions`), the job trains as `twinflash train --fp8` does."""
 
     id: str
     kind: str
@@ -75,6 +76,7 @@ class Job:
     perturb: str | None = None
     trace_dir: str | None = None
     skip: str | None = None  # why the point is not attempted (decided up front by the plan), recorded as its result
+    fp8: bool = False  # the decoder layers' linears in FP8, as `twinflash train --fp8` (weights/fp8.py)
 
     def settings(self) -> TrainSettings:
         """The training description of this job: batch 1, the sequence split over all `devices` (fsdp=1); a curve
@@ -85,7 +87,8 @@ class Job:
             return TrainSettings(backend=self.backend, model=self.model, seq_len=self.seq_len, steps=steps,
                                  mesh=MeshShape(sp=self.devices), batch=1, dtype=self.dtype, seed=self.seed,
                                  data="text", optimizer=default_optimizer(hidden_size, steps),
-                                 activation_checkpointing=self.remat, attention_backend=self.attention_backend)
+                                 activation_checkpointing=self.remat, attention_backend=self.attention_backend,
+                                 fp8=self.fp8)
         optimizer = OptimizerConfig(lr=EQUIVALENCE_LR, warmup_steps=0, total_steps=steps)
         # an equivalence check runs its few steps eagerly (torch on GPUs): compiling them would cost more than they
         # take, and the reference it is held against is eager too
@@ -93,7 +96,7 @@ class Job:
                              mesh=MeshShape(sp=self.devices), batch=1, dtype=self.dtype, seed=self.seed,
                              data="text" if self.kind == "equivalence" else "random", optimizer=optimizer,
                              activation_checkpointing=self.remat, attention_backend=self.attention_backend,
-                             eager=self.kind == "equivalence")
+                             eager=self.kind == "equivalence", fp8=self.fp8)
 
 
 def job_batches(job: Job) -> np.ndarray:

@@ -11,6 +11,9 @@ Runs (the same model, weights, text batches and optimizer; bf16 compute; fsdp=1 
   <backend>-ours       our kernels (torch triton, JAX pallas)
   <backend>-<floor>    the same backend with a correct but different attention kernel: the vendor's (torch
                        sdpa_cudnn, JAX cudnn) on GPUs; off-GPU, where no vendor kernel runs, the plain-math reference
+  <backend>-ours-fp8   with `--precisions ...,fp8` only: <backend>-ours with FP8 linears (`twinflash train --fp8`),
+                       the precision section's loss curve beside <backend>-ours (compare/report/precision.py); no
+                       part of the floor's pairs, runs table or plot
 Pairs:
   noise floor          <backend>-ours vs <backend>-<floor>, per backend: what bf16 rounding alone, amplified by
                        training, moves the loss by
@@ -36,8 +39,9 @@ import math
 
 from compare.args import integer, lengths
 from compare.harness import jobs as J
-from compare.harness.plan import KERNELS, CompareSettings
+from compare.harness.plan import KERNELS, CompareSettings, fp8_skip
 from weights import LlamaConfig
+from weights.fp8 import check_fp8_settings
 from weights.layout import check_split
 from weights.parallel import RING_LAYOUT
 from weights.schedule import default_optimizer
@@ -63,6 +67,7 @@ class Run:
     backend: str
     attention: str
     kernel: str
+    fp8: bool = False
 
 
 def _length(text: str) -> int:
@@ -94,9 +99,13 @@ def plan(args: argparse.Namespace, settings: CompareSettings) -> dict | None:
     seq_len = args.noise_floor_seq_len or defaults["seq_len"]
     devices = min(settings.devices, SPLIT)
     check_split(seq_len, devices, RING_LAYOUT)
+    check_fp8_settings("fp8" in settings.precisions, settings.dtype, seq_len // devices)
     alternative = FLOOR_ATTENTION[settings.platform]
     runs = [Run(f"{backend}-{attention}", backend, attention, KERNELS[backend][attention])
             for backend in settings.backends for attention in ("ours", alternative)]
+    if "fp8" in settings.precisions:
+        runs += [Run(f"{backend}-ours-fp8", backend, "ours", KERNELS[backend]["ours"], fp8=True)
+                 for backend in settings.backends]
     return {"seq_len": seq_len, "devices": devices, "steps": steps, "runs": runs}
 
 
@@ -104,14 +113,16 @@ def plan(args: argparse.Namespace, settings: CompareSettings) -> dict | None:
 
 def plan_jobs(floor: dict | None, settings: CompareSettings, model: str) -> list[J.Job]:
     """The curve jobs of `plan`'s runs on `model` (none when the floor does not run); with `settings.perturb`,
-    both runs of the perturbed backend scale that parameter."""
+    both runs of the perturbed backend scale that parameter; an FP8 run that cannot run here is skipped with its
+    reason (`plan.fp8_skip`)."""
     if floor is None:
         return []
     perturb_backend, perturb_name = settings.perturb or (None, None)
     return [J.Job(id=f"{JOB_PREFIX}{run.name}", kind="curve", backend=run.backend, model=model,
                   seq_len=floor["seq_len"], devices=floor["devices"], attention=run.attention,
                   attention_backend=run.kernel, dtype="bf16", mode="train", steps=floor["steps"], seed=SEED,
-                  perturb=perturb_name if run.backend == perturb_backend else None)
+                  perturb=perturb_name if run.backend == perturb_backend else None, fp8=run.fp8,
+                  skip=fp8_skip(run.backend) if run.fp8 else None)
             for run in floor["runs"]]
 
 

@@ -4,7 +4,10 @@ GPUs the context lengths whose points fit the device's memory), the weights ever
 once per run), the up-front memory estimate that skips a point which cannot fit (recorded with its reason, not run),
 and the jobs themselves grouped into launches: one torchrun launch and one JAX process per backend and device count,
 each serving all of its points (equivalence first, then ours and vendor by growing length, the plain reference last;
-the bf16 noise floor's curve jobs, planned by `noise_floor.py`, beside the points of their shape).
+the bf16 noise floor's curve jobs, planned by `noise_floor.py`, beside the points of their shape). The precision
+axis (`--precisions bf16,fp8`, train mode, a bf16 --dtype): every benchmark point once per precision, the FP8 one
+training as `twinflash train --fp8` does (job id ending in "-fp8"; the bf16 ids as without the axis); torch's FP8
+points need torchao, and without it are recorded as skipped with the install command.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import itertools
 import json
 import time
 from pathlib import Path
@@ -19,6 +23,7 @@ from pathlib import Path
 from compare.harness import jobs as J
 from weights import BadInputError, LlamaConfig, open_weights, parameter_shapes, write_converted_checkpoint
 from weights.checkpoint import RandomWeights
+from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
 from weights.layout import check_split
 from weights.parallel import RING_LAYOUT
 
@@ -35,6 +40,7 @@ CPU_DEFAULTS = {"seq_lens": (128,), "devices": 4, "steps": 2, "dtype": "fp32"}
 GPU_DEFAULTS = {"seq_lens": (8192, 32768, 131072), "steps": 3, "dtype": "bf16"}
 LARGE_MODEL_PARAMS = 2e9  # above: the equivalence check keeps 2 layers and the benchmark checkpoints activations
 TIME_TO_TOKENS = 1e9
+PRECISIONS = ("bf16", "fp8")  # bf16: the run's --dtype as it is; fp8: its decoder layers' linears in FP8 besides
 # A point whose estimated peak exceeds the device's memory by this factor is skipped up front: the estimate tracks
 # measured peaks within ~5 % (`estimated_peak_bytes`), so only points clearly out of reach are not attempted;
 # the rest run and a real OOM is recorded as such.
@@ -66,6 +72,7 @@ class CompareSettings:
     perturb: tuple[str, str] | None = None
     device_memory_bytes: int | None = None  # per GPU; None on CPU (nothing skipped up front)
     time_to_tokens: float = TIME_TO_TOKENS
+    precisions: tuple[str, ...] = ("bf16",)
     out: Path | None = None
     weights: str | None = None
 
@@ -74,7 +81,8 @@ class CompareSettings:
         return {"model": self.model, "mode": self.mode, "seq_lens": list(self.seq_lens),
                 "device_counts": list(self.device_counts), "devices": self.devices, "steps": self.steps,
                 "dtype": self.dtype, "backends": list(self.backends),
-                "attention_ablation": list(self.attention_ablation), "time_to_tokens": self.time_to_tokens}
+                "attention_ablation": list(self.attention_ablation), "time_to_tokens": self.time_to_tokens,
+                "precisions": list(self.precisions)}
 
 
 def gpu_count() -> int:
@@ -141,6 +149,28 @@ def _available_backends(asked: list[str], explicit: bool) -> tuple[list[str], li
     return [b for b in asked if b not in missing], [f"{b} not installed: {INSTALL_HINT[b]}" for b in missing]
 
 
+def _precisions(text: str, mode: str, dtype: str, seq_lens: tuple[int, ...], counts: tuple[int, ...]
+                ) -> tuple[str, ...]:
+    """--precisions, validated: fp8 trains (train mode) in bf16 with FP8 linears, on every point's tokens per
+    device a multiple of the FP8 GEMMs' (`weights.fp8.check_fp8_settings`)."""
+    precisions = tuple(dict.fromkeys(_parsed_list(text, PRECISIONS, "--precisions")))
+    if "fp8" in precisions:
+        if mode != "train" or dtype != "bf16":
+            raise BadInputError(f"--precisions fp8 needs --mode train and --dtype bf16 (got --mode {mode}, --dtype "
+                                f"{dtype}): its points train as `twinflash train --dtype bf16 --fp8` does")
+        for seq_len in seq_lens:
+            for count in counts:
+                check_fp8_settings(True, dtype, seq_len // count)
+    return precisions
+
+
+def fp8_skip(backend: str) -> str | None:
+    """Why a backend's FP8 jobs cannot run here (torch's need torchao, as `twinflash train --fp8` does), or None."""
+    if backend == "torch" and importlib.util.find_spec("torchao") is None:
+        return f"FP8 with the torch backend needs torchao: {INSTALL_TORCHAO}"
+    return None
+
+
 def default_device_counts(devices: int, gpus: int) -> tuple[int, ...]:
     """On GPUs 1, 2, 4, ... up to `devices`, and `devices` itself; on CPU 1 and `devices` (CPU_DEFAULTS)."""
     if not gpus:
@@ -193,12 +223,14 @@ def plan_settings(args: argparse.Namespace, gpus: int, device_memory_bytes: int 
             raise BadInputError(f"--perturb takes BACKEND:PARAM with a backend of {backends} and a parameter of "
                                 f"the model (e.g. torch:layers.0.attention.wq.weight), got {args.perturb!r}")
         perturb = (backend, name)
+    precisions = _precisions(args.precisions, args.mode, dtype, seq_lens, counts)
     return CompareSettings(
         model=args.model, mode=args.mode, seq_lens=seq_lens, device_counts=counts, devices=devices, steps=steps,
         dtype=dtype, backends=tuple(backends),
         attention_ablation=tuple(_parsed_list(args.ablation, ("ours", "vendor", "reference"), "--ablation")),
         activation_checkpointing=remat, check_seq_len=check_seq_len, check_layers=check_layers, bench=args.bench,
-        platform="gpu" if gpus else "cpu", notes=tuple(notes), perturb=perturb, device_memory_bytes=memory)
+        platform="gpu" if gpus else "cpu", notes=tuple(notes), perturb=perturb, device_memory_bytes=memory,
+        precisions=precisions)
 
 
 def prepare_weights(settings: CompareSettings, work_dir: Path) -> CompareSettings:
@@ -235,8 +267,9 @@ def check_model(settings: CompareSettings, work_dir: Path) -> str:
 
 def plan_jobs(settings: CompareSettings, check_model_path: str, trace_dir: Path) -> list[J.Job]:
     """Equivalence jobs (the torch float32 reference on one device first), then benchmark points: every backend x
-    context length x device count with our kernels, and the ablation at the largest device count. A point that
-    cannot run here carries its reason in `skip` (vendor kernels off-GPU; a peak estimated beyond the device)."""
+    context length x device count with our kernels, and the ablation at the largest device count, each once per
+    precision. A point that cannot run here carries its reason in `skip` (vendor kernels off-GPU; torch's FP8
+    without torchao; a peak estimated beyond the device)."""
     devices, mode, steps = settings.devices, settings.mode, settings.steps
     eq = {"kind": "equivalence", "model": check_model_path, "seq_len": settings.check_seq_len, "dtype": "fp32",
           "mode": mode, "steps": steps}
@@ -254,16 +287,17 @@ def plan_jobs(settings: CompareSettings, check_model_path: str, trace_dir: Path)
         for seq_len in settings.seq_lens:
             points = [(count, "ours") for count in settings.device_counts]
             points += [(devices, a) for a in settings.attention_ablation if a != "ours"]
-            for count, attention in points:
+            for (count, attention), precision in itertools.product(points, settings.precisions):
                 traced = count == devices and attention == "ours"
-                kernel = KERNELS[backend][attention]
+                kernel, fp8 = KERNELS[backend][attention], precision == "fp8"
                 skip = (f"{kernel} needs a CUDA GPU" if attention == "vendor" and settings.platform == "cpu" else
+                        (fp8 and fp8_skip(backend)) or
                         skip_reason(config, settings, seq_len=seq_len, devices=count, attention=attention))
-                jobs.append(J.Job(id=f"{backend}-s{seq_len}-d{count}-{attention}", kind="bench", backend=backend,
-                                  model=settings.weights, seq_len=seq_len, devices=count, attention=attention,
-                                  attention_backend=kernel, dtype=settings.dtype, mode=mode, steps=steps,
-                                  remat=settings.activation_checkpointing,
-                                  trace_dir=str(trace_dir) if traced else None, skip=skip))
+                jobs.append(J.Job(id=f"{backend}-s{seq_len}-d{count}-{attention}{'-fp8' if fp8 else ''}",
+                                  kind="bench", backend=backend, model=settings.weights, seq_len=seq_len,
+                                  devices=count, attention=attention, attention_backend=kernel, dtype=settings.dtype,
+                                  mode=mode, steps=steps, remat=settings.activation_checkpointing,
+                                  trace_dir=str(trace_dir) if traced else None, skip=skip, fp8=fp8))
     return jobs
 
 

@@ -2,6 +2,7 @@
 its jobs' results: the benchmark arithmetic of each point (throughput, TFLOP/s, MFU, communication bandwidth,
 exposed communication, scaling efficiency (GPUs only: CPU timings rank nothing), time to N tokens), every job's
 setup time beside its measured time, the environment the numbers were measured in, and the model's description.
+Every point names its precision (the run's dtype, or "fp8"); the precision section is compare/report/precision.py's.
 `compare/harness/` runs the jobs; `compare/report/write.py` writes the dict, rendered.
 """
 
@@ -41,8 +42,9 @@ def _parameter_gathers(job: J.Job, train: bool) -> int:
 def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: CompareSettings) -> dict:
     """One row of the benchmark section (scaling efficiency filled in later by `add_scaling`)."""
     point = {"backend": job.backend, "seq_len": job.seq_len, "devices": job.devices, "attention": job.attention,
-             "kernel": job.attention_backend, "status": result["status"], "message": result.get("message"),
-             "trace": None, **dict.fromkeys(_MEASURED)}
+             "kernel": job.attention_backend, "precision": "fp8" if job.fp8 else job.dtype,
+             "status": result["status"], "message": result.get("message"), "trace": None,
+             **dict.fromkeys(_MEASURED)}
     if result["status"] != "ok":
         return point
     step_s, train = result["step_s"], job.mode == "train"
@@ -81,14 +83,17 @@ def job_timing(job: J.Job, result: dict) -> dict:
 
 
 def add_scaling(points: list[dict], platform: str) -> None:
-    """scaling_efficiency = step_s(1 device) / (devices x step_s(devices)) for the same backend, length, kernel;
-    on GPUs only (CPU timings measure interpreters on emulated devices: they rank nothing)."""
+    """scaling_efficiency = step_s(1 device) / (devices x step_s(devices)) for the same backend, length, kernel
+    and precision; on GPUs only (CPU timings measure interpreters on emulated devices: they rank nothing)."""
     if platform != "gpu":
         return
-    single = {(p["backend"], p["seq_len"], p["attention"]): p["step_s"] for p in points
-              if p["devices"] == 1 and p["step_s"]}
+
+    def key(p: dict) -> tuple:
+        return p["backend"], p["seq_len"], p["attention"], p.get("precision")
+
+    single = {key(p): p["step_s"] for p in points if p["devices"] == 1 and p["step_s"]}
     for p in points:
-        base = single.get((p["backend"], p["seq_len"], p["attention"]))
+        base = single.get(key(p))
         if base and p["step_s"]:
             p["scaling_efficiency"] = base / (p["devices"] * p["step_s"])
 
@@ -130,7 +135,8 @@ def model_section(name: str, config: LlamaConfig) -> dict:
 
 
 def report_dict(*, settings: CompareSettings, config: LlamaConfig, equivalence: dict, points: list[dict],
-                peers: list[dict], argv: list[str], jobs: list[dict] | None = None) -> dict:
+                peers: list[dict], argv: list[str], jobs: list[dict] | None = None,
+                precision: dict | None = None) -> dict:
     return {
         "format": "twinflash-compare/1",
         "command": recorded_command(["twinflash", "compare", *argv]),
@@ -143,6 +149,7 @@ def report_dict(*, settings: CompareSettings, config: LlamaConfig, equivalence: 
                   "peak_flops_per_device": PEAK_FLOPS_PER_DEVICE if settings.platform == "gpu" else None},
         "equivalence": equivalence,
         "benchmark": {"points": points},
+        "precision": precision,
         "peers": peers,
         "jobs": jobs or [],
         "plots": [],

@@ -13,7 +13,12 @@
   more implementations measured at the most devices);
 - loss_curves: the equivalence run's losses per step (equivalence.loss_curves; train mode only);
 - noise_floor: the bf16 runs' losses and their pairs' differences per step (equivalence.bf16;
-  compare/report/noise_floor.py).
+  compare/report/noise_floor.py);
+- precision: bf16 vs FP8 bars per point (precision.rows: tokens/s, peak memory, MFU against the bf16 peak, time
+  to the report's token count; MFU on GPUs only), one group per backend, length, devices and kernel;
+- precision_curves: the loss per step of our kernels in bf16 and FP8, one panel per backend (precision.curves).
+
+The benchmark plots above show the run's dtype alone; FP8 points appear in the precision plots only.
 
 Every value axis is linear and starts at zero (a bar's length is its value); context lengths are evenly spaced
 categories. A benchmark point whose status is not "ok" is labelled (OOM, ERROR, TIMEOUT, UNSUPPORTED, SKIPPED)
@@ -28,7 +33,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from compare.report import noise_floor
-from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, on_cpu, sorted_points
+from compare.report.fields import (ATTENTIONS, STATUS_LABELS, finite, fmt_seq, fmt_tokens, max_devices, on_cpu,
+                                   sorted_points)
 
 _COLORS = {"torch": "#ee4c2c", "jax": "#1a73e8", "reference": "#6c757d"}
 _ATTENTION_COLORS = {"ours": "#2a9d8f", "vendor": "#e9c46a", "reference": "#8d99ae"}
@@ -182,12 +188,65 @@ def _plot_loss_curves(report: dict):
     return fig
 
 
+_PRECISION_COLORS = {"bf16": "#4c78a8", "fp8": "#f58518", "fp32": "#6c757d"}
+_PRECISION_PANELS = (("tokens_per_s", "tokens/s", 1), ("peak_memory_bytes", "peak memory per device (GiB)", 2**-30),
+                     ("mfu", "MFU against the bf16 peak (%)", 100), ("time_to_tokens_s", "time to {tokens} tokens (h)",
+                                                                        1 / 3600))
+
+
+def _plot_precision(report: dict):
+    section = report.get("precision")
+    rows = (section or {}).get("rows", [])
+    panels = [panel for panel in _PRECISION_PANELS if any(_ok(r, panel[0]) for r in rows)]
+    if not panels:
+        return None
+    groups = list(dict.fromkeys((r["backend"], r["seq_len"], r["devices"], r["attention"]) for r in rows))
+    by_key = {(r["backend"], r["seq_len"], r["devices"], r["attention"], r["precision"]): r for r in rows}
+    precisions = list(dict.fromkeys(r["precision"] for r in rows))
+    fig, axes = _figure(len(panels))
+    for ax, (key, label, scale) in zip(axes, panels):
+        series = []
+        for precision in precisions:
+            values = []
+            for group in groups:
+                r = by_key.get((*group, precision))
+                values.append(None if r is None else r[key] * scale if _ok(r, key) else STATUS_LABELS.get(r["status"]))
+            series.append((precision, _PRECISION_COLORS.get(precision, "#555555"), values))
+        _bars(ax, [f"{b}\nS={fmt_seq(s)} d={d}\n{a}" for b, s, d, a in groups], series)
+        _from_zero(ax)
+        ax.set(ylabel=label.format(tokens=fmt_tokens(report["settings"]["time_to_tokens"])))
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("bf16 vs FP8 per point" + (" (CPU run: interpreted, ranks nothing)" if on_cpu(report) else ""))
+    return fig
+
+
+def _plot_precision_curves(report: dict):
+    curves = ((report.get("precision") or {}).get("curves") or {})
+    runs = [r for r in curves.get("runs", []) if r["losses"]]
+    backends = [b for b in report["settings"]["backends"] if any(r["backend"] == b for r in runs)]
+    if not backends:
+        return None
+    fig, axes = _figure(len(backends))
+    for ax, backend in zip(axes, backends):
+        for run in (r for r in runs if r["backend"] == backend):
+            ys = [v if math.isfinite(v) else math.nan for v in run["losses"]]
+            ax.plot(range(len(ys)), ys, "-" if run["precision"] != "fp8" else "--",
+                    color=_PRECISION_COLORS.get(run["precision"]), label=f"{run['precision']} ({run['name']})")
+        ax.set(xlabel="step", ylabel="loss", title=f"{backend}, our kernels", xlim=(0, None))
+        _from_zero(ax)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Loss per step, bf16 vs FP8: S={fmt_seq(curves['seq_len'])}, sp={curves['devices']}, text")
+    return fig
+
+
 PLOTS = (("throughput", lambda r: _lines_vs_seq(r, [("tokens_per_s", "tokens/s", 1),
                                                      ("tflops_per_device", "TFLOP/s per device", 1)], "Throughput")),
           ("memory", lambda r: _lines_vs_seq(r, [("peak_memory_bytes", "peak memory per device (GiB)", 2**-30)],
                                              "Peak memory")),
           ("scaling", _plot_scaling), ("breakdown", _plot_breakdown), ("ablation", _plot_ablation),
-          ("loss_curves", _plot_loss_curves), (noise_floor.PLOT, noise_floor.figure))
+          ("loss_curves", _plot_loss_curves), (noise_floor.PLOT, noise_floor.figure),
+          ("precision", _plot_precision), ("precision_curves", _plot_precision_curves))
 
 
 def figures(report: dict) -> list[tuple[str, Figure]]:

@@ -1,5 +1,5 @@
 """The two renderings of `twinflash compare`'s report, report.md and report.html (`render_markdown`,
-`render_html`: one document model, two writers), and the number formats (`fmt`); `compare/report/write.py`
+`render_html`: one document model, two writers; the number formats are compare/report/fields.py's); `compare/report/write.py`
 checks and writes them.
 
 A benchmark point whose status is not "ok" shows it (OOM, ERROR, TIMEOUT, UNSUPPORTED, SKIPPED) in its measurement
@@ -18,59 +18,13 @@ import functools
 import html
 import math
 import re
-from typing import Any
 
-from compare.report import noise_floor
-from compare.report.fields import ATTENTIONS, STATUS_LABELS, finite, fmt_seq, max_devices, on_cpu, sorted_points
+from compare.report import noise_floor, precision
+from compare.report.fields import (ATTENTIONS, DASH, STATUS_LABELS, finite, fmt, fmt_seq, fmt_tokens, max_devices,
+                                   on_cpu, sorted_points)
 
 WORST_PARAMETERS = 10  # parameters listed per comparison, besides every failing one
 _GRAD_CHECK = "gradient max-abs (worst parameter)"
-DASH = "–"
-
-
-# --- number formats --------------------------------------------------------------------------------------------
-
-def _duration(v: float) -> str:
-    for least, div, unit in ((2 * 86400, 86400, "days"), (3600, 3600, "h"), (60, 60, "min")):
-        if v >= least:
-            return f"{v / div:.3g} {unit}"
-    return _FORMATS["seconds"](v)
-
-
-def _sig(v: float) -> str:
-    """Three significant digits (thousands separated above 1,000): a small value is never printed as 0.0."""
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
-
-
-def _bytes(v: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(v) >= size:
-            return f"{_sig(v / size)} {unit}"
-    return f"{v:.3g} B"
-
-
-_FORMATS = {
-    "seconds": lambda v: f"{_sig(v * 1e3)} ms" if abs(v) < 1 else f"{_sig(v)} s",
-    "duration": _duration,
-    "bytes": _bytes,
-    "count": lambda v: f"{v:,.0f}" if abs(v) >= 100 else _sig(v),
-    "percent": lambda v: f"{_sig(v * 100)} %",
-    "sig": _sig,
-    "ratio": lambda v: f"{v:.7g}",
-    "one": _sig,
-}
-
-
-def fmt(value: Any, kind: str) -> str:
-    """`value` in one of the report's formats (seconds, duration, bytes, count, percent, sig, ratio, one); null
-    is a dash, NaN and infinities are spelled out."""
-    if value is None:
-        return DASH
-    return _FORMATS[kind](value) if finite(value) else str(value)
-
-
-def fmt_tokens(n: float) -> str:
-    return next((f"{n / d:.3g}{s}" for d, s in ((1e12, "T"), (1e9, "B"), (1e6, "M")) if n >= d), f"{n:,.0f}")
 
 
 def _verdict(passed: bool) -> str:
@@ -82,7 +36,9 @@ def _verdict(passed: bool) -> str:
 # ("img", alt, src); inline (a table cell, or an item of a list): str, ("b", text) bold, ("a", text, href) link
 
 def _where(p: dict) -> str:
-    return f"{p['backend']} {p['attention']} ({p['kernel']}) S={fmt_seq(p['seq_len'])} on {p['devices']} device(s)"
+    fp8 = " fp8" if p.get("precision") == "fp8" else ""
+    return (f"{p['backend']} {p['attention']} ({p['kernel']}){fp8} S={fmt_seq(p['seq_len'])} on {p['devices']} "
+            "device(s)")
 
 
 def _images(report: dict, *names: str) -> list[tuple]:
@@ -101,7 +57,8 @@ def _document(report: dict) -> list[tuple]:
         doc.append(("p", [("b", "CPU run: not a benchmark."), " " + CPU_CAVEAT.format(devices=s["devices"])]))
     doc += [("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence) — {detail}"]),
             ("code", report["command"]), ("p", [f"Created {report['created']}."])]
-    return (doc + _setup(report) + _equivalence(report) + noise_floor.blocks(report) + _benchmark(report) + _ablation(report) + _peers(report)
+    return (doc + _setup(report) + _equivalence(report) + noise_floor.blocks(report) + _benchmark(report) + _ablation(report)
+            + precision.blocks(report) + _peers(report)
             + _jobs(report) + _flops_and_traces(report))
 
 
@@ -129,6 +86,8 @@ def _setup(report: dict) -> list[tuple]:
              ["context lengths", ", ".join(map(fmt_seq, s["seq_lens"]))],
              ["device counts", ", ".join(map(str, s["device_counts"])) + f" (of {s['devices']})"],
              ["backends", ", ".join(s["backends"])], ["attention ablation", ", ".join(s["attention_ablation"])]]
+    if "fp8" in s.get("precisions", []):
+        rows.append(["precisions", ", ".join(s["precisions"]) + " (the precision section below)"])
     return [("h", 2, "Setup"), ("table", ["", "value"], rows)]
 
 
@@ -294,7 +253,8 @@ def _flops_and_traces(report: dict) -> list[tuple]:
     doc = [("h", 2, "FLOPs and MFU"), ("code", report["flops"]["formula"]),
            ("p", [f"Peak per device: {peak / 1e12:,.0f} TFLOP/s." if finite(peak)
                   else "No peak known for this platform: MFU is not reported."])]
-    traces = [[("a", p["trace"], p["trace"]), f" ({_where(p)})"] for p in sorted_points(report) if p["trace"]]
+    traces = [[("a", p["trace"], p["trace"]), f" ({_where(p)})"] for p in sorted_points(report, fp8=True)
+              if p["trace"]]
     return doc + ([("h", 2, "Profiler traces"), ("list", traces)] if traces else [])
 
 
