@@ -135,8 +135,9 @@ def model_section(name: str, config: LlamaConfig) -> dict:
 
 
 def report_dict(*, settings: CompareSettings, config: LlamaConfig, equivalence: dict, points: list[dict],
-                peers: list[dict], argv: list[str], jobs: list[dict] | None = None,
-                precision: dict | None = None) -> dict:
+                peers: list[dict], argv: list[str], jobs: list[dict] | None = None) -> dict:
+    """The report without its precision section ("precision": null; `compare.report.precision.precision_section`
+    makes it from this dict) and without its plots (`write_report` lists them)."""
     return {
         "format": "twinflash-compare/1",
         "command": recorded_command(["twinflash", "compare", *argv]),
@@ -149,7 +150,7 @@ def report_dict(*, settings: CompareSettings, config: LlamaConfig, equivalence: 
                   "peak_flops_per_device": PEAK_FLOPS_PER_DEVICE if settings.platform == "gpu" else None},
         "equivalence": equivalence,
         "benchmark": {"points": points},
-        "precision": precision,
+        "precision": None,
         "peers": peers,
         "jobs": jobs or [],
         "plots": [],

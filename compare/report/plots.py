@@ -203,7 +203,13 @@ def _plot_precision(report: dict):
     groups = list(dict.fromkeys((r["backend"], r["seq_len"], r["devices"], r["attention"]) for r in rows))
     by_key = {(r["backend"], r["seq_len"], r["devices"], r["attention"], r["precision"]): r for r in rows}
     precisions = list(dict.fromkeys(r["precision"] for r in rows))
-    fig, axes = _figure(len(panels))
+    # two panels a row, each wide enough for its groups' labels (a GPU sweep has a dozen or more points)
+    columns = min(len(panels), 2)
+    fig = Figure(figsize=(max(6.4, 0.9 * len(groups)) * columns, 4.2 * math.ceil(len(panels) / 2)), dpi=100,
+                 layout="constrained")
+    axes = list(fig.subplots(math.ceil(len(panels) / 2), columns, squeeze=False).flat)
+    for spare in axes[len(panels):]:
+        spare.remove()
     for ax, (key, label, scale) in zip(axes, panels):
         series = []
         for precision in precisions:
