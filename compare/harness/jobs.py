@@ -20,7 +20,8 @@ misread weight shows up by name), the next-token loss and the full logits of the
 gradient of that loss, in train mode the loss of each of `steps` optimizer steps, and the time of each phase
 (`Phases`). Benchmark jobs record the median step time, the forward time (`forward_passes`), the communication
 time of one profiled step, throughput inputs and the peak memory per device. Curve jobs (the bf16 noise floor's
-trainings, compare/harness/noise_floor.py) train exactly as `twinflash train --data text --seed S --mesh fsdp=1,sp=devices --dtype DTYPE --steps N` does (its batches,
+trainings, compare/harness/noise_floor.py, and with `--precisions ...,fp8` their FP8 twins) train exactly as
+`twinflash train --data text --seed S --mesh fsdp=1,sp=devices --dtype DTYPE --steps N [--fp8]` does (its batches,
 `compare.commands.train.training_batches`; its optimizer, `weights.schedule.default_optimizer`; the backend's
 `build_training` and train step) inside the launch of their backend and device count, so that they reuse its
 process, weights and compiled steps; they record the loss of every step and the job's wall time.
