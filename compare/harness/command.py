@@ -125,7 +125,8 @@ def _sig(value, scale: float = 1.0, suffix: str = "") -> str:
 _SUMMARY_COLUMNS = (
     ("backend", lambda p: p["backend"], 0), ("attn", lambda p: p["attention"], 0),
     ("S", lambda p: fmt_seq(p["seq_len"]), 0), ("dev", lambda p: str(p["devices"]), 0),
-    ("prec", lambda p: p.get("precision") or "-", 0), ("status", lambda p: p["status"], 0), ("step", lambda p: _sig(p["step_s"], 1e3, " ms"), 1),
+    ("prec", lambda p: p.get("precision") or "-", 0), ("status", lambda p: p["status"], 0),
+    ("step", lambda p: _sig(p["step_s"], 1e3, " ms"), 1),
     ("tok/s", lambda p: _sig(p["tokens_per_s"]), 2), ("MFU", lambda p: _sig(p["mfu"], 100, "%"), 3),
     ("exp. comm", lambda p: _sig(p["comm_exposed_s"], 1e3, " ms"), 4),
     ("peak GiB", lambda p: _sig(p["peak_memory_bytes"], 2**-30), 5),

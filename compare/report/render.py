@@ -1,6 +1,6 @@
 """The two renderings of `twinflash compare`'s report, report.md and report.html (`render_markdown`,
-`render_html`: one document model, two writers; the number formats are compare/report/fields.py's); `compare/report/write.py`
-checks and writes them.
+`render_html`: one document model, two writers; the number formats are compare/report/fields.py's);
+`compare/report/write.py` checks and writes them.
 
 A benchmark point whose status is not "ok" shows it (OOM, ERROR, TIMEOUT, UNSUPPORTED, SKIPPED) in its measurement
 cells and its message under the table. Every number keeps three significant digits (a small value is never shown
@@ -57,9 +57,8 @@ def _document(report: dict) -> list[tuple]:
         doc.append(("p", [("b", "CPU run: not a benchmark."), " " + CPU_CAVEAT.format(devices=s["devices"])]))
     doc += [("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence) — {detail}"]),
             ("code", report["command"]), ("p", [f"Created {report['created']}."])]
-    return (doc + _setup(report) + _equivalence(report) + noise_floor.blocks(report) + _benchmark(report) + _ablation(report)
-            + precision.blocks(report) + _peers(report)
-            + _jobs(report) + _flops_and_traces(report))
+    return (doc + _setup(report) + _equivalence(report) + noise_floor.blocks(report) + _benchmark(report)
+            + _ablation(report) + precision.blocks(report) + _peers(report) + _jobs(report) + _flops_and_traces(report))
 
 
 CPU_CAVEAT = ("The kernels ran in Triton's interpreter and in Pallas's interpret mode on {devices} emulated devices "
