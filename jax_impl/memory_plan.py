@@ -33,6 +33,14 @@ def memory_plan(spec: StepSpec, batch: int, seq_len: int) -> dict[str, int]:
     compiled for CPU devices is larger than the GPU's (CPU fuses less and keeps bf16 work in fp32: before issue 19
     the 8B step at 32k tokens on 4 devices planned 127 GiB of temporaries plus 22 GiB of state on CPU and peaked
     at 82 GiB on an H200), so compare CPU plans with each other."""
+    plan = lowered_step(spec, batch, seq_len).compile(_plan_compiler_options(spec.mesh)).memory_analysis()
+    return {"arguments": plan.argument_size_in_bytes, "outputs": plan.output_size_in_bytes,
+            "aliased": plan.alias_size_in_bytes, "temporaries": plan.temp_size_in_bytes}
+
+
+def lowered_step(spec: StepSpec, batch: int, seq_len: int) -> jax.stages.Lowered:
+    """The train step of `spec` lowered for abstract inputs (the sharded training state and a [batch, seq_len]
+    batch: shapes and shardings, nothing made), ready to compile (also compare/bench/jax_compile_profile.py)."""
     shapes = state_shapes(spec.config)
     shardings = parameter_shardings(spec.mesh, shapes)
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[name])
@@ -41,10 +49,7 @@ def memory_plan(spec: StepSpec, batch: int, seq_len: int) -> dict[str, int]:
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=activation_sharding(spec.mesh, "tokens"))
     positions = jax.ShapeDtypeStruct((seq_len,), jnp.int32, sharding=activation_sharding(spec.mesh, "positions"))
     scalars = step_scalars(adamw_coefficients(spec.optimizer, 0))
-    lowered = train_step.lower(state, tokens, tokens, positions, scalars, spec=spec)
-    plan = lowered.compile(_plan_compiler_options(spec.mesh)).memory_analysis()
-    return {"arguments": plan.argument_size_in_bytes, "outputs": plan.output_size_in_bytes,
-            "aliased": plan.alias_size_in_bytes, "temporaries": plan.temp_size_in_bytes}
+    return train_step.lower(state, tokens, tokens, positions, scalars, spec=spec)
 
 
 def _plan_compiler_options(mesh: Mesh) -> dict[str, str]:

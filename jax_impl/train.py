@@ -315,28 +315,32 @@ def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh,
     layer_names = stack_layers({name: name for name in source.names()}, stack=list)  # stack -> its layers' names
     shapes = state_shapes(source.config)
     shardings = parameter_shardings(mesh, shapes)
-    kept = {} if host_arrays is None else host_arrays
+
+    def kept(key: tuple, read) -> np.ndarray:
+        """`read()`, or the array `host_arrays` kept under `key` (without the dict, nothing outlives its load)."""
+        if host_arrays is None:
+            return read()
+        if key not in host_arrays:
+            host_arrays[key] = read()
+        return host_arrays[key]
+
+    def stacked_rows(name: str, index: tuple[slice, ...]) -> np.ndarray:
+        layers = layer_names[name][index[0]]
+        first = source.tensor_slice(layers[0], index[1:])
+        stacked = np.empty((len(layers), *first.shape), first.dtype)  # filled in place: no stacking copy
+        stacked[0] = first
+        for i, layer in enumerate(layers[1:], start=1):
+            stacked[i] = source.tensor_slice(layer, index[1:])
+        return stacked
 
     def rows(name: str, index: tuple[slice, ...]) -> np.ndarray:
-        key = (name, tuple((s.start, s.stop, s.step) for s in index))
-        if key not in kept:
-            layers = layer_names[name][index[0]]
-            first = source.tensor_slice(layers[0], index[1:])
-            stacked = np.empty((len(layers), *first.shape), first.dtype)  # filled in place: no stacking copy
-            stacked[0] = first
-            for i, layer in enumerate(layers[1:], start=1):
-                stacked[i] = source.tensor_slice(layer, index[1:])
-            kept[key] = stacked
-        return kept[key]
-
-    def whole(name: str) -> np.ndarray:
-        if (name, None) not in kept:
-            kept[name, None] = source.tensor(name)
-        return kept[name, None]
+        return kept((name, tuple((s.start, s.stop, s.step) for s in index)), lambda: stacked_rows(name, index))
 
     def load(name: str) -> jax.Array:
-        array = (jax.make_array_from_callback(shapes[name], shardings[name], functools.partial(rows, name))
-                 if is_stacked(name) else put_sharded(whole(name), shardings[name]))
+        if is_stacked(name):
+            array = jax.make_array_from_callback(shapes[name], shardings[name], functools.partial(rows, name))
+        else:
+            array = put_sharded(kept((name, None), lambda: source.tensor(name)), shardings[name])
         # the host moves the checkpoint's own dtype (half of float32's bytes for bf16); the devices widen it
         return array.astype(jnp.float32)
 

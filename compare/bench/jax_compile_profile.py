@@ -17,12 +17,12 @@ import re
 import time
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_impl.memory_plan import lowered_step
 from jax_impl.model import DTYPES
-from jax_impl.parallel import make_mesh, parameter_shardings, ring_attention_fn
-from jax_impl.train import adamw_coefficients, state_shapes, step_scalars, step_spec, train_step
+from jax_impl.parallel import make_mesh, ring_attention_fn
+from jax_impl.train import step_spec
 from weights.checkpoint import open_weights
 from weights.parallel import ACTIVATION_SHARDING, MeshShape
 from weights.settings import TrainSettings
@@ -55,19 +55,7 @@ def attention_lowered(mesh, config, seq_len: int):
 def step_lowered(model: str, seq_len: int, backend: str, mesh):
     settings = TrainSettings(backend="jax", model=model, seq_len=seq_len, steps=1, batch=1, mesh=MeshShape(),
                              dtype="bf16", attention_backend=backend)
-    config = open_weights(model).config
-    spec = step_spec(settings, config, mesh)
-    shapes = state_shapes(config)
-    shardings = parameter_shardings(mesh, shapes)
-    params = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=shardings[n]) for n, s in shapes.items()}
-    state = {"model": params, "optimizer": {"exp_avg": params, "exp_avg_sq": params}}
-
-    def activation(shape, kind):
-        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(
-            *ACTIVATION_SHARDING[kind])))
-    tokens, positions = activation((1, seq_len), "tokens"), activation((seq_len,), "positions")
-    scalars = jax.eval_shape(lambda: step_scalars(adamw_coefficients(spec.optimizer, 0)))
-    return train_step.lower(state, tokens, tokens, positions, scalars, spec=spec)
+    return lowered_step(step_spec(settings, open_weights(model).config, mesh), 1, seq_len)
 
 
 def main() -> None:

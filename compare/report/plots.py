@@ -190,8 +190,8 @@ def _plot_loss_curves(report: dict):
 
 _PRECISION_COLORS = {"bf16": "#4c78a8", "fp8": "#f58518", "fp32": "#6c757d"}
 _PRECISION_PANELS = (("tokens_per_s", "tokens/s", 1), ("peak_memory_bytes", "peak memory per device (GiB)", 2**-30),
-                     ("mfu", "MFU against the bf16 peak (%)", 100), ("time_to_tokens_s", "time to {tokens} tokens (h)",
-                                                                        1 / 3600))
+                     ("mfu", "MFU against the bf16 peak (%)", 100),
+                     ("time_to_tokens_s", "time to {tokens} tokens (h)", 1 / 3600))
 
 
 def _plot_precision(report: dict):
