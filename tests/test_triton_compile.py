@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from compare.bench.gluon_sweep import candidates
 from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, GLUON_TRITON_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,36 +80,53 @@ for causal in (True, False):
 """
 
 
-# The Gluon forward at the launch shapes of both head dims and both schedules; its PTX must hold the warpgroup
-# matmuls, the TMA tile loads and the register hand-over between the warp-specialised partitions.
+# The Gluon forward at both head dims in every config the sweep times (compare.bench.gluon_sweep; the GPU tests
+# launch them all), causal and not: its PTX must hold the warpgroup matmuls, the TMA tile loads and the register
+# hand-over between the warp-specialised partitions; ptxas must keep the matmuls asynchronous, and its registers
+# (ptxas's count, whose spills it reports) and shared memory must fit one sm_90 block.
 _COMPILE_GLUON = r"""
-import os, sys
+import contextlib, io, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached kernel would skip ptxas and its log
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import torch_impl.flash_gluon_forward as gf
+from compare.bench.gluon_sweep import candidates
 
+SM90_REGISTERS, SM90_SHARED_BYTES = 65536, 227 * 1024  # per block
 fn = gf._gluon_forward_kernel
 for head_dim in (128, 64):
     for causal in (True, False):
-        config = gf.forward_config(head_dim, causal, 65536)
-        if causal:
-            config = gf.GluonConfig(**{**vars(config), "pingpong": not config.pingpong})
-        q_layout, kv_layout = gf.shared_layouts(torch.bfloat16, head_dim, config.block_n)
-        constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_N=config.block_n,
-                          NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, Q_LAYOUT=q_layout,
-                          KV_LAYOUT=kv_layout, CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs)
-        signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name == "Lse" else "*bf16"
-                     if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
-        source = GluonASTSource(fn=fn, signature=signature,
-                                constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": 4, "maxnreg": config.max_regs}).asm["ptx"]
-        for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"):
-            if op not in ptx:
-                sys.exit(f"gluon forward D={head_dim} causal={causal}: no {op} in its PTX")
-        print(f"compiled gluon forward D={head_dim} causal={causal} {config}", flush=True)
+        for config in candidates(head_dim, causal):
+            q_layout, kv_layout = gf.shared_layouts(torch.bfloat16, head_dim, config.block_n)
+            constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, CONSUMERS=config.consumers, BLOCK_N=config.block_n,
+                              NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, Q_LAYOUT=q_layout,
+                              KV_LAYOUT=kv_layout, CONSUMER_REGS=config.consumer_regs,
+                              PRODUCER_REGS=config.producer_regs)
+            signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name == "Lse" else "*bf16"
+                         if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
+            source = GluonASTSource(fn=fn, signature=signature,
+                                    constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+            log = io.StringIO()
+            with contextlib.redirect_stdout(log):
+                kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                        options={"num_warps": 4, "maxnreg": config.max_regs})
+            name = f"gluon forward D={head_dim} causal={causal} {config}"
+            for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"):
+                if op not in kernel.asm["ptx"]:
+                    sys.exit(f"{name}: no {op} in its PTX")
+            if "wgmma.mma_async instructions are serialized" in log.getvalue():
+                sys.exit(f"{name}: ptxas serialized its wgmma: {log.getvalue()}")
+            registers = int(re.search(r"Used (\d+) registers", log.getvalue()).group(1))
+            spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
+            threads = int(re.search(r"\.reqntid (\d+)", kernel.asm["ptx"]).group(1))
+            if registers * threads > SM90_REGISTERS or kernel.metadata.shared > SM90_SHARED_BYTES:
+                sys.exit(f"{name}: {registers} registers x {threads} threads, {kernel.metadata.shared} B shared "
+                         f"exceed an sm_90 block")
+            print(f"compiled {name}: {registers} registers x {threads} threads, "
+                  f"{spills.group(1) if spills else 0} B spilled, {kernel.metadata.shared} B shared", flush=True)
 """
 
 
@@ -198,10 +216,12 @@ def test_a_kernel_the_compiler_rejects_fails_the_check():
 
 @pytest.mark.skipif(not GLUON_AVAILABLE, reason=f"the Gluon kernel is written for Triton {GLUON_TRITON_VERSION} "
                                                 f"(Gluon's API changes between releases)")
-def test_gluon_forward_compiles_for_sm90():
+def test_gluon_forward_compiles_for_sm90_within_its_registers_and_shared_memory():
     done = _compile(block_d=128, script=_COMPILE_GLUON)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled gluon forward") == 4
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    configs = sum(len(candidates(head_dim, causal)) for head_dim in (128, 64) for causal in (True, False))
+    assert done.stdout.count("compiled gluon forward") == configs, done.stdout
+    print(done.stdout)
 
 
 @pytest.mark.skipif(not GLUON_AVAILABLE, reason=f"the Gluon kernel is written for Triton {GLUON_TRITON_VERSION} "

@@ -5,15 +5,16 @@ structure that Triton's `tl` language cannot express. The public API is `torch_i
 any float dtype, lse [B, H, Sq] float32, GQA read in place, any lengths, bottom-right causal alignment, a row that
 sees no key gets out 0 and lse -inf.
 
-One program owns 128 query rows of one (batch, head) and runs three partitions (`gl.warp_specialize`):
-  - a producer warp that moves tiles with the tensor-memory accelerator: the two 64-row Q tiles once, then K and V
-    tiles into `num_stages`-deep rings, each slot guarded by a ready barrier (TMA transaction count) and an empty
-    barrier that both consumers release;
-  - two consumer warpgroups of 64 query rows each (the default partition and one worker). Each keeps its online
+One program owns 64 query rows per consumer (128 with two, 192 with three as FlashAttention-3 runs D=64) of one
+(batch, head) and runs its partitions under `gl.warp_specialize`:
+  - a producer warp that moves tiles with the tensor-memory accelerator: the consumers' 64-row Q tiles once, then K
+    and V tiles into `num_stages`-deep rings, each slot guarded by a ready barrier (TMA transaction count) and an
+    empty barrier that every consumer releases;
+  - `consumers` warpgroups of 64 query rows each (the default partition and the workers). Each keeps its online
     softmax in registers and overlaps its own matmuls: S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}
     (`warpgroup_mma` async), and the softmax of S_j runs while the P V matmul is still in flight;
-  - with `pingpong`, the consumers take turns issuing their matmuls (two mbarriers passed back and forth), so that
-    one warpgroup's softmax runs while the other's matmuls occupy the tensor cores.
+  - with `pingpong`, the consumers take turns issuing their matmuls (one mbarrier each, passed round the ring), so
+    that one warpgroup's softmax runs while another's matmuls occupy the tensor cores.
 Keys are walked in three parts: the first tile (always masked: it may be the only, partly visible, one), the tiles
 every row sees in full (no mask), and the causal diagonal / key tail (masked). Causal query blocks are launched
 longest first. Tensor descriptors are made on the device per (batch, head) slice, so rows past a sequence's end
@@ -48,20 +49,28 @@ else:  # the kernels below are then never compiled or launched; `gluon_unsupport
     def jit(fn):
         return fn
 
-ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma tile height; two consumers make the 128-row query block
+ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma tile height; the query block is `consumers` of them
 
 
 @dataclasses.dataclass(frozen=True)
 class GluonConfig:
-    """Launch shape of the Gluon forward: `block_n` keys per step, `num_stages` K/V tiles in flight, `pingpong`
-    whether the two consumers alternate their matmuls, and the register split (`consumer_regs` for the worker
-    consumer, `producer_regs` for the TMA warp; the default consumer gets what `max_regs` leaves)."""
+    """Launch shape of the Gluon forward: `consumers` warpgroups of 64 query rows (2 or 3), `block_n` keys per step,
+    `num_stages` K/V tiles in flight, `pingpong` whether the consumers take turns issuing their matmuls, and the
+    register split (`consumer_regs` for each worker consumer, `producer_regs` for the TMA warp's warpgroup; the
+    default consumer gets what `max_regs` a thread over the whole block leaves)."""
+    consumers: int = 2
     block_n: int = 128
     num_stages: int = 2
     pingpong: bool = True
     max_regs: int = 168
     consumer_regs: int = 232
     producer_regs: int = 40
+
+
+def three_consumers(**shape) -> GluonConfig:
+    """A 192-row GluonConfig: 512 threads (three consumer warpgroups, the producer warp padded to a fourth) at 128
+    registers each over the block; the consumers get 160, the producer's warpgroup 32 (FlashAttention-3's split)."""
+    return GluonConfig(consumers=3, max_regs=128, consumer_regs=160, producer_regs=32, **shape)
 
 
 def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -91,7 +100,8 @@ def _load_partition(args):
      row0, n_tiles, seq_q, seq_k, qk_scale, o_base, stride_os, lse_base) = args
     num_stages: gl.constexpr = k_bufs.type.shape[0]
     block_n: gl.constexpr = k_bufs.type.shape[1]
-    for c in gl.static_range(2):
+    consumers: gl.constexpr = q_bufs.type.shape[0]
+    for c in gl.static_range(consumers):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row0 + c * q_desc.block_type.shape[0], 0], q_bars.index(c),
                                         q_bufs.index(c))
@@ -109,15 +119,17 @@ def _load_partition(args):
 
 @jit
 def _take_turn(turns, consumer: gl.constexpr, step, PINGPONG: gl.constexpr):
-    """Wait until the other consumer has issued its matmuls of the previous step (consumer 0 starts)."""
+    """Wait until the consumer before this one in the ring has issued its matmuls of this step (consumer 0: the
+    last consumer, of the previous step; consumer 0 starts)."""
     if PINGPONG:
-        mbarrier.wait(turns.index(consumer), (step & 1) ^ (1 - consumer))
+        mbarrier.wait(turns.index(consumer), (step & 1) ^ (1 if consumer == 0 else 0))
 
 
 @jit
 def _pass_turn(turns, consumer: gl.constexpr, PINGPONG: gl.constexpr):
+    consumers: gl.constexpr = turns.type.shape[0]
     if PINGPONG:
-        mbarrier.arrive(turns.index(1 - consumer), count=1)
+        mbarrier.arrive(turns.index((consumer + 1) % consumers), count=1)
 
 
 @jit
@@ -253,6 +265,11 @@ def _consumer1(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @jit
+def _consumer2(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    _consume(args, 2, CAUSAL, PINGPONG)
+
+
+@jit
 def _producer(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     _load_partition(args)
 
@@ -262,10 +279,11 @@ def _gluon_forward_kernel(Q, K, V, Out, Lse,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                           n_heads, group, seq_q, seq_k, softmax_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                          CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                          PINGPONG: gl.constexpr,
                           Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    BLOCK_M: gl.constexpr = 2 * 64
+    BLOCK_M: gl.constexpr = CONSUMERS * 64
     pid_bh = gl.program_id(1)
     batch = pid_bh // n_heads
     head = pid_bh % n_heads
@@ -288,33 +306,41 @@ def _gluon_forward_kernel(Q, K, V, Out, Lse,
                                         [seq_k, HEAD_DIM], [stride_ks, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_desc = tma.make_tensor_descriptor(V + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh,
                                         [seq_k, HEAD_DIM], [stride_vs, 1], [BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 64, HEAD_DIM], Q_LAYOUT)
+    q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [CONSUMERS, 64, HEAD_DIM], Q_LAYOUT)
     k_bufs = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_bufs = gl.allocate_shared_memory(V.dtype.element_ty, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
+    for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
         mbarrier.init(turns.index(c), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # released by both consumers
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # released by every consumer
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
     o_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     lse_base = Lse + (batch * n_heads + head).to(gl.int64) * seq_q
     args = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready, v_empty, turns,
             row0, n_tiles, seq_q, seq_k, softmax_scale * LOG2E, o_base, stride_os, lse_base)
-    gl.warp_specialize([
-        (_consumer0, (args, CAUSAL, PINGPONG)),
-        (_consumer1, (args, CAUSAL, PINGPONG)),
-        (_producer, (args, CAUSAL, PINGPONG)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer0, (args, CAUSAL, PINGPONG)),
+            (_consumer1, (args, CAUSAL, PINGPONG)),
+            (_consumer2, (args, CAUSAL, PINGPONG)),
+            (_producer, (args, CAUSAL, PINGPONG)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer0, (args, CAUSAL, PINGPONG)),
+            (_consumer1, (args, CAUSAL, PINGPONG)),
+            (_producer, (args, CAUSAL, PINGPONG)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def shared_layouts(dtype: torch.dtype, head_dim: int, block_n: int):
@@ -335,12 +361,13 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     lse = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=q.device)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim, config.block_n)
     set_descriptor_allocator(q.device)
-    _gluon_forward_kernel[(triton.cdiv(seq_q, 2 * ROWS_PER_CONSUMER), batch * n_heads)](
+    _gluon_forward_kernel[(triton.cdiv(seq_q, config.consumers * ROWS_PER_CONSUMER), batch * n_heads)](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         n_heads, n_heads // n_kv_heads, seq_q, seq_k, softmax_scale, HEAD_DIM=head_dim, CAUSAL=causal,
-        BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, Q_LAYOUT=q_layout,
+        CONSUMERS=config.consumers, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong,
+        Q_LAYOUT=q_layout,
         KV_LAYOUT=kv_layout,
         CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
         num_warps=4, maxnreg=config.max_regs)
