@@ -84,14 +84,16 @@ def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str 
 
 
 def forward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonConfig:
-    """The launch shape for a call class, as measured on H200 at 16k (compare/results/kernels-gluon-2026-11-22-h200/
-    gluon-sweep.json). D=128: 128-key tiles, 2 stages (3 do not fit shared memory; 64-key tiles ran 537-543 TF/s
-    against 587-591 causal); ping-pong and not tie (587 / 591 causal, 609 / 606 full). D=64: 3 stages, no
-    ping-pong (433 against 420 causal)."""
-    del causal, seq_bucket
+    """The launch shape for a call class, as measured on H200. D=128 (compare/results/kernels-gluon-2026-11-22-h200/
+    gluon-sweep.json, 16k): two consumers, 128-key tiles, 2 stages (3 do not fit shared memory; 64-key tiles ran
+    537-543 TF/s against 587-591 causal); ping-pong and not tie (587 / 591 causal, 609 / 606 full). D=64
+    (compare/results/kernels-gluon-forward-2026-11-23-h200-h13e/1-sweep, 16k and 64k): three consumers (192-row
+    blocks) ran 465-515 TF/s against two consumers' 425-455; 2 stages causal (485 / 512 against 3 stages' 474 /
+    497), 3 full (513 / 510 against 502 / 515)."""
+    del seq_bucket
     if head_dim == 128:
         return GluonConfig(num_stages=2, pingpong=True)
-    return GluonConfig(num_stages=3, pingpong=False)
+    return three_consumers(num_stages=2 if causal else 3, pingpong=False)
 
 
 @jit

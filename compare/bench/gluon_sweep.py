@@ -23,14 +23,16 @@ from weights.flops import attention_flops
 def candidates(head_dim: int, causal: bool):
     """GluonConfigs to time: the default first and the other schedule (ping-pong or not); at D=128 nothing more (3
     stages or 256-key tiles do not fit shared memory, 64-key tiles ran 537-543 TF/s against 587-591 in
-    compare/results/kernels-gluon-2026-11-22-h200); at D=64 more work per K/V tile: three consumer warpgroups
-    (192 query rows, FlashAttention-3's D=64 block) with 2-4 stages (256-key tiles: ptxas serializes the
-    matmuls of two consumers, short of registers)."""
+    compare/results/kernels-gluon-2026-11-22-h200); at D=64 the two-consumer shape that was the default until
+    compare/results/kernels-gluon-forward-2026-11-23-h200-h13e, and three consumer warpgroups (192 query rows,
+    FlashAttention-3's D=64 block) with 2-4 stages (256-key tiles: ptxas serializes the matmuls of two consumers,
+    short of registers)."""
     from torch_impl.flash_gluon_forward import GluonConfig, forward_config, three_consumers
 
     default = forward_config(head_dim, causal, 0)
     space = [default, GluonConfig(**{**vars(default), "pingpong": not default.pingpong})]
     if head_dim == 64:
+        space += [GluonConfig(num_stages=3, pingpong=False)]
         space += [three_consumers(num_stages=s, pingpong=False) for s in (2, 3, 4)]
         space += [three_consumers(num_stages=3, pingpong=True)]
     return list(dict.fromkeys(space))
