@@ -8,10 +8,9 @@ Backends (`backend=`):
                 bf16/fp16/fp32.
   "triton_gluon"     forces the Gluon sm_90 kernels both ways (Triton 3.6, head dims 64/128, bf16/fp16): the forward
                 (`flash_gluon_forward.py`: warp-specialised TMA producer, two ping-pong consumer warpgroups at
-                D=128, three at D=64) and the
-                one-kernel backward (`flash_gluon_backward.py`: K/V resident, five async wgmma per query block, dQ
-                by TMA reduce-add; warp-specialised like FlashAttention-3's, `flash_gluon_backward_ws.py`); "triton"
-                picks both on sm_90 where they run the call.
+                D=128, three at D=64) and the one-kernel backward (`flash_gluon_backward.py`: K/V resident, five
+                async wgmma per query block, dQ by TMA reduce-add; warp-specialised like FlashAttention-3's,
+                `flash_gluon_backward_ws.py`); "triton" picks both on sm_90 where they run the call.
   "triton_hopper"    forces the sm_90 path both ways (`flash_hopper_forward.py`, `flash_hopper_backward.py`: TMA
                 descriptors, one FA3-style backward kernel); head dims 64/128, bf16/fp16.
   "triton_portable"  forces the portable `tl` kernels (`flash_forward.py`, `flash_backward.py`), which the CPU
