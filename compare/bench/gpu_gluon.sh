@@ -33,6 +33,12 @@
 #   SWEEP_DIRECTION=backward SWEEP_S=50 TESTS_S=120 BENCH_S=180 HEAD_DIM=128,64 TRITON_PATHS=triton_gluon \
 #   TEST_FILES="tests/test_flash_gluon_backward_torch.py tests/test_flash_gluon_torch.py" \
 #   TESTS_K="backward or ring or cudnn" timeout 418 bash compare/bench/gpu_gluon.sh smoke,sweep,tests,bench
+# The forward's three-consumer (D=64) run: its sweep, then the contract tests and the issue-13 matrix (about 220 s
+# each; compare/results/kernels-gluon-forward-2026-11-23-h200-h13e):
+#   SWEEP_HEAD_DIMS=64 SWEEP_S=130 TESTS_S=50 TESTS_K="configs and 64" timeout 245 \
+#   bash compare/bench/gpu_gluon.sh smoke,sweep,tests
+#   SEQ_LENS=16k,64k HEAD_DIM=128,64 BENCH_S=200 TESTS_S=90 TESTS_K="not configs" timeout 326 \
+#   bash compare/bench/gpu_gluon.sh smoke,tests,bench
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$PWD/out}
