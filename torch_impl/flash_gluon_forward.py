@@ -89,7 +89,7 @@ def forward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonConfig:
     537-543 TF/s against 587-591 causal); ping-pong and not tie (587 / 591 causal, 609 / 606 full). D=64
     (compare/results/kernels-gluon-forward-2026-11-23-h200-h13e/1-sweep, 16k and 64k): three consumers (192-row
     blocks) ran 465-515 TF/s against two consumers' 425-455; 2 stages causal (485 / 512 against 3 stages' 474 /
-    497), 3 full (513 / 510 against 502 / 515)."""
+    497), 3 full (513 / 510 against 2 stages' 502 / 515)."""
     del seq_bucket
     if head_dim == 128:
         return GluonConfig(num_stages=2, pingpong=True)
@@ -223,7 +223,7 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.co
     p = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
     acc = gl.zeros([block_m, head_dim], gl.float32, o_layout)
 
-    # Tiles [1, full) are ones this consumer's rows all see whole; the walk both consumers share ends at n_tiles.
+    # Tiles [1, full) are ones this consumer's rows all see whole; the walk all consumers share ends at n_tiles.
     if CAUSAL:  # query i sees key j iff j <= i + diagonal
         seen_by_all = gl.minimum(my_row0 + diagonal + 1, seq_k)
     else:
