@@ -334,8 +334,16 @@ def _launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, interpret: b
                       thread_name="wg", kernel_name=name)
     # As plgpu.kernel does: inside jax.shard_map the kernel's varying-axes check cannot see through the Refs.
     with _unchecked_vma():
-        return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True),
-                         interpret=interpret_params(interpret) or False, name=name)(*inputs)
+        results = pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True),
+                            interpret=interpret_params(interpret) or False, name=name)(*inputs)
+    # ...and the unchecked call drops the varying axes `out_type` declares, which a custom_vjp's backward must
+    # return (the ring's allgather variant hands dQ straight back): declared again here
+    return jax.tree.map(_declared_varying, results, out_type)
+
+
+def _declared_varying(result: jax.Array, declared: jax.ShapeDtypeStruct) -> jax.Array:
+    missing = tuple(sorted(declared.manual_axis_type.varying - jax.typeof(result).manual_axis_type.varying))
+    return jax.lax.pcast(result, missing, to="varying") if missing else result
 
 
 def _unchecked_vma():

@@ -274,6 +274,27 @@ def test_pallas_pairs_fp32_match_single_device():
     _assert_fp32_close(got, _single_device_results(q, k, v, dout, True))
 
 
+@pytest.mark.parametrize("variant", ["ring", "allgather"])
+def test_mosaic_kernels_trace_under_the_ring_vjp_in_both_variants(variant):
+    """The Mosaic GPU kernels' backward is called outside shard_map's varying-axes check, and the allgather variant
+    hands its dQ straight back from it: the custom_vjp then refused the step on GPUs ("manual axis types do not
+    match", compare/results/ring-2026-11-23-h200x2/) until the kernels' outputs declared their varying axes again.
+    That check runs when the gradient is traced, so tracing is enough (running the kernels in Pallas's GPU
+    interpreter here would take minutes); the numbers are the GPU tests' and the interpreted pair tests'."""
+    mesh = _mesh((2, "sp"))
+    spec = PartitionSpec(None, "sp", None, None)
+    attention = jax.shard_map(functools.partial(ring_attention, axis_name="sp", backend="pallas_mosaic",
+                                                variant=variant), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 1, 64), jnp.bfloat16)
+
+    def forward_and_backward(q, k, v):
+        out, pullback = jax.vjp(attention, q, k, v)
+        return pullback(out)
+    grads = jax.eval_shape(forward_and_backward, q, kv, kv)
+    assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Real sizes on 4 GPUs
 # ---------------------------------------------------------------------------------------------------------------
