@@ -84,7 +84,7 @@ for causal in (True, False):
 # launch them all), causal and not: its PTX must hold the warpgroup matmuls, the TMA tile loads and the register
 # hand-over between the warp-specialised partitions; ptxas must keep the matmuls asynchronous, and its registers
 # (ptxas's count, whose spills it reports) and shared memory must fit one sm_90 block.
-_COMPILE_GLUON = r"""
+_GLUON_COMPILE_CHECK = r"""
 import contextlib, io, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
 os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
@@ -92,10 +92,37 @@ os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached kernel would skip ptxas an
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+
+SM90_REGISTERS, SM90_SHARED_BYTES = 65536, 227 * 1024  # per block
+
+
+def compile_checked(fn, signature, constexprs, options, ops, name):
+    # compiles a Gluon kernel for sm_90; exits naming `name` when its PTX lacks one of `ops`, ptxas serialized its
+    # wgmma or it does not fit one block; prints its registers, spills and shared memory
+    source = GluonASTSource(fn=fn, signature=signature,
+                            constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    for op in ops:
+        if op not in kernel.asm["ptx"]:
+            sys.exit(f"{name}: no {op} in its PTX")
+    if "wgmma.mma_async instructions are serialized" in log.getvalue():
+        sys.exit(f"{name}: ptxas serialized its wgmma: {log.getvalue()}")
+    registers = int(re.search(r"Used (\d+) registers", log.getvalue()).group(1))
+    spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
+    threads = int(re.search(r"\.reqntid (\d+)", kernel.asm["ptx"]).group(1))
+    if registers * threads > SM90_REGISTERS or kernel.metadata.shared > SM90_SHARED_BYTES:
+        sys.exit(f"{name}: {registers} registers x {threads} threads, {kernel.metadata.shared} B shared "
+                 f"exceed an sm_90 block")
+    print(f"compiled {name}: {registers} registers x {threads} threads, "
+          f"{spills.group(1) if spills else 0} B spilled, {kernel.metadata.shared} B shared", flush=True)
+"""
+
+_COMPILE_GLUON = _GLUON_COMPILE_CHECK + r"""
 import torch_impl.flash_gluon_forward as gf
 from compare.bench.gluon_sweep import candidates
 
-SM90_REGISTERS, SM90_SHARED_BYTES = 65536, 227 * 1024  # per block
 fn = gf._gluon_forward_kernel
 for head_dim in (128, 64):
     for causal in (True, False):
@@ -107,26 +134,9 @@ for head_dim in (128, 64):
                               PRODUCER_REGS=config.producer_regs)
             signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name == "Lse" else "*bf16"
                          if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
-            source = GluonASTSource(fn=fn, signature=signature,
-                                    constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
-            log = io.StringIO()
-            with contextlib.redirect_stdout(log):
-                kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                        options={"num_warps": 4, "maxnreg": config.max_regs})
-            name = f"gluon forward D={head_dim} causal={causal} {config}"
-            for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"):
-                if op not in kernel.asm["ptx"]:
-                    sys.exit(f"{name}: no {op} in its PTX")
-            if "wgmma.mma_async instructions are serialized" in log.getvalue():
-                sys.exit(f"{name}: ptxas serialized its wgmma: {log.getvalue()}")
-            registers = int(re.search(r"Used (\d+) registers", log.getvalue()).group(1))
-            spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
-            threads = int(re.search(r"\.reqntid (\d+)", kernel.asm["ptx"]).group(1))
-            if registers * threads > SM90_REGISTERS or kernel.metadata.shared > SM90_SHARED_BYTES:
-                sys.exit(f"{name}: {registers} registers x {threads} threads, {kernel.metadata.shared} B shared "
-                         f"exceed an sm_90 block")
-            print(f"compiled {name}: {registers} registers x {threads} threads, "
-                  f"{spills.group(1) if spills else 0} B spilled, {kernel.metadata.shared} B shared", flush=True)
+            compile_checked(fn, signature, constexprs, {"num_warps": 4, "maxnreg": config.max_regs},
+                            ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"),
+                            f"gluon forward D={head_dim} causal={causal} {config}")
 """
 
 
@@ -136,21 +146,13 @@ for head_dim in (128, 64):
 # reductions (TMA reduce-add or atomics) must be in its PTX; ptxas must keep the matmuls asynchronous (it serializes
 # them all when it cannot prove a pipeline safe, and says so); its registers (ptxas's count, whose spills it
 # reports) and shared memory must fit one sm_90 block.
-_COMPILE_GLUON_BACKWARD = r"""
-import contextlib, io, os, re, sys
-os.environ["TRITON_INTERPRET"] = "0"
-os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
-os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached kernel would skip ptxas and its log
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+_COMPILE_GLUON_BACKWARD = _GLUON_COMPILE_CHECK + r"""
 import torch_impl.flash_gluon_backward as gb
 import torch_impl.flash_gluon_backward_ws as gws
 from compare.bench.gluon_sweep import backward_candidates
 
 REDUCTION_OPS = {"tma": "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add",
                  "vector_atomics": "red.relaxed.gpu.global.add.v2.f32"}
-SM90_REGISTERS, SM90_SHARED_BYTES = 65536, 227 * 1024  # per block
 atomics = gb.GluonBackwardConfig(**{**vars(gb.lockstep_config(128)), "dq_reduction": "vector_atomics"})
 for head_dim in (128, 64):
     for causal in (True, False):
@@ -174,25 +176,8 @@ for head_dim in (128, 64):
             fp32 = {"Lse2", "Lse", "Delta", "DQ", "DK", "DV"}
             signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name in fp32 else "*bf16"
                          if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
-            source = GluonASTSource(fn=fn, signature=signature,
-                                    constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
-            log = io.StringIO()
-            with contextlib.redirect_stdout(log):
-                kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-            name = f"gluon backward D={head_dim} causal={causal} {config}"
-            for op in ops:
-                if op not in kernel.asm["ptx"]:
-                    sys.exit(f"{name}: no {op} in its PTX")
-            if "wgmma.mma_async instructions are serialized" in log.getvalue():
-                sys.exit(f"{name}: ptxas serialized its wgmma: {log.getvalue()}")
-            registers = int(re.search(r"Used (\d+) registers", log.getvalue()).group(1))
-            spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
-            threads = int(re.search(r"\.reqntid (\d+)", kernel.asm["ptx"]).group(1))
-            if registers * threads > SM90_REGISTERS or kernel.metadata.shared > SM90_SHARED_BYTES:
-                sys.exit(f"{name}: {registers} registers x {threads} threads, {kernel.metadata.shared} B shared "
-                         f"exceed an sm_90 block")
-            print(f"compiled {name}: {registers} registers x {threads} threads, "
-                  f"{spills.group(1) if spills else 0} B spilled, {kernel.metadata.shared} B shared", flush=True)
+            compile_checked(fn, signature, constexprs, options, ops,
+                            f"gluon backward D={head_dim} causal={causal} {config}")
 """
 
 
