@@ -165,7 +165,7 @@ def run_command(args: argparse.Namespace, argv: list[str], lead: Lead | None = N
     with interruptible():
         try:
             return _run(args, argv, lead or Lead(Nodes()))
-        except Interrupted as stop:  # outside the jobs' run (before it, or while the report was being written)
+        except Interrupted as stop:  # outside the jobs' run: before it, or while the report was being written
             print(f"twinflash: compare interrupted ({stop.signal_name}) outside its jobs' run; no report written",
                   file=sys.stderr)
             return stop.exit_code
@@ -240,32 +240,37 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
     report["precision"] = precision_section(report, bf16_floor, [curves[job.id] for job in jobs if job.kind == "curve"
                                                                  and job.attention == "ours"])
     write_report(report, out)
-    _remove_bulk(work_dir)
-    if not console.is_terminal:  # a log file gets the whole table; a terminal the columns that fit its width
-        console.width = 200
-    console.print(_summary_table(report, console.width))
-    verdict = "[green]PASSED[/]" if report["passed"] else "[red]FAILED[/]"
-    console.print(f"equivalence {verdict}; report: {out / 'report.md'} (also report.html, report.json)",
-                  soft_wrap=True)
-    for comparison in equivalence["comparisons"]:
-        for check in comparison["checks"]:
-            if not check["passed"]:
-                console.print(f"  [red]{comparison['name']}: {check['metric']} = {check['value']:.3g} > "
-                              f"{check['tolerance']:.3g}[/]")
-        moved = [p["name"] for p in comparison["parameters"] if p["weight_sum_diff"] > WEIGHTS_EXACT[0]]
-        if moved:
-            console.print(f"  [red]{comparison['name']}: loaded weights differ: {', '.join(moved)}[/]")
-        bad = [p["name"] for p in comparison["parameters"] if not p["passed"]]
-        if bad:
-            console.print(f"  [red]{comparison['name']}: parameters out of tolerance: {', '.join(bad[:8])}"
-                          f"{' ...' if len(bad) > 8 else ''}[/]")
-    for failure in equivalence.get("failures", []):
-        console.print(f"  [red]{failure[:300]}[/]")
-    if interrupted is not None:
-        print(f"twinflash: compare interrupted ({interrupted.signal_name}); report of the {len(jobs) - left} of "
-              f"{len(jobs)} jobs that finished, the rest marked interrupted: {out / 'report.md'}", file=sys.stderr)
-        return interrupted.exit_code
-    return EXIT_OK if report["passed"] else EXIT_CHECK_FAILED
+    try:
+        _remove_bulk(work_dir)
+        if not console.is_terminal:  # a log file gets the whole table; a terminal the columns that fit its width
+            console.width = 200
+        console.print(_summary_table(report, console.width))
+        verdict = "[green]PASSED[/]" if report["passed"] else "[red]FAILED[/]"
+        console.print(f"equivalence {verdict}; report: {out / 'report.md'} (also report.html, report.json)",
+                      soft_wrap=True)
+        for comparison in equivalence["comparisons"]:
+            for check in comparison["checks"]:
+                if not check["passed"]:
+                    console.print(f"  [red]{comparison['name']}: {check['metric']} = {check['value']:.3g} > "
+                                  f"{check['tolerance']:.3g}[/]")
+            moved = [p["name"] for p in comparison["parameters"] if p["weight_sum_diff"] > WEIGHTS_EXACT[0]]
+            if moved:
+                console.print(f"  [red]{comparison['name']}: loaded weights differ: {', '.join(moved)}[/]")
+            bad = [p["name"] for p in comparison["parameters"] if not p["passed"]]
+            if bad:
+                console.print(f"  [red]{comparison['name']}: parameters out of tolerance: {', '.join(bad[:8])}"
+                              f"{' ...' if len(bad) > 8 else ''}[/]")
+        for failure in equivalence.get("failures", []):
+            console.print(f"  [red]{failure[:300]}[/]")
+        if interrupted is not None:
+            print(f"twinflash: compare interrupted ({interrupted.signal_name}); report of the {len(jobs) - left} of "
+                  f"{len(jobs)} jobs that finished, the rest marked interrupted: {out / 'report.md'}", file=sys.stderr)
+            return interrupted.exit_code
+        return EXIT_OK if report["passed"] else EXIT_CHECK_FAILED
+    except Interrupted as stop:  # the report is whole: only the clean-up or the console's summary was cut
+        print(f"twinflash: compare interrupted ({stop.signal_name}) after its report was written: "
+              f"{out / 'report.md'}", file=sys.stderr)
+        return stop.exit_code
 
 
 def _equivalence_section(jobs: list[J.Job], work_dir: Path, settings: CompareSettings) -> dict:
