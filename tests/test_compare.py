@@ -404,3 +404,21 @@ def test_communication_bytes_follow_the_shapes():
     with pytest.raises(ValueError, match="remat must be one of"):
         step_comm_bytes(config, seq_len=4096, batch=1, mesh=MeshShape(sp=4), compute_bytes=2, train=True,
                         remat="on", parameter_gathers=1, gradient_bytes=4)
+
+
+def test_a_signal_after_the_report_is_written_says_the_report_is_there(tmp_path, monkeypatch, capsys):
+    # SIGTERM while the run's bulk files are removed (after the report is written): the line must name the report
+    # (it said "no report written": compare/results/compare-llama3.2-1b-2026-11-23-h200x2-512f5af/)
+    import signal
+
+    from compare.harness import command
+    from compare.launch import Interrupted
+
+    def interrupted(work_dir):
+        raise Interrupted(signal.SIGTERM)
+    monkeypatch.setattr(command, "_remove_bulk", interrupted)
+    out = tmp_path / "report"
+    code = cli_main(["compare", "--no-bench", "--mode", "forward", "--seq-lens", "64", "--out", str(out)])
+    assert code == 128 + signal.SIGTERM
+    assert f"after its report was written: {out / 'report.md'}" in capsys.readouterr().err
+    validate_report(json.loads((out / "report.json").read_text()))
