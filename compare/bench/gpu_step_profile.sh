@@ -57,8 +57,9 @@ try:
                          capture_output=True, text=True).stdout.strip()
 except FileNotFoundError:
     gpu = "none (no nvidia-smi)"
-json.dump({"command": f"bash compare/bench/gpu_step_profile.sh {points}", "gpu": gpu, "runs": runs},
-          open(target, "w"), indent=1)
+record = json.dumps({"command": f"bash compare/bench/gpu_step_profile.sh {points}", "gpu": gpu, "runs": runs},
+                    indent=1)
+open(target, "w").write(record.replace(scratch, "$SCRATCH"))  # no machine paths in results
 print(f"{'point':58} {'step ms':>8} {'tok/s':>8} {'MFU %':>6}  traced step: categories (ms)")
 for name, run in runs.items():
     profile = run.get("profile", {})
