@@ -219,6 +219,22 @@ def failure_reason(log_tail: str) -> str | None:
     return None
 
 
+# Signals of a native crash (segmentation fault, bus error, abort, ...): a driver's or compiler's fault, which a fresh
+# process may not meet again (one JAX 2-GPU job segfaulted in 1 of 3 GPU runs: compare-llama3.2-1b-2026-11-23-
+# h200x2-512f5af). SIGKILL is not one (the host's out-of-memory killer, or our own stop), nor SIGTERM.
+CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"})
+
+
+def crash_signal(log_tail: str, launch_code: int | None) -> str | None:
+    """The crash signal (`CRASH_SIGNALS`) a launch's worker died by: the launched process's own (a JAX worker's
+    negative exit code) or a rank's, as torchrun's summary reports it (`exitcode  : -11`); None otherwise."""
+    codes = [launch_code] if launch_code is not None and launch_code < 0 else []
+    codes += [int(code) for code in re.findall(r"exitcode\s*:\s*(-\d+)", log_tail)]
+    known = {member.value for member in signal.Signals}
+    names = [signal.Signals(-code).name for code in codes if -code in known]
+    return next((name for name in names if name in CRASH_SIGNALS), None)
+
+
 def _exit_description(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 

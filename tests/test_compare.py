@@ -132,7 +132,7 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
 
 
 _FAKE_WORKER = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
     from pathlib import Path
     from compare.harness import jobs as J
     jobs, work_dir = J.read_job_file(Path(sys.argv[1]))
@@ -144,6 +144,9 @@ _FAKE_WORKER = textwrap.dedent("""
             sys.exit(1)
         if job.id == "hang":
             time.sleep(60)
+        if job.id.startswith("segfault") and (job.id == "segfault-always" or not (work_dir / "crashed").exists()):
+            (work_dir / "crashed").touch()
+            os.kill(os.getpid(), signal.SIGSEGV)
         if job.id.startswith("slow"):
             time.sleep(1.5)
         J.write_result(work_dir, job, {"status": "ok", "span": [began, time.time()],
@@ -168,6 +171,21 @@ def test_a_dead_worker_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert {k: v["status"] for k, v in status.items()} == {"a": "ok", "oom": "oom", "b": "ok", "hang": "timeout",
                                                             "c": "ok"}
     assert "OutOfMemoryError" in status["oom"]["message"]
+
+
+def test_a_job_whose_worker_crashed_runs_once_more_in_a_fresh_launch(tmp_path):
+    """A worker killed by SIGSEGV: its job runs again in a new launch and, if it passes, says so; one that crashes
+    again is recorded as an error naming the signal. Negative control: an out-of-memory job is not run again."""
+    jobs = [_job("a"), _job("segfault-once"), _job("oom"), _job("segfault-always"), _job("b")]
+    run_launch(jobs, [sys.executable, "-c", _FAKE_WORKER], {"PYTHONPATH": str(ROOT)}, tmp_path, tmp_path / "log",
+               timeout_s=30.0, on_done=lambda job: None)
+    results = {j.id: J.read_result(tmp_path, j.id) for j in jobs}
+    assert {k: v["status"] for k, v in results.items()} == {"a": "ok", "segfault-once": "ok", "oom": "oom",
+                                                             "segfault-always": "error", "b": "ok"}
+    assert "died by SIGSEGV" in results["segfault-once"]["message"]
+    assert "SIGSEGV, the second time" in results["segfault-always"]["message"]
+    log = (tmp_path / "log").read_text()
+    assert log.count("running it once more") == 2 and "oom: its worker" not in log
 
 
 def test_the_time_limit_stops_the_sweep_and_records_what_did_not_run(tmp_path):

@@ -125,6 +125,11 @@ def mark_started(work_dir: Path, job: Job) -> None:
     (work_dir / f"{job.id}.started").touch()
 
 
+def forget_start(work_dir: Path, job: Job) -> None:
+    """Before a job runs again in a new launch: it has not started there yet."""
+    (work_dir / f"{job.id}.started").unlink(missing_ok=True)
+
+
 def mark_progress(work_dir: Path, job: Job, done: int, total: int, phase: str) -> None:
     """What a running job has done, for the harness's progress line: `done` of `total` units, now `phase`."""
     write_text_atomically(work_dir / f"{job.id}.started", json.dumps({"done": done, "total": total, "phase": phase}))

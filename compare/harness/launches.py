@@ -35,7 +35,7 @@ from pathlib import Path
 from compare.harness import jobs as J
 from compare.harness.across_nodes import Lead, SpanningLaunch
 from compare.harness.plan import CompareSettings, group_launches
-from compare.launch import (JAX_GPU_MEMORY_FRACTION, failure_reason, host_devices_env, owned_process,
+from compare.launch import (JAX_GPU_MEMORY_FRACTION, crash_signal, failure_reason, host_devices_env, owned_process,
                             stop_process_tree, torchrun_launcher)
 from compare.nodes import Nodes, torchrun_arguments
 
@@ -121,8 +121,9 @@ def run_launch(jobs: list[J.Job], command: list[str], env: dict[str, str], work_
                timeout_s: float, on_done, deadline: float = math.inf, spanning: Spanning | None = None,
                lead: Lead | None = None) -> None:
     """Runs `jobs` through the worker `command`, relaunching after a failure with the jobs left. A job that was
-    running when its launch failed gets status oom / error / timeout from the log; if a launch fails before any
-    job started, every job left gets the error. At `deadline` (time.monotonic) the launch is stopped and the jobs
+    running when its launch failed gets status oom / error / timeout from the log, except that a job whose worker
+    died by a crash signal (`compare.launch.CRASH_SIGNALS`) the first time runs once more in a fresh launch (its
+    result then says so); if a launch fails before any job started, every job left gets the error. At `deadline` (time.monotonic) the launch is stopped and the jobs
     left are recorded as not run. `on_done(job)` after each job's result appears. `spanning`: the launch spans
     nodes (`across_nodes`), each launch announced to the other nodes, which `lead` watches (a lost node ends the
     run with `NodeFailure`)."""
@@ -136,6 +137,7 @@ def launch_polls(jobs: list[J.Job], command: list[str], env: dict[str, str], wor
     """`run_launch` one poll at a time: yields while its worker runs (the caller waits between polls, and may
     drive several launches so); closing it stops the worker."""
     remaining = list(jobs)
+    crashed: dict[str, str] = {}  # job id -> the signal its first worker died by
     while remaining:
         if time.monotonic() > deadline:
             _record_not_run(remaining, work_dir, on_done)
@@ -155,6 +157,7 @@ def launch_polls(jobs: list[J.Job], command: list[str], env: dict[str, str], wor
                     lead.check()
                 finished = [j for j in remaining if J.read_result(work_dir, j.id) is not None]
                 for job in finished:
+                    _note_crash(work_dir, job, crashed)
                     on_done(job)
                     remaining.remove(job)
                     last = time.monotonic()
@@ -167,20 +170,40 @@ def launch_polls(jobs: list[J.Job], command: list[str], env: dict[str, str], wor
         if span is not None:  # the other nodes' sides end too (a result their rank 0 writes last may come now)
             lead.finish(span, tail, process.returncode, timed_out, any(J.started(work_dir, j.id) for j in launched))
         for job in [j for j in remaining if J.read_result(work_dir, j.id) is not None]:
+            _note_crash(work_dir, job, crashed)
             on_done(job)
             remaining.remove(job)
         if not remaining:
             return
         running = [j for j in remaining if J.started(work_dir, j.id)]
+        crash = None if timed_out or J.is_out_of_memory(tail) else crash_signal(tail, process.returncode)
+        if crash and running and running[0].id not in crashed:
+            crashed[running[0].id] = crash
+            J.forget_start(work_dir, running[0])
+            with open(log, "a") as out:
+                out.write(f"[compare] {running[0].id}: its worker died by {crash}; running it once more in a fresh "
+                          "launch\n")
+            continue
         failed = running[:1] if running else list(remaining)
         status = "timeout" if timed_out else ("oom" if J.is_out_of_memory(tail) else "error")
         silent = "stopped at --time-limit-s" if time.monotonic() > deadline else f"no progress for {timeout_s:.0f} s"
-        message = (silent if timed_out else failure_reason(tail) or
+        crashed_again = crash and running and f"its worker died by {crash}, the second time in a fresh launch"
+        message = (silent if timed_out else crashed_again or failure_reason(tail) or
                    f"worker exited with code {process.returncode}") + f" (log: work/logs/{log.name})"
         for job in failed:
             J.write_result(work_dir, job, {"status": status, "message": message})
             on_done(job)
             remaining.remove(job)
+
+
+def _note_crash(work_dir: Path, job: J.Job, crashed: dict[str, str]) -> None:
+    """A job that ran again after its first worker crashed says so in its result's message (the report's notes)."""
+    if job.id not in crashed:
+        return
+    result = J.read_result(work_dir, job.id)
+    note = f"ran again in a fresh launch: its first worker died by {crashed[job.id]}"
+    J.write_result(work_dir, job, {**{k: v for k, v in result.items() if k != "id"},
+                                   "message": "; ".join(filter(None, (result.get("message"), note)))})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,8 +58,9 @@ def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: Com
                  peak_memory_bytes=result["peak_memory_bytes"],
                  time_to_tokens_s=settings.time_to_tokens * step_s / job.seq_len)
     if result.get("peak_memory_source") == "XLA plan":
-        point["message"] = ("peak memory from XLA's plan of the step: an earlier job of the same process peaked "
-                            "higher, and JAX's peak counter cannot be reset")
+        point["message"] = "; ".join(filter(None, (
+            point["message"], "peak memory from XLA's plan of the step: an earlier job of the same process peaked "
+                              "higher, and JAX's peak counter cannot be reset")))
     if job.devices > 1:
         compute_bytes = 2 if job.dtype == "bf16" else 4
         point["comm_bytes"] = step_comm_bytes(
