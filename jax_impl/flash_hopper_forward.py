@@ -69,8 +69,9 @@ COMPUTE_REGISTERS = register_caps(COMPUTE_WARPGROUPS)[1]
 class HopperConfig:
     """Block sizes and schedule of the Mosaic kernels. Forward: each of `compute_warpgroups` warpgroups owns
     `block_q` query rows (a CTA compute_warpgroups * block_q) and steps over K/V by `block_kv` through
-    `num_stages` shared-memory slots; `persistent`: full (not causal) attention runs one CTA per SM, each walking
-    (batch, head, query tile) items in turn (causal calls keep one CTA per tile, longest first). Backward dK/dV:
+    `num_stages` shared-memory slots. Full (not causal) attention: `full_block_kv` and `full_compute_warpgroups`
+    replace the two where set, and `persistent` runs one CTA per SM, each walking (batch, head, query tile) items
+    in turn (causal calls keep one CTA per tile, longest first); see `forward_schedule`. Backward dK/dV:
     a warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
     owns `dq_block_q` query rows and steps over keys by `dq_block_kv`; both through `bwd_num_stages` slots.
     `bwd_overlap`: the backward issues its independent wgmmas together and awaits each only where its result is
@@ -84,6 +85,8 @@ class HopperConfig:
     num_stages: int = 2
     compute_warpgroups: int = COMPUTE_WARPGROUPS
     persistent: bool = False
+    full_block_kv: int | None = None
+    full_compute_warpgroups: int | None = None
     bwd_block_q: int = 64
     bwd_block_kv: int = 64
     bwd_num_stages: int = 2
@@ -99,15 +102,24 @@ class HopperConfig:
             # its dQ and dK/dV tiles leave through the same fp32 shared-memory buffer
             raise ValueError("HopperConfig: the one-kernel backward needs bwd_block_q == bwd_block_kv, got "
                              f"{self.bwd_block_q} and {self.bwd_block_kv}")
-        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_q", "dq_block_kv"):
-            if getattr(self, name) % 64 or getattr(self, name) < 64:
+        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_q", "dq_block_kv",
+                     "full_block_kv"):
+            if getattr(self, name) is not None and (getattr(self, name) % 64 or getattr(self, name) < 64):
                 raise ValueError(f"HopperConfig.{name} must be a positive multiple of 64 (wgmma tiles), got "
                                  f"{getattr(self, name)}")
         if self.num_stages < 1 or self.bwd_num_stages < 1:
             raise ValueError("HopperConfig stages must be >= 1")
-        if self.compute_warpgroups not in FORWARD_WARPGROUPS:
-            raise ValueError(f"HopperConfig.compute_warpgroups must be one of {FORWARD_WARPGROUPS}, got "
-                             f"{self.compute_warpgroups}")
+        for name in ("compute_warpgroups", "full_compute_warpgroups"):
+            value = getattr(self, name)
+            if value not in FORWARD_WARPGROUPS and not (value is None and name == "full_compute_warpgroups"):
+                raise ValueError(f"HopperConfig.{name} must be one of {FORWARD_WARPGROUPS}, got {value}")
+
+    def forward_schedule(self, causal: bool) -> tuple[int, int, bool]:
+        """(block_kv, compute warpgroups, persistent grid) of a forward call."""
+        if causal:
+            return self.block_kv, self.compute_warpgroups, False
+        return (self.full_block_kv or self.block_kv, self.full_compute_warpgroups or self.compute_warpgroups,
+                self.persistent)
 
 
 def default_config(head_dim: int) -> HopperConfig:
@@ -439,11 +451,12 @@ def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
     lse [B, H, Sq] float32)."""
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
-    block_q, block_kv, warpgroups = config.block_q, config.block_kv, config.compute_warpgroups
+    block_q = config.block_q
+    block_kv, warpgroups, persistent = config.forward_schedule(causal)
     q_len = round_up(seq_q, warpgroups * block_q)
     k_len = round_up(seq_k, block_kv)
     num_tiles, num_kv = q_len // (warpgroups * block_q), k_len // block_kv
-    num_items = batch * heads * num_tiles if config.persistent and not causal else None
+    num_items = batch * heads * num_tiles if persistent else None
     stages = min(config.num_stages, num_kv)
     inputs = (q, k, v)
     q = pad_axis(q, 1, q_len)

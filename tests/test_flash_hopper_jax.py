@@ -56,12 +56,13 @@ def test_mosaic_flash_rule_against_float64(seq_q, seq_k, heads, kv_heads, head_d
 
 # Forward-only forms (Sq, Sk, H, Hkv, causal, config changes, out dtype): three compute warpgroups (192-row tiles)
 # with a tile longer than the sequence, and rows that see no key (warpgroups draining steps only later ones need);
-# the persistent full-attention grid (the interpreter runs 2 CTAs, so each walks several (batch, head, tile) items
-# and the K/V ring and barrier phases run on across items), with keys padded past Sk and the ring's fp32 out.
+# the persistent full-attention grid, also with three warpgroups set for full attention only (the interpreter runs
+# 2 CTAs, so each walks several (batch, head, tile) items and the K/V ring and barrier phases run on across
+# items), with keys padded past Sk and the ring's fp32 out.
 FORWARD_FORMS = [(77, 141, 3, 1, True, dict(compute_warpgroups=3), jnp.bfloat16),
                  (141, 77, 2, 1, True, dict(compute_warpgroups=3), jnp.bfloat16),
                  (100, 150, 3, 1, False, dict(persistent=True), jnp.bfloat16),
-                 (200, 150, 3, 1, False, dict(compute_warpgroups=3, persistent=True), jnp.float32)]
+                 (200, 150, 3, 1, False, dict(full_compute_warpgroups=3, persistent=True), jnp.float32)]
 
 
 @pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,causal,change,out_dtype", FORWARD_FORMS,
@@ -115,6 +116,8 @@ def test_config_rejects_blocks_wgmma_cannot_tile():
         HopperConfig(block_kv=96)
     with pytest.raises(ValueError, match="compute_warpgroups"):
         HopperConfig(compute_warpgroups=4)
+    with pytest.raises(ValueError, match="full_block_kv"):
+        HopperConfig(full_block_kv=100)
     with pytest.raises(ValueError, match="bwd_form"):
         HopperConfig(bwd_form="three_kernel")
     with pytest.raises(ValueError, match="bwd_block_q == bwd_block_kv"):
@@ -172,8 +175,8 @@ def test_gpu_ring_pairs_with_external_lse_meet_the_rule(head_dim):
 # Compiled forward forms (Sq, Sk, H, Hkv, D, causal, config changes, out dtype), as FORWARD_FORMS on CPU.
 GPU_FORWARD_FORMS = [(777, 2048, 6, 2, 64, True, dict(compute_warpgroups=3), jnp.bfloat16),
                      (2048, 777, 4, 1, 64, True, dict(compute_warpgroups=3), jnp.bfloat16),
-                     (1536, 1536, 4, 4, 64, False, dict(compute_warpgroups=3, persistent=True), jnp.float32),
-                     (1000, 1000, 4, 2, 64, False, dict(persistent=True), jnp.bfloat16),
+                     (1536, 1536, 4, 4, 64, False, dict(full_compute_warpgroups=3, persistent=True), jnp.float32),
+                     (1000, 1000, 4, 2, 64, False, dict(full_block_kv=256, persistent=True), jnp.bfloat16),
                      (1000, 1000, 4, 4, 128, False, dict(persistent=True), jnp.float32)]
 
 
