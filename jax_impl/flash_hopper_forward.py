@@ -7,16 +7,19 @@ h // (H // Hkv), K/V never repeated), causal aligned bottom-right (query i sees 
 any lengths, out in `out_dtype`, lse [B, H, Sq] natural log, -inf (with out 0) for a row that sees no key.
 Head dims 64 and 128, bf16/fp16 only (`supports` says which calls this kernel serves).
 
-Kernel shape (one CTA = 2 * block_q query rows of one (batch, head)), after FlashAttention-3:
-  - three warpgroups: two compute warpgroups own block_q = 64 query rows each, the third issues the TMA
-    copies of K/V blocks into a `num_stages`-deep ring of shared-memory slots (full/consumed barriers);
-  - the two compute warpgroups ping-pong on a named barrier, so one's softmax overlaps the other's matmuls;
+Kernel shape (one CTA = compute_warpgroups * block_q query rows of one (batch, head)), after FlashAttention-3:
+  - two or three compute warpgroups (`HopperConfig.compute_warpgroups`; three = FA3's 192-row tiles at D=64)
+    own block_q = 64 query rows each, one more warpgroup issues the TMA copies of K/V blocks into a
+    `num_stages`-deep ring of shared-memory slots (full/consumed barriers);
+  - a turn goes round the compute warpgroups (FA3's ping-pong for any count), so one's softmax overlaps the
+    others' matmuls;
   - online softmax in the exp2 domain (one FMA + exp2 per score), fp32 accumulators in registers;
   - the K/V loop is split: blocks every row sees run unmasked, then the few crossing the causal diagonal
     or holding padded keys run masked; blocks no row sees are never loaded;
-  - causal grids visit the query tiles longest first.
-Tails: the wrapper pads Sq to 2 * block_q and Sk to block_kv (padded keys are masked by position, padded
-query rows are sliced off).
+  - causal grids visit the query tiles longest first; full attention may take its own K/V block and warpgroup
+    count and a persistent grid (one CTA per SM walking (batch, head, query tile) items): `forward_schedule`.
+Tails: the wrapper pads Sq to compute_warpgroups * block_q and Sk to block_kv (padded keys are masked by
+position, padded query rows are sliced off).
 
 GPU interpreter (CPU tests, `interpret=True`): Pallas's Mosaic GPU interpreter lacks wgmma with a register
 left operand and `pl.run_state` over a wgmma accumulator. It also has no rule for register-layout
@@ -24,7 +27,7 @@ casts. Its wgmma also cannot read a transposed operand. So three helpers differ 
 marked INTERPRET): `matmul_nt` (Q K^T) and `matmul_acc` (P V) are plain fp32-accumulating dots on the operands
 read from shared memory (the same shared-memory tiles the wgmma reads), and `layout` leaves values without a
 layout hint (hints do not change values); everything else -- TMA copies, barriers and their phases, warpgroup
-roles and the ping-pong, step ranges, masks, softmax, epilogue stores -- is the same code.
+roles and the turn, step ranges, masks, softmax, epilogue stores -- is the same code.
 """
 
 from __future__ import annotations
@@ -127,21 +130,25 @@ def default_config(head_dim: int) -> HopperConfig:
     D=128: Q 32 KB + K/V 2 x 2 x 32 KB + an fp32 out tile 64 KB when the ring asks for fp32 out. The dQ kernel
     at D=128 holds Q and dO (32 KB each), K/V slots (2 stages x 2 x 32 KB at dq_block_kv 128) and a 32 KB fp32
     out tile, 224 KB: dq_block_q 128 or a third stage exceed the 227 KB (compile errors in the 2026-11-23 sweep).
-    Backward defaults, both head dims: `bwd_overlap` and dq_block_kv 128 (fastest of the sweep at D=128 and 64)."""
-    del head_dim  # both supported head dims take the same blocks today; the argument keeps the call sites honest
-    return HopperConfig()
+    Backward defaults, both head dims: `bwd_overlap` and dq_block_kv 128 (fastest of the sweep at D=128 and 64).
+    Full attention runs three compute warpgroups (192-row tiles), at D=128 on a persistent grid: on an H200
+    (S 16k and 64k, Hkv 32 and 8; compare/results/kernels-mosaic-forward-2026-11-23-h200-h12f) fwd 582-594 ->
+    638-654 TFLOP/s at D=128, 377-444 -> 460-488 at D=64. Causal keeps two (three lost at some points at D=64
+    and at D=128)."""
+    return HopperConfig(full_compute_warpgroups=3, persistent=head_dim > 64)
 
 
 def autotune_space(head_dim: int) -> tuple[HopperConfig, ...]:
     """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family mosaic`), each a full
     config timed as one, `default_config(head_dim)` first: the backward's schedule, stages and dQ blocks one
-    at a time, then the forward's K/V block and stages (D=64: a 256-key forward block early). Register files
-    bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
-    bwd_block_kv stays 64."""
+    at a time, then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early).
+    Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and
+    dP^T, so bwd_block_kv stays 64."""
     base = default_config(head_dim)
     variants = [dict(bwd_overlap=not base.bwd_overlap)] + ([dict(block_kv=256)] if head_dim <= 64 else []) + [
         dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
-        dict(num_stages=3), dict(bwd_form="one_kernel")]
+        dict(num_stages=3), dict(full_compute_warpgroups=None, persistent=False)] + (
+        [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [dict(bwd_form="one_kernel")]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(dict.fromkeys(configs))
 
