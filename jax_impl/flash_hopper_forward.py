@@ -280,16 +280,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
             return lax.div(item, num_tiles * heads), lax.rem(lax.div(item, num_tiles), heads), lax.rem(item,
                                                                                                       num_tiles)
     first_tile = None if item_tile is None else item_tile(0)[2]
-    _, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q, block_kv=block_kv,
-                                         offset=offset, seq_k=seq_k, num_kv=num_kv, warpgroups=warpgroups,
-                                         tile=first_tile)
+    first_row, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q,
+                                                 block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv,
+                                                 warpgroups=warpgroups, tile=first_tile)
 
     def coordinates(j):
         """Work item j's (batch, head, first query row, first global K/V step)."""
         if item_tile is None:
-            tile_first, _, _ = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q, block_kv=block_kv,
-                                          offset=offset, seq_k=seq_k, num_kv=num_kv, warpgroups=warpgroups)
-            return batch, head, tile_first, 0
+            return batch, head, first_row, 0
         item_batch, item_head, tile = item_tile(j)
         return item_batch, item_head, tile * (warpgroups * block_q), j * tile_steps
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from compare.bench.kernel_bench import _import_tokamax, jax_median_ms
 from jax_impl.flash_attention import flash_attention_forward
-from jax_impl.flash_hopper_forward import HopperConfig, default_config
+from jax_impl.flash_hopper_forward import default_config
 from weights.flops import attention_flops
 
 CANDIDATES = {  # name: changes from default_config(D); the forward's fields only
