@@ -7,16 +7,19 @@ h // (H // Hkv), K/V never repeated), causal aligned bottom-right (query i sees 
 any lengths, out in `out_dtype`, lse [B, H, Sq] natural log, -inf (with out 0) for a row that sees no key.
 Head dims 64 and 128, bf16/fp16 only (`supports` says which calls this kernel serves).
 
-Kernel shape (one CTA = 2 * block_q query rows of one (batch, head)), after FlashAttention-3:
-  - three warpgroups: two compute warpgroups own block_q = 64 query rows each, the third issues the TMA
-    copies of K/V blocks into a `num_stages`-deep ring of shared-memory slots (full/consumed barriers);
-  - the two compute warpgroups ping-pong on a named barrier, so one's softmax overlaps the other's matmuls;
+Kernel shape (one CTA = compute_warpgroups * block_q query rows of one (batch, head)), after FlashAttention-3:
+  - two or three compute warpgroups (`HopperConfig.compute_warpgroups`; three = FA3's 192-row tiles at D=64)
+    own block_q = 64 query rows each, one more warpgroup issues the TMA copies of K/V blocks into a
+    `num_stages`-deep ring of shared-memory slots (full/consumed barriers);
+  - a turn goes round the compute warpgroups (FA3's ping-pong for any count), so one's softmax overlaps the
+    others' matmuls;
   - online softmax in the exp2 domain (one FMA + exp2 per score), fp32 accumulators in registers;
   - the K/V loop is split: blocks every row sees run unmasked, then the few crossing the causal diagonal
     or holding padded keys run masked; blocks no row sees are never loaded;
-  - causal grids visit the query tiles longest first.
-Tails: the wrapper pads Sq to 2 * block_q and Sk to block_kv (padded keys are masked by position, padded
-query rows are sliced off).
+  - causal grids visit the query tiles longest first; full attention may take its own K/V block and warpgroup
+    count and a persistent grid (one CTA per SM walking (batch, head, query tile) items): `forward_schedule`.
+Tails: the wrapper pads Sq to compute_warpgroups * block_q and Sk to block_kv (padded keys are masked by
+position, padded query rows are sliced off).
 
 GPU interpreter (CPU tests, `interpret=True`): Pallas's Mosaic GPU interpreter lacks wgmma with a register
 left operand and `pl.run_state` over a wgmma accumulator. It also has no rule for register-layout
@@ -24,7 +27,7 @@ casts. Its wgmma also cannot read a transposed operand. So three helpers differ 
 marked INTERPRET): `matmul_nt` (Q K^T) and `matmul_acc` (P V) are plain fp32-accumulating dots on the operands
 read from shared memory (the same shared-memory tiles the wgmma reads), and `layout` leaves values without a
 layout hint (hints do not change values); everything else -- TMA copies, barriers and their phases, warpgroup
-roles and the ping-pong, step ranges, masks, softmax, epilogue stores -- is the same code.
+roles and the turn, step ranges, masks, softmax, epilogue stores -- is the same code.
 """
 
 from __future__ import annotations
@@ -47,19 +50,31 @@ except ImportError:
 
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-COMPUTE_WARPGROUPS = 2  # + one TMA producer warpgroup
+COMPUTE_WARPGROUPS = 2  # + one TMA producer warpgroup (the backward's count, and the forward's default)
+FORWARD_WARPGROUPS = (2, 3)
 BACKWARD_FORMS = ("one_kernel", "two_kernel")
-# Per-thread register caps (setmaxnreg). The SM's 64K registers allow 512 per thread summed over the CTA's
-# warpgroups (128 threads each); an increase beyond what the others released waits forever, so the compute cap
-# is what the producer leaves, split evenly, in steps of 8: (512 - 40) / 2 -> 232.
 PRODUCER_REGISTERS = 40
-COMPUTE_REGISTERS = (512 - PRODUCER_REGISTERS) // COMPUTE_WARPGROUPS // 8 * 8
+
+
+def register_caps(compute_warpgroups: int) -> tuple[int, int]:
+    """Per-thread register caps (setmaxnreg) of (the producer, each compute warpgroup). The SM's 64K registers
+    allow 512 per thread summed over the CTA's warpgroups (128 threads each); an increase beyond what the others
+    released waits forever, so the compute cap is what the producer leaves, split evenly, in steps of 8:
+    (512 - 40) / 2 -> 232. Three compute warpgroups take FA3's split: producer 32, 160 each."""
+    producer = PRODUCER_REGISTERS if compute_warpgroups == COMPUTE_WARPGROUPS else 32
+    return producer, (512 - producer) // compute_warpgroups // 8 * 8
+
+
+COMPUTE_REGISTERS = register_caps(COMPUTE_WARPGROUPS)[1]
 
 
 @dataclasses.dataclass(frozen=True)
 class HopperConfig:
-    """Block sizes and schedule of the Mosaic kernels. Forward: each compute warpgroup owns `block_q` query rows
-    (a CTA 2 * block_q) and steps over K/V by `block_kv` through `num_stages` shared-memory slots. Backward dK/dV:
+    """Block sizes and schedule of the Mosaic kernels. Forward: each of `compute_warpgroups` warpgroups owns
+    `block_q` query rows (a CTA compute_warpgroups * block_q) and steps over K/V by `block_kv` through
+    `num_stages` shared-memory slots. Full (not causal) attention: `full_block_kv` and `full_compute_warpgroups`
+    replace the two where set, and `persistent` runs one CTA per SM, each walking (batch, head, query tile) items
+    in turn (causal calls keep one CTA per tile, longest first); see `forward_schedule`. Backward dK/dV:
     a warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
     owns `dq_block_q` query rows and steps over keys by `dq_block_kv`; both through `bwd_num_stages` slots.
     `bwd_overlap`: the backward issues its independent wgmmas together and awaits each only where its result is
@@ -71,6 +86,10 @@ class HopperConfig:
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
+    compute_warpgroups: int = COMPUTE_WARPGROUPS
+    persistent: bool = False
+    full_block_kv: int | None = None
+    full_compute_warpgroups: int | None = None
     bwd_block_q: int = 64
     bwd_block_kv: int = 64
     bwd_num_stages: int = 2
@@ -86,12 +105,24 @@ class HopperConfig:
             # its dQ and dK/dV tiles leave through the same fp32 shared-memory buffer
             raise ValueError("HopperConfig: the one-kernel backward needs bwd_block_q == bwd_block_kv, got "
                              f"{self.bwd_block_q} and {self.bwd_block_kv}")
-        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_q", "dq_block_kv"):
-            if getattr(self, name) % 64 or getattr(self, name) < 64:
+        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_q", "dq_block_kv",
+                     "full_block_kv"):
+            if getattr(self, name) is not None and (getattr(self, name) % 64 or getattr(self, name) < 64):
                 raise ValueError(f"HopperConfig.{name} must be a positive multiple of 64 (wgmma tiles), got "
                                  f"{getattr(self, name)}")
         if self.num_stages < 1 or self.bwd_num_stages < 1:
             raise ValueError("HopperConfig stages must be >= 1")
+        for name in ("compute_warpgroups", "full_compute_warpgroups"):
+            value = getattr(self, name)
+            if value not in FORWARD_WARPGROUPS and not (value is None and name == "full_compute_warpgroups"):
+                raise ValueError(f"HopperConfig.{name} must be one of {FORWARD_WARPGROUPS}, got {value}")
+
+    def forward_schedule(self, causal: bool) -> tuple[int, int, bool]:
+        """(block_kv, compute warpgroups, persistent grid) of a forward call."""
+        if causal:
+            return self.block_kv, self.compute_warpgroups, False
+        return (self.full_block_kv or self.block_kv, self.full_compute_warpgroups or self.compute_warpgroups,
+                self.persistent)
 
 
 def default_config(head_dim: int) -> HopperConfig:
@@ -99,21 +130,25 @@ def default_config(head_dim: int) -> HopperConfig:
     D=128: Q 32 KB + K/V 2 x 2 x 32 KB + an fp32 out tile 64 KB when the ring asks for fp32 out. The dQ kernel
     at D=128 holds Q and dO (32 KB each), K/V slots (2 stages x 2 x 32 KB at dq_block_kv 128) and a 32 KB fp32
     out tile, 224 KB: dq_block_q 128 or a third stage exceed the 227 KB (compile errors in the 2026-11-23 sweep).
-    Backward defaults, both head dims: `bwd_overlap` and dq_block_kv 128 (fastest of the sweep at D=128 and 64)."""
-    del head_dim  # both supported head dims take the same blocks today; the argument keeps the call sites honest
-    return HopperConfig()
+    Backward defaults, both head dims: `bwd_overlap` and dq_block_kv 128 (fastest of the sweep at D=128 and 64).
+    Full attention runs three compute warpgroups (192-row tiles), at D=128 on a persistent grid: on an H200
+    (S 16k and 64k, Hkv 32 and 8; compare/results/kernels-mosaic-forward-2026-11-23-h200-h12f) fwd 582-594 ->
+    638-654 TFLOP/s at D=128, 377-444 -> 460-488 at D=64. Causal keeps two (three lost at some points at D=64
+    and at D=128)."""
+    return HopperConfig(full_compute_warpgroups=3, persistent=head_dim > 64)
 
 
 def autotune_space(head_dim: int) -> tuple[HopperConfig, ...]:
     """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family mosaic`), each a full
     config timed as one, `default_config(head_dim)` first: the backward's schedule, stages and dQ blocks one
-    at a time, then the forward's K/V block and stages (D=64: a 256-key forward block early). Register files
-    bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
-    bwd_block_kv stays 64."""
+    at a time, then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early).
+    Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and
+    dP^T, so bwd_block_kv stays 64."""
     base = default_config(head_dim)
     variants = [dict(bwd_overlap=not base.bwd_overlap)] + ([dict(block_kv=256)] if head_dim <= 64 else []) + [
         dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
-        dict(num_stages=3), dict(bwd_form="one_kernel")]
+        dict(num_stages=3), dict(full_compute_warpgroups=None, persistent=False)] + (
+        [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [dict(bwd_form="one_kernel")]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(dict.fromkeys(configs))
 
@@ -125,6 +160,12 @@ def supports(q, head_dim: int) -> str | None:
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (Mosaic kernels take {HEAD_DIMS})"
     return None
+
+
+def sm_count(interpret: bool) -> int:
+    """CTAs of a persistent grid: the GPU's SM count (132 on an H100/H200 SXM if the device does not say);
+    under the interpreter 2, so the tests' CTAs each walk several items."""
+    return 2 if interpret else getattr(jax.devices()[0], "core_count", 132)
 
 
 def interpret_params(interpret: bool):
@@ -202,127 +243,178 @@ def warpgroup_rows(first, wg, block: int, batch, head):
     return start, (batch, pl.ds(start, block), head)
 
 
-def query_tile(*, causal: bool, num_tiles: int, block_q: int, block_kv: int, offset: int, seq_k: int, num_kv: int):
-    """This CTA's query tile in a kernel whose compute warpgroups own `block_q` query rows each (longest causal
-    tiles first): (its first row, `causal_kv_steps` bound to the call, the number of K/V blocks the producer
-    streams). The last warpgroup's rows are the tile's latest, so its range covers the whole tile's."""
-    tile_first = tile_index(causal, num_tiles) * (COMPUTE_WARPGROUPS * block_q)
+def query_tile(*, causal: bool, num_tiles: int, block_q: int, block_kv: int, offset: int, seq_k: int, num_kv: int,
+               warpgroups: int = COMPUTE_WARPGROUPS, tile=None):
+    """A query tile (this CTA's, longest causal tiles first, unless `tile` names one) in a kernel whose
+    `warpgroups` compute warpgroups own `block_q` query rows each: (its first row, `causal_kv_steps` bound to the
+    call, the number of K/V blocks the producer streams). The last warpgroup's rows are the tile's latest, so its
+    range covers the whole tile's."""
+    tile = tile_index(causal, num_tiles) if tile is None else tile
+    tile_first = tile * (warpgroups * block_q)
     kv_range = functools.partial(causal_kv_steps, block_q=block_q, block_kv=block_kv, causal=causal,
                                  offset=offset, seq_k=seq_k, num_kv=num_kv)
-    _, tile_steps = kv_range(tile_first + (COMPUTE_WARPGROUPS - 1) * block_q)
+    _, tile_steps = kv_range(tile_first + (warpgroups - 1) * block_q)
     return tile_first, kv_range, tile_steps
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse_smem2, k_smem, v_smem,
-                    q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier, *,
+                    q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, turn_barriers, *,
                     causal: bool, scale_log2: float, block_q: int, block_kv: int, stages: int, group: int,
-                    offset: int, seq_k: int, num_kv: int, num_tiles: int, interpret: bool):
-    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    tile_first, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q,
-                                                  block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv)
+                    offset: int, seq_k: int, num_kv: int, num_tiles: int, heads: int, warpgroups: int,
+                    num_items: int | None, interpret: bool):
+    """One CTA's work: its query tile, or (persistent, `num_items` set: full attention only) the work items
+    (batch, head, query tile) cta, cta + num_ctas, ... in turn, K/V steps and barrier phases running on
+    across items (every non-causal item walks the same steps)."""
+    wg = lax.axis_index("wg")
     head_dim = q_smem2.shape[-1]
+    producer_registers, compute_registers = register_caps(warpgroups)
+    if num_items is None:
+        batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+        items, item_tile = 1, None
+    else:
+        cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
+        items = lax.div(num_items - cta + num_ctas - 1, num_ctas)
 
-    def schedule_sync():
-        plgpu.barrier_arrive(schedule_barrier)
-        plgpu.barrier_wait(schedule_barrier)
+        def item_tile(j):  # query tiles fastest, so the CTAs running together share K/V heads in L2
+            item = cta + j * num_ctas
+            return lax.div(item, num_tiles * heads), lax.rem(lax.div(item, num_tiles), heads), lax.rem(item,
+                                                                                                      num_tiles)
+    first_tile = None if item_tile is None else item_tile(0)[2]
+    first_row, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q,
+                                                 block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv,
+                                                 warpgroups=warpgroups, tile=first_tile)
 
-    @pl.when(wg < COMPUTE_WARPGROUPS)
+    def coordinates(j):
+        """Work item j's (batch, head, first query row, first global K/V step)."""
+        if item_tile is None:
+            return batch, head, first_row, 0
+        item_batch, item_head, tile = item_tile(j)
+        return item_batch, item_head, tile * (warpgroups * block_q), j * tile_steps
+
+    # The tensor cores go round the compute warpgroups: a warpgroup waits for its turn before its P V (and the
+    # next block's Q K^T) and passes the turn on once that Q K^T is issued, so each one's softmax overlaps the
+    # others' matmuls (FA3's ping-pong, for any count). One turn circulates: it enters at warpgroup 0 and comes
+    # back to it at the end, so every barrier phase is waited for exactly once.
+    def take_turn():
+        plgpu.barrier_wait(turn_barriers.at[wg])
+
+    def pass_turn():
+        plgpu.barrier_arrive(turn_barriers.at[lax.rem(wg + 1, warpgroups)])
+
+    @pl.when(wg < warpgroups)
     def _compute():
-        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(compute_registers, action="increase")
         q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
-        q_first, rows = warpgroup_rows(tile_first, wg, block_q, batch, head)
-        n_full, n_end = kv_range(q_first)
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_barriers.at[wg])
-        plgpu.barrier_wait(q_barriers.at[wg])
+        pl.when(wg == 0)(functools.partial(plgpu.barrier_arrive, turn_barriers.at[0]))
 
-        rows_layout = plgpu.Layout.WGMMA.reduce(1)
-        row_max = layout(jnp.full((block_q,), -jnp.inf, jnp.float32), rows_layout, interpret=interpret)
-        row_sum = layout(jnp.zeros((block_q,), jnp.float32), rows_layout, interpret=interpret)
-        acc = layout(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
+        def work_item(j):
+            item_batch, item_head, tile_first, first_step = coordinates(j)
+            q_first, rows = warpgroup_rows(tile_first, wg, block_q, item_batch, item_head)
+            n_full, n_end = kv_range(q_first)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_barriers.at[wg])
+            plgpu.barrier_wait(q_barriers.at[wg])
 
-        @pl.when(n_end > 0)
-        def _():
-            plgpu.barrier_wait(k_barriers.at[0])
+            rows_layout = plgpu.Layout.WGMMA.reduce(1)
+            row_max = layout(jnp.full((block_q,), -jnp.inf, jnp.float32), rows_layout, interpret=interpret)
+            row_sum = layout(jnp.zeros((block_q,), jnp.float32), rows_layout, interpret=interpret)
+            acc = layout(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
 
-        pl.when(wg == 1)(schedule_sync)  # offsets the two warpgroups by half a step: the ping-pong
-
-        def step(kv_step, carry, *, masked: bool):
-            acc, row_max, row_sum = carry
-            slot = lax.rem(kv_step, stages)
-
-            scores = matmul_nt(q_smem, k_smem.at[slot], then=schedule_sync, interpret=interpret)
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            scores = scores * scale_log2
-            if masked:
-                q_pos = q_first + iota(scores.shape, 0, interpret=interpret)
-                k_pos = kv_step * block_kv + iota(scores.shape, 1, interpret=interpret)
-                seen = (k_pos <= q_pos + offset) if causal else (k_pos < seq_k)
-                scores = jnp.where(seen, scores, -jnp.inf)
-            new_max = jnp.maximum(row_max, scores.max(axis=1))
-            if masked:  # a row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN
-                new_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-            rescale = jnp.exp2(row_max - new_max)
-            probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
-            row_sum = row_sum * rescale + probs.sum(axis=1)
-            probs = probs.astype(q_smem.dtype)
-            # Hand the tensor cores over: the other warpgroup's QK^T runs while this one waits for its V.
-            acc, row_sum, new_max, probs = lax.optimization_barrier((acc, row_sum, new_max, probs))
-            plgpu.barrier_arrive(schedule_barrier)
-            plgpu.barrier_wait(v_barriers.at[slot])
-            plgpu.barrier_wait(schedule_barrier)
-            acc = matmul_acc(acc, probs, v_smem.at[slot], interpret=interpret)
-
-            @pl.when(kv_step + 1 < n_end)
+            @pl.when(n_end > 0)
             def _():
-                plgpu.barrier_wait(k_barriers.at[lax.rem(kv_step + 1, stages)])
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, new_max, row_sum
+                plgpu.barrier_wait(k_barriers.at[lax.rem(first_step, stages)])
+            take_turn()
 
-        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (acc, row_max, row_sum))
-        if causal or seq_k % block_kv:
-            carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
-        acc, row_max, row_sum = carry
+            def step(kv_step, carry, *, masked: bool):
+                acc, row_max, row_sum = carry
+                slot = lax.rem(first_step + kv_step, stages)
 
-        @pl.loop(n_end, tile_steps)
-        def _drain(kv_step):
-            # Steps only the other warpgroup needs: observe their loads (every barrier phase is waited for once
-            # by each warpgroup, which keeps the phase parity right), release their slots and keep the ping-pong
-            # count equal.
-            slot = lax.rem(kv_step, stages)
-            plgpu.barrier_wait(k_barriers.at[slot])
-            plgpu.barrier_wait(v_barriers.at[slot])
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            schedule_sync()
-            schedule_sync()
-        pl.when(wg == 0)(schedule_sync)
+                scores = matmul_nt(q_smem, k_smem.at[slot], then=pass_turn, interpret=interpret)
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                scores = scores * scale_log2
+                if masked:
+                    q_pos = q_first + iota(scores.shape, 0, interpret=interpret)
+                    k_pos = kv_step * block_kv + iota(scores.shape, 1, interpret=interpret)
+                    seen = (k_pos <= q_pos + offset) if causal else (k_pos < seq_k)
+                    scores = jnp.where(seen, scores, -jnp.inf)
+                new_max = jnp.maximum(row_max, scores.max(axis=1))
+                if masked:  # a row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0
+                    new_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+                rescale = jnp.exp2(row_max - new_max)
+                probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
+                row_sum = row_sum * rescale + probs.sum(axis=1)
+                probs = probs.astype(q_smem.dtype)
+                # The softmax is done before the turn is awaited: the others' matmuls run meanwhile.
+                acc, row_sum, new_max, probs = lax.optimization_barrier((acc, row_sum, new_max, probs))
+                plgpu.barrier_wait(v_barriers.at[slot])
+                take_turn()
+                acc = matmul_acc(acc, probs, v_smem.at[slot], interpret=interpret)
 
-        seen = row_sum > 0  # False only for rows that see no key (causal with Sq > Sk): out 0, lse -inf
-        inverse = jnp.where(seen, 1.0 / jnp.where(seen, row_sum, 1.0), 0.0)
-        o_smem[...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(o_smem.dtype)
-        lse_smem[...] = jnp.where(seen, row_max * LN2 + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[rows])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_first, block_q)])
-        plgpu.wait_smem_to_gmem(0)
+                @pl.when(kv_step + 1 < n_end)
+                def _():
+                    plgpu.barrier_wait(k_barriers.at[lax.rem(first_step + kv_step + 1, stages)])
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, new_max, row_sum
 
-    @pl.when(wg == COMPUTE_WARPGROUPS)
+            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (acc, row_max, row_sum))
+            if causal or seq_k % block_kv:
+                carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+            acc, row_max, row_sum = carry
+
+            @pl.loop(n_end, tile_steps)
+            def _drain(kv_step):
+                # Steps only later warpgroups of the tile need: observe their loads (every barrier phase is
+                # waited for once by each warpgroup, which keeps the phase parity right), release their slots
+                # and keep the turn going round.
+                slot = lax.rem(first_step + kv_step, stages)
+                plgpu.barrier_wait(k_barriers.at[slot])
+                plgpu.barrier_wait(v_barriers.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                pass_turn()
+                take_turn()
+            pass_turn()
+
+            seen = row_sum > 0  # False only for rows that see no key (causal with Sq > Sk): out 0, lse -inf
+            inverse = jnp.where(seen, 1.0 / jnp.where(seen, row_sum, 1.0), 0.0)
+            o_smem[...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(o_smem.dtype)
+            lse_smem[...] = jnp.where(seen, row_max * LN2 + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[rows])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[item_batch, item_head, pl.ds(q_first, block_q)])
+            plgpu.wait_smem_to_gmem(0)  # the next item's Q lands where this out tile is read from
+
+        if item_tile is None:
+            work_item(0)
+        else:
+            pl.loop(0, items)(work_item)
+        pl.when(wg == 0)(take_turn)
+
+    @pl.when(wg == warpgroups)
     def _producer():
-        stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_barriers, v_barriers), (k_consumed, v_consumed),
-                  batch=batch, kv_head=lax.div(head, group), block_kv=block_kv, steps=tile_steps, stages=stages)
+        def rows_of(step):
+            item_batch, item_head, _, first_step = coordinates(0 if item_tile is None else lax.div(step, tile_steps))
+            return item_batch, pl.ds((step - first_step) * block_kv, block_kv), lax.div(item_head, group)
+        stream_blocks((k_ref, v_ref), (k_smem, v_smem), (k_barriers, v_barriers), (k_consumed, v_consumed),
+                      rows_of=rows_of, steps=items * tile_steps, stages=stages, registers=producer_registers)
 
 
 def stream_kv(refs, smem, barriers, consumed, *, batch, kv_head, block_kv: int, steps, stages: int):
     """The TMA warpgroup of a kernel whose compute warpgroups walk K/V blocks [0, steps) of one KV head: block s's
-    K and V (`refs` in global memory) go into slot s % stages of `smem`, each completing on its slot's barrier
-    of `barriers`, through `produce`."""
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    K and V (`refs` in global memory) go into slot s % stages of `smem` (`stream_blocks`)."""
+    stream_blocks(refs, smem, barriers, consumed, rows_of=lambda step: (batch, pl.ds(step * block_kv, block_kv),
+                                                                         kv_head),
+                  steps=steps, stages=stages, registers=PRODUCER_REGISTERS)
 
-    def load(kv_step, slot):
-        rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
+
+def stream_blocks(refs, smem, barriers, consumed, *, rows_of, steps, stages: int, registers: int):
+    """A TMA warpgroup (register cap `registers`) streaming steps [0, steps): step s's tiles `refs.at[rows_of(s)]`
+    go into slot s % stages of `smem`, each completing on its slot's barrier of `barriers`, through `produce`."""
+    plgpu.set_max_registers(registers, action="decrease")
+
+    def load(step, slot):
         for ref, tile, barrier in zip(refs, smem, barriers):
-            plgpu.copy_gmem_to_smem(ref.at[rows], tile.at[slot], barrier.at[slot])
+            plgpu.copy_gmem_to_smem(ref.at[rows_of(step)], tile.at[slot], barrier.at[slot])
     produce(load, consumed, begin=0, end=steps, stages=stages)
 
 
@@ -364,10 +456,12 @@ def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
     lse [B, H, Sq] float32)."""
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
-    block_q, block_kv = config.block_q, config.block_kv
-    q_len = round_up(seq_q, COMPUTE_WARPGROUPS * block_q)
+    block_q = config.block_q
+    block_kv, warpgroups, persistent = config.forward_schedule(causal)
+    q_len = round_up(seq_q, warpgroups * block_q)
     k_len = round_up(seq_k, block_kv)
-    num_tiles, num_kv = q_len // (COMPUTE_WARPGROUPS * block_q), k_len // block_kv
+    num_tiles, num_kv = q_len // (warpgroups * block_q), k_len // block_kv
+    num_items = batch * heads * num_tiles if persistent else None
     stages = min(config.num_stages, num_kv)
     inputs = (q, k, v)
     q = pad_axis(q, 1, q_len)
@@ -376,21 +470,21 @@ def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
     transforms = smem_transforms(q.dtype)
     out_dtype = jnp.dtype(out_dtype)
     scratch = dict(
-        q_smem2=plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), q.dtype, transforms=transforms),
+        q_smem2=plgpu.SMEM((warpgroups, block_q, head_dim), q.dtype, transforms=transforms),
         # A half-precision out tile reuses Q's buffer (Q is dead by then); fp32 (ring partials) gets its own.
         o_smem2=None,
-        lse_smem2=plgpu.SMEM((COMPUTE_WARPGROUPS, block_q), jnp.float32),
+        lse_smem2=plgpu.SMEM((warpgroups, block_q), jnp.float32),
         k_smem=plgpu.SMEM((stages, block_kv, head_dim), k.dtype, transforms=transforms),
         v_smem=plgpu.SMEM((stages, block_kv, head_dim), v.dtype, transforms=transforms),
-        q_barriers=plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
+        q_barriers=plgpu.Barrier(num_barriers=warpgroups),
         k_barriers=plgpu.Barrier(num_barriers=stages),
         v_barriers=plgpu.Barrier(num_barriers=stages),
-        k_consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
-        v_consumed=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
-        schedule_barrier=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+        k_consumed=plgpu.Barrier(num_arrivals=warpgroups, num_barriers=stages),
+        v_consumed=plgpu.Barrier(num_arrivals=warpgroups, num_barriers=stages),
+        turn_barriers=plgpu.Barrier(num_barriers=warpgroups),
     )
     if out_dtype != q.dtype:
-        scratch["o_smem2"] = plgpu.SMEM((COMPUTE_WARPGROUPS, block_q, head_dim), out_dtype,
+        scratch["o_smem2"] = plgpu.SMEM((warpgroups, block_q, head_dim), out_dtype,
                                         transforms=smem_transforms(out_dtype))
 
     def body(q_ref, k_ref, v_ref, out_ref, lse_ref, **smem):
@@ -398,7 +492,8 @@ def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
         _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, **smem, causal=causal,
                         scale_log2=softmax_scale * LOG2E, block_q=block_q, block_kv=block_kv, stages=stages,
                         group=heads // kv_heads, offset=seq_k - seq_q, seq_k=seq_k, num_kv=num_kv,
-                        num_tiles=num_tiles, interpret=interpret)
+                        num_tiles=num_tiles, heads=heads, warpgroups=warpgroups, num_items=num_items,
+                        interpret=interpret)
 
     def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
         names = [name for name, value in scratch.items() if value is not None]
@@ -409,9 +504,9 @@ def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
         entry,
         out_type=(output_struct((batch, q_len, heads, head_dim), out_dtype, *inputs),
                   output_struct((batch, heads, q_len), jnp.float32, *inputs)),
-        grid=(heads, num_tiles, batch),
-        grid_names=("heads", "q_tile", "batch"),
-        num_threads=COMPUTE_WARPGROUPS + 1,
+        grid=(heads, num_tiles, batch) if num_items is None else (min(num_items, sm_count(interpret)),),
+        grid_names=("heads", "q_tile", "batch") if num_items is None else ("cta",),
+        num_threads=warpgroups + 1,
         thread_name="wg",
         # An fp32 out tile at D=128 overshoots 227 KB of shared memory by a few bytes; the row reductions here
         # stay inside warps and need little of the reduction scratch.

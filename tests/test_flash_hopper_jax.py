@@ -54,6 +54,33 @@ def test_mosaic_flash_rule_against_float64(seq_q, seq_k, heads, kv_heads, head_d
     assert not np.any(np.asarray(flash[0], np.float32)[unseen]) and not np.any(np.asarray(flash[2])[unseen])
 
 
+# Forward-only forms (Sq, Sk, H, Hkv, causal, config changes, out dtype): three compute warpgroups (192-row tiles)
+# with a tile longer than the sequence, and rows that see no key (warpgroups draining steps only later ones need);
+# the persistent full-attention grid, also with three warpgroups set for full attention only (the interpreter runs
+# 2 CTAs, so each walks several (batch, head, tile) items and the K/V ring and barrier phases run on across
+# items), with keys padded past Sk and the ring's fp32 out.
+FORWARD_FORMS = [(77, 141, 3, 1, True, dict(compute_warpgroups=3), jnp.bfloat16),
+                 (141, 77, 2, 1, True, dict(compute_warpgroups=3), jnp.bfloat16),
+                 (100, 150, 3, 1, False, dict(persistent=True), jnp.bfloat16),
+                 (200, 150, 3, 1, False, dict(full_compute_warpgroups=3, persistent=True), jnp.float32)]
+
+
+@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,causal,change,out_dtype", FORWARD_FORMS,
+                         ids=[f"q{a}-k{b}-h{c}:{d}-{'causal' if e else 'full'}-{'-'.join(map(str, f.items()))}"
+                              for a, b, c, d, e, f, _ in FORWARD_FORMS])
+def test_mosaic_forward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, causal, change, out_dtype):
+    q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, 64, jnp.bfloat16)
+    exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / 8)
+    out, lse = flash_attention_forward(q, k, v, causal=causal, out_dtype=out_dtype, backend="pallas_mosaic",
+                                       config=HopperConfig(**change))
+    naive = reference_attention(q, k, v, causal=causal, return_lse=True)
+    assert out.dtype == out_dtype
+    # the forward alone: the gradients are the exact answer's own, so only out and lse can break the rule
+    assert not _flash_rule_violations((out, lse, *exact[2:]), (*naive, *exact[2:]), exact)
+    unseen = np.isneginf(exact[1]).transpose(0, 2, 1)
+    assert not np.any(np.asarray(out)[unseen])
+
+
 def test_mosaic_keys_padded_past_the_dq_step_meet_the_rule():
     """Sk a multiple of the dQ kernel's 64-key step but not of the dK/dV kernel's 128-key tile: the padding holds a
     whole dQ step no row sees, which the non-causal step range must leave out (before it did, the step was
@@ -87,6 +114,10 @@ def test_backend_names_and_forced_mosaic_errors():
 def test_config_rejects_blocks_wgmma_cannot_tile():
     with pytest.raises(ValueError, match="multiple of 64"):
         HopperConfig(block_kv=96)
+    with pytest.raises(ValueError, match="compute_warpgroups"):
+        HopperConfig(compute_warpgroups=4)
+    with pytest.raises(ValueError, match="full_block_kv"):
+        HopperConfig(full_block_kv=100)
     with pytest.raises(ValueError, match="bwd_form"):
         HopperConfig(bwd_form="three_kernel")
     with pytest.raises(ValueError, match="bwd_block_q == bwd_block_kv"):
@@ -139,3 +170,24 @@ def test_gpu_ring_pairs_with_external_lse_meet_the_rule(head_dim):
     for backend in ("pallas_mosaic", "pallas_triton", "cudnn"):
         by_pairs = _jit(functools.partial(_ring_step_by_pairs, backend=backend))(q, k, v, dout)
         assert not _flash_rule_violations(by_pairs, naive, exact), backend
+
+
+# Compiled forward forms (Sq, Sk, H, Hkv, D, causal, config changes, out dtype), as FORWARD_FORMS on CPU.
+GPU_FORWARD_FORMS = [(777, 2048, 6, 2, 64, True, dict(compute_warpgroups=3), jnp.bfloat16),
+                     (2048, 777, 4, 1, 64, True, dict(compute_warpgroups=3), jnp.bfloat16),
+                     (1536, 1536, 4, 4, 64, False, dict(full_compute_warpgroups=3, persistent=True), jnp.float32),
+                     (1000, 1000, 4, 2, 64, False, dict(full_block_kv=256, persistent=True), jnp.bfloat16),
+                     (1000, 1000, 4, 4, 128, False, dict(persistent=True), jnp.float32)]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal,change,out_dtype", GPU_FORWARD_FORMS)
+def test_gpu_mosaic_forward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, head_dim, causal, change, out_dtype):
+    q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16, seed=7)
+    exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
+    out, lse = _jit(functools.partial(flash_attention_forward, causal=causal, out_dtype=out_dtype,
+                                      backend="pallas_mosaic", config=HopperConfig(**change)))(q, k, v)
+    naive = _jit(functools.partial(reference_attention, causal=causal, return_lse=True))(q, k, v)
+    # the forward alone: the gradients are the exact answer's own, so only out and lse can break the rule
+    assert not _flash_rule_violations((out, lse, *exact[2:]), (*naive, *exact[2:]), exact)
