@@ -66,7 +66,7 @@ RATIOS = (("ours/FA2", "triton", "sdpa_flash"), ("ours/cuDNN", "triton", "sdpa_c
 PEERS_INSTALL = 'pip install -e ".[peers]"'
 
 
-def _import_tokamax():
+def import_tokamax():
     """tokamax, importable without xprof: tokamax imports the xprof profiler (32 MB) at import time though its
     attention never calls it, so when xprof is absent its modules are stood in by empty ones whose attributes
     fail only if used."""
@@ -289,7 +289,7 @@ def _jax_part(args) -> None:
     except Exception as err:
         import_errors["pallas_mha"] = f"import: {type(err).__name__}: {err}"[:300]
     try:
-        tokamax = _import_tokamax()
+        tokamax = import_tokamax()
         impls["tokamax"] = lambda q, k, v, causal: tokamax.dot_product_attention(q, k, v, is_causal=causal,
                                                                                  implementation="mosaic")
     except ImportError as err:

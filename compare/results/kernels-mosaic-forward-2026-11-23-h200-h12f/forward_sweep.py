@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compare.bench.kernel_bench import _import_tokamax, jax_median_ms
+from compare.bench.kernel_bench import import_tokamax, jax_median_ms
 from jax_impl.flash_attention import flash_attention_forward
 from jax_impl.flash_hopper_forward import default_config
 from weights.flops import attention_flops
@@ -41,7 +41,7 @@ def main():
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
     try:
-        tokamax = _import_tokamax()
+        tokamax = import_tokamax()
     except ImportError as err:
         tokamax = None
         print(json.dumps({"tokamax": f"skipped: {err}"[:200]}), flush=True)
