@@ -126,12 +126,15 @@ def _gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, probs_acc, ds
             settle()
             plgpu.wgmma(dprobs_ref, dprobs_pair[0], plgpu.transpose_ref(dprobs_pair[1], (1, 0)))
             settle()
-            probs = probs_of(plgpu.wgmma_accumulator_load(scores_ref, wait_n=1 if overlap else 0))
+            with jax.named_scope("probs"):
+                probs = probs_of(plgpu.wgmma_accumulator_load(scores_ref, wait_n=1 if overlap else 0))
             if probs_acc is not None:
                 plgpu.wgmma(acc_refs[0], probs.astype(probs_acc[1].dtype), probs_acc[1])
                 settle()
-            dprobs = plgpu.wgmma_accumulator_load(dprobs_ref, wait_n=1 if overlap and probs_acc is not None else 0)
-            dscores = dscores_of(probs, dprobs)
+            with jax.named_scope("dscores"):
+                dprobs = plgpu.wgmma_accumulator_load(dprobs_ref,
+                                                      wait_n=1 if overlap and probs_acc is not None else 0)
+                dscores = dscores_of(probs, dprobs)
             plgpu.wgmma(acc_refs[-1], dscores.astype(dscores_acc[1].dtype), dscores_acc[1])
         shape = (scores_pair[0].shape[0], scores_pair[1].shape[0])
         pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
@@ -184,23 +187,27 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
 
                 @pl.when(lax.rem(chunk + t, COMPUTE_WARPGROUPS) == wg)
                 def _():
-                    dq = _matmul_tn_sum([(ds_smem.at[parity, w], k_smem2.at[w, :, cols])
-                                         for w in range(COMPUTE_WARPGROUPS)], interpret=interpret)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read dq_smem
-                    out_smem[...] = dq * scale
-                    plgpu.commit_smem()
-                    if interpret:  # INTERPRET: no TMA reduction; this CTA's own slice, added up by the wrapper
-                        plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[(kv_tile,) + rows + (cols,)])
-                    else:
-                        plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[rows + (cols,)], reduction_op="add")
+                    with jax.named_scope("dq_mma"):
+                        dq = _matmul_tn_sum([(ds_smem.at[parity, w], k_smem2.at[w, :, cols])
+                                             for w in range(COMPUTE_WARPGROUPS)], interpret=interpret)
+                    with jax.named_scope("dq_wait_tma"):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read dq_smem
+                    with jax.named_scope("dq_out"):
+                        out_smem[...] = dq * scale
+                        plgpu.commit_smem()
+                        if interpret:  # INTERPRET: no TMA reduction; this CTA's own slice, added up by the wrapper
+                            plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[(kv_tile,) + rows + (cols,)])
+                        else:
+                            plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[rows + (cols,)], reduction_op="add")
 
         def step(t, carry, *, masked: bool):
             dk, dv = carry
             slot = lax.rem(t - begin, stages)
-            for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
-                plgpu.barrier_wait(barrier.at[slot])
-            lse2 = _load_stats(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
-            delta = _load_stats(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
+            with jax.named_scope("inputs"):
+                for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
+                    plgpu.barrier_wait(barrier.at[slot])
+                lse2 = _load_stats(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
+                delta = _load_stats(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
             # dS^T tiles of the one-kernel form alternate between two buffers: a warpgroup writes buffer t % 2
             # again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ wgmmas
             # of step t.
@@ -222,13 +229,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                     plgpu.commit_smem()
                 return dscores_t
 
-            dv, dk = _gradient_step((k_smem, q_smem.at[slot]), (v_smem, dout_smem.at[slot]), probs_of, dscores_of,
-                                    (dv, dout_smem.at[slot]), (dk, q_smem.at[slot]), overlap=overlap,
-                                    interpret=interpret)
+            with jax.named_scope("grads"):
+                dv, dk = _gradient_step((k_smem, q_smem.at[slot]), (v_smem, dout_smem.at[slot]), probs_of,
+                                        dscores_of, (dv, dout_smem.at[slot]), (dk, q_smem.at[slot]),
+                                        overlap=overlap, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
             if dq_ref is not None:
-                plgpu.barrier_arrive(ds_ready)
-                plgpu.barrier_wait(ds_ready)
+                with jax.named_scope("ds_barrier"):
+                    plgpu.barrier_arrive(ds_ready)
+                    plgpu.barrier_wait(ds_ready)
                 add_dq(t, parity)
             return dk, dv
 
