@@ -146,9 +146,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                  out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, kv_barriers, q_barriers, dout_barriers,
                  lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool, scale: float, block_q: int,
                  block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int, overlap: bool,
-                 interpret: bool):
-    """dK/dV (and with `dq_ref`, the one-kernel form, dQ by reduce-add; else dq_ref, ds_smem and ds_ready are
-    None)."""
+                 private_dq: bool, interpret: bool):
+    """dK/dV (and with `dq_ref`, the one-kernel forms, dQ by reduce-add; else dq_ref, ds_smem and ds_ready are
+    None). `private_dq`: each warpgroup adds the dQ share of its own keys (ds_ready is None)."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     kv_tile = lax.axis_index("kv_tile")
     cta_first = kv_tile * (COMPUTE_WARPGROUPS * block_kv)
@@ -179,24 +179,29 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         zeros = layout(jnp.zeros((block_kv, dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
 
         def add_dq(t, parity):
-            """dQ[block t] += dS K over the CTA's keys, for the column chunks this warpgroup takes at step t."""
+            """dQ[block t] += dS K over the CTA's keys, for the column chunks this warpgroup takes at step t
+            (`private_dq`: over this warpgroup's keys, every chunk)."""
             q_block, head = q_block_and_head(t)
             rows = (batch, pl.ds(q_block * block_q, block_q), head)
+            # INTERPRET: the CTA's (private_dq: the warpgroup's) own slice of dQ, added up by the wrapper
+            dq_slice = (kv_tile * COMPUTE_WARPGROUPS + wg if private_dq else kv_tile,)
             for chunk in range(max(dim // DQ_CHUNK, 1)):
                 cols = pl.ds(chunk * DQ_CHUNK, min(DQ_CHUNK, dim))
+                taker = (lambda body: body()) if private_dq else pl.when(lax.rem(chunk + t, COMPUTE_WARPGROUPS) == wg)
 
-                @pl.when(lax.rem(chunk + t, COMPUTE_WARPGROUPS) == wg)
+                @taker
                 def _():
+                    pairs = ([(ds_smem.at[parity, wg], k_smem.at[:, cols])] if private_dq else
+                             [(ds_smem.at[parity, w], k_smem2.at[w, :, cols]) for w in range(COMPUTE_WARPGROUPS)])
                     with jax.named_scope("dq_mma"):
-                        dq = _matmul_tn_sum([(ds_smem.at[parity, w], k_smem2.at[w, :, cols])
-                                             for w in range(COMPUTE_WARPGROUPS)], interpret=interpret)
+                        dq = _matmul_tn_sum(pairs, interpret=interpret)
                     with jax.named_scope("dq_wait_tma"):
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read dq_smem
                     with jax.named_scope("dq_out"):
                         out_smem[...] = dq * scale
                         plgpu.commit_smem()
                         if interpret:  # INTERPRET: no TMA reduction; this CTA's own slice, added up by the wrapper
-                            plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[(kv_tile,) + rows + (cols,)])
+                            plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[dq_slice + rows + (cols,)])
                         else:
                             plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[rows + (cols,)], reduction_op="add")
 
@@ -208,10 +213,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                     plgpu.barrier_wait(barrier.at[slot])
                 lse2 = _load_stats(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
                 delta = _load_stats(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
-            # dS^T tiles of the one-kernel form alternate between two buffers: a warpgroup writes buffer t % 2
-            # again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ wgmmas
-            # of step t.
-            parity = lax.rem(t - begin, 2)
+            # dS^T tiles of the shared one-kernel form alternate between two buffers: a warpgroup writes buffer
+            # t % 2 again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ
+            # wgmmas of step t. With private_dq a warpgroup reads only its own tile, awaited within the step: one.
+            parity = lax.rem(t - begin, ds_smem.shape[0]) if dq_ref is not None else 0
 
             def probs_of(scores_t):
                 probs_t = jnp.exp2(scores_t * (scale * LOG2E) - lax.broadcast_in_dim(lse2, scores_t.shape, [1]))
@@ -234,10 +239,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                                         dscores_of, (dv, dout_smem.at[slot]), (dk, q_smem.at[slot]),
                                         overlap=overlap, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
-            if dq_ref is not None:
+            if dq_ref is not None and not private_dq:
                 with jax.named_scope("ds_barrier"):
                     plgpu.barrier_arrive(ds_ready)
                     plgpu.barrier_wait(ds_ready)
+            if dq_ref is not None:
                 add_dq(t, parity)
             return dk, dv
 
@@ -398,15 +404,16 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     def tiles(count, rows):
         return plgpu.SMEM((count, rows, head_dim), dtype, transforms=transforms)
 
-    one_kernel = config.bwd_form == "one_kernel"
+    one_kernel, private_dq = config.bwd_form != "two_kernel", config.bwd_form == "one_kernel_private"
     stages = min(config.bwd_num_stages, num_q_blocks * group)
     out_width = min(DQ_CHUNK, head_dim)  # fp32 tiles leave through shared memory in column chunks
     dq_shape = (batch, q_len, heads, head_dim)
     dkdv_out = (output_struct(k.shape, jnp.float32, *inputs), output_struct(v.shape, jnp.float32, *inputs))
     kv_tiles = k_len // (wgs * block_kv)
     dkdv_inputs = inputs
-    if one_kernel and interpret:  # INTERPRET: per-CTA dQ slices instead of a reduce-add target
-        dkdv_out = (output_struct((kv_tiles,) + dq_shape, jnp.float32, *inputs),) + dkdv_out
+    if one_kernel and interpret:  # INTERPRET: per-CTA (per-warpgroup) dQ slices instead of a reduce-add target
+        dq_slices = kv_tiles * (wgs if private_dq else 1)
+        dkdv_out = (output_struct((dq_slices,) + dq_shape, jnp.float32, *inputs),) + dkdv_out
     elif one_kernel:
         dkdv_inputs = inputs + (jax.new_ref(jnp.zeros(dq_shape, jnp.float32)),)
 
@@ -415,7 +422,7 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
             refs = refs[:len(inputs)] + (None,) + refs[len(inputs):]
         _dkdv_kernel(*refs, **smem, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
                      stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
-                     overlap=config.bwd_overlap, interpret=interpret)
+                     overlap=config.bwd_overlap, private_dq=private_dq, interpret=interpret)
 
     results = _launch(
         dkdv_kernel,
@@ -424,17 +431,19 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
              q_smem=tiles(stages, block_q), dout_smem=tiles(stages, block_q),
              lse_smem=plgpu.SMEM((stages, block_q), jnp.float32),
              delta_smem=plgpu.SMEM((stages, block_q), jnp.float32),
-             ds_smem=plgpu.SMEM((2, wgs, block_kv, block_q), dtype, transforms=transforms) if one_kernel else None,
+             ds_smem=(plgpu.SMEM((1 if private_dq else 2, wgs, block_kv, block_q), dtype, transforms=transforms)
+                      if one_kernel else None),
              kv_barriers=plgpu.Barrier(num_barriers=2 * wgs),
              q_barriers=plgpu.Barrier(num_barriers=stages), dout_barriers=plgpu.Barrier(num_barriers=stages),
              lse_barriers=plgpu.Barrier(num_barriers=stages), delta_barriers=plgpu.Barrier(num_barriers=stages),
              consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-             ds_ready=plgpu.Barrier(num_arrivals=wgs) if one_kernel else None),
+             ds_ready=plgpu.Barrier(num_arrivals=wgs) if one_kernel and not private_dq else None),
         dkdv_out, dict(kv_heads=kv_heads, kv_tile=kv_tiles, batch=batch), dkdv_inputs, interpret=interpret,
         name="twinflash_hopper_backward_dkdv" + ("_dq" if one_kernel else ""))
     if one_kernel and interpret:
         dq_slices, dk, dv = results
-        dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=wgs * block_kv, block_q=block_q, offset=offset)
+        dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=block_kv * (1 if private_dq else wgs),
+                               block_q=block_q, offset=offset)
     elif one_kernel:
         (dk, dv), dq = results, dkdv_inputs[-1][...]
     else:

@@ -52,7 +52,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_WARPGROUPS = 2  # + one TMA producer warpgroup (the backward's count, and the forward's default)
 FORWARD_WARPGROUPS = (2, 3)
-BACKWARD_FORMS = ("one_kernel", "two_kernel")
+BACKWARD_FORMS = ("one_kernel", "one_kernel_private", "two_kernel")
 PRODUCER_REGISTERS = 40
 
 
@@ -101,7 +101,7 @@ class HopperConfig:
     def __post_init__(self):
         if self.bwd_form not in BACKWARD_FORMS:
             raise ValueError(f"HopperConfig.bwd_form must be one of {BACKWARD_FORMS}, got {self.bwd_form!r}")
-        if self.bwd_form == "one_kernel" and self.bwd_block_q != self.bwd_block_kv:
+        if self.bwd_form != "two_kernel" and self.bwd_block_q != self.bwd_block_kv:
             # its dQ and dK/dV tiles leave through the same fp32 shared-memory buffer
             raise ValueError("HopperConfig: the one-kernel backward needs bwd_block_q == bwd_block_kv, got "
                              f"{self.bwd_block_q} and {self.bwd_block_kv}")
@@ -148,7 +148,7 @@ def autotune_space(head_dim: int) -> tuple[HopperConfig, ...]:
     variants = [dict(bwd_overlap=not base.bwd_overlap)] + ([dict(block_kv=256)] if head_dim <= 64 else []) + [
         dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
         dict(num_stages=3), dict(full_compute_warpgroups=None, persistent=False)] + (
-        [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [dict(bwd_form="one_kernel")]
+        [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [dict(bwd_form="one_kernel"), dict(bwd_form="one_kernel_private")]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(dict.fromkeys(configs))
 

@@ -8,6 +8,8 @@ substituting module attributes of `flash_hopper_backward` (its `plgpu`, `jnp`, `
 Then, at S=2k with H=Hkv=16 (a trace that fits shared memory), one call of each form with Mosaic GPU's
 in-kernel profiler (`plgpu.CompilerParams(profile_space, profile_dir)`), which records the kernel's
 `jax.named_scope` regions per warpgroup; summarised as each region's share of the compute warpgroups' time.
+With --call2: the private-dQ one-kernel form's variants and profile instead, then each form's backward alone
+and fwd+bwd beside JAX cuDNN at D 128 and 64, causal and full (`compare_forms`).
 Writes OUT_DIR/attribution.json and prints a table."""
 
 import dataclasses
@@ -124,7 +126,17 @@ def inputs(s, h, d):
     return dout, q, k, v, out, lse
 
 
-VARIANTS = [  # (label, config changes, dropped pieces)
+PRIVATE = {"bwd_form": "one_kernel_private"}
+VARIANTS_2 = [  # call 2: the private-dQ one-kernel form (after call 1 found the shared form's dQ wgmma the cost)
+    ("two_kernel", {}, set()),
+    ("one_kernel", {"bwd_form": "one_kernel"}, set()),
+    ("one_kernel_private", PRIVATE, set()),
+    ("one_kernel_private no overlap", PRIVATE | {"bwd_overlap": False}, set()),
+    ("one_kernel_private -reduce_add", PRIVATE, {"reduce_add"}),
+    ("one_kernel_private -dq_mma", PRIVATE, {"dq_mma"}),
+    ("one_kernel_private -reduce_add -dq_mma", PRIVATE, {"reduce_add", "dq_mma"}),
+]
+VARIANTS = [  # call 1: (label, config changes, dropped pieces)
     ("two_kernel", {}, set()),
     ("two_kernel dkdv only", {}, {"dq_kernel"}),
     ("two_kernel dkdv only, no exp2", {}, {"dq_kernel", "exp2"}),
@@ -163,15 +175,62 @@ def summarise_trace(path):
             "share": {n: sum(s["regions"].get(n, 0.0) for s in per_tid.values()) / total for n in names}}
 
 
+def compare_forms(d, causal, forms, repeats=10):
+    """Backward alone (mosaic_backward) per form, and fwd+bwd (flash_attention under jax.grad) per form and JAX
+    cuDNN (whose backward alone is fwd+bwd minus its forward), bf16, B=1, H=Hkv=32, S=16k."""
+    from jax_impl.flash_attention import flash_attention
+    s, h = 16384, 32
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, dout = (jax.random.normal(key, (1, s, h, d), jnp.bfloat16) for key in keys)
+    out, lse = mosaic_forward(q, k, v, causal=causal, softmax_scale=d ** -0.5, out_dtype=jnp.dtype(jnp.bfloat16),
+                              config=default_config(d), interpret=False)
+    fwd_flops = attention_flops(1, h, s, s, d, causal, backward=False)
+    rows = []
+
+    def fwdbwd_ms(attend):
+        def loss(q, k, v, dout):
+            return jnp.sum(attend(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+        return jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, dout, repeats=repeats)
+
+    for form in forms:
+        config = dataclasses.replace(default_config(d), bwd_form=form)
+        row = dict(impl=f"mosaic {form}", head_dim=d, causal=causal, S=s, heads=h)
+        try:
+            fn = jax.jit(functools.partial(fhb.mosaic_backward, causal=causal, softmax_scale=d ** -0.5,
+                                           config=config, interpret=False))
+            row["bwd_ms"] = jax_median_ms(fn, dout, q, k, v, out, lse, repeats=repeats)
+            row["fwdbwd_ms"] = fwdbwd_ms(functools.partial(flash_attention, causal=causal, backend="pallas_mosaic",
+                                                           config=config))
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {err}"[:400]
+        rows.append(row)
+    cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")
+    row = dict(impl="jax_cudnn", head_dim=d, causal=causal, S=s, heads=h)
+    try:
+        row["fwd_ms"] = jax_median_ms(jax.jit(cudnn), q, k, v, repeats=repeats)
+        row["fwdbwd_ms"] = fwdbwd_ms(cudnn)
+        row["bwd_ms"] = row["fwdbwd_ms"] - row["fwd_ms"]
+    except Exception as err:
+        row["error"] = f"{type(err).__name__}: {err}"[:400]
+    rows.append(row)
+    for row in rows:
+        for key, flops in (("bwd", 2.5 * fwd_flops), ("fwdbwd", 3.5 * fwd_flops)):
+            if f"{key}_ms" in row:
+                row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     out_dir = sys.argv[1]
     quick = "--quick" in sys.argv
+    second = "--call2" in sys.argv
     s, h, d = (1024, 2, 128) if quick else (16384, 32, 128)
     args = inputs(s, h, d)
     flops = 2.5 * attention_flops(1, h, s, s, d, True, backward=False)
     base = default_config(d)
     rows = []
-    for label, change, drop in VARIANTS:
+    for label, change, drop in (VARIANTS_2 if second else VARIANTS):
         row = dict(variant=label, S=s, heads=h, head_dim=d, causal=True)
         try:
             t0 = time.monotonic()
@@ -186,7 +245,7 @@ def main():
     profiles = []
     ps, ph = (1024, 2) if quick else (2048, 16)
     pargs = inputs(ps, ph, d)
-    for form in ("two_kernel", "one_kernel"):
+    for form in ("one_kernel_private",) if second else ("two_kernel", "one_kernel"):
         path = os.path.join(out_dir, f"trace-{form}")
         os.makedirs(path, exist_ok=True)
         row = dict(form=form, S=ps, heads=ph, head_dim=d)
@@ -204,11 +263,19 @@ def main():
             row["error"] = f"{type(err).__name__}: {err}"[:400]
         print(json.dumps(row), flush=True)
         profiles.append(row)
-    json.dump({"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": rows, "profiles": profiles},
+    forms = [row for d, causal in ((128, True), (128, False), (64, True), (64, False)) if second
+             for row in compare_forms(d, causal, ("two_kernel", "one_kernel_private"))]
+    json.dump({"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": rows, "profiles": profiles,
+               "forms": forms},
               open(os.path.join(out_dir, "attribution.json"), "w"), indent=1)
     print(f"{'variant':52s} {'ms':>7s} {'TF/s':>6s}")
     for r in rows:
         print(f"{r['variant']:52s} {r.get('ms', float('nan')):7.2f} {r.get('tflops', float('nan')):6.0f}"
+              + (f"  ERROR {r['error'][:80]}" if "error" in r else ""))
+    print(f"{'D':>3s} {'causal':6s} {'impl':28s} {'bwd ms':>7s} {'bwd TF/s':>8s} {'f+b ms':>7s} {'f+b TF/s':>8s}")
+    for r in forms:
+        print(f"{r['head_dim']:3d} {str(r['causal']):6s} {r['impl']:28s} {r.get('bwd_ms', 0):7.2f} "
+              f"{r.get('bwd_tflops', 0):8.0f} {r.get('fwdbwd_ms', 0):7.2f} {r.get('fwdbwd_tflops', 0):8.0f}"
               + (f"  ERROR {r['error'][:80]}" if "error" in r else ""))
     for p in profiles:
         print(p["form"], p.get("error", "")[:200] or " ".join(f"{n}={v:.3f}" for n, v in p["share"].items()))
