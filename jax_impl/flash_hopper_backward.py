@@ -26,10 +26,21 @@ fp32 dQ in global memory by TMA reduce-add:
     split in chunks of 64 between the warpgroups (D=64: one chunk, taken by the warpgroups in turn);
   - the fp32 chunk goes out by `copy_smem_to_gmem(..., reduction_op="add")` into a zeroed dQ that the kernel
     takes as a mutable JAX Ref (aliased in and out: `pl.kernel` with a `plgpu.Mesh`).
+"one_kernel_private" is the same without the barrier and the turn-taking branch: each warpgroup adds the dQ share
+of its own keys, all D columns (one dS^T buffer, twice the reduce-add traffic).
+Where the time goes (H200, S=16k, causal, D=128, backward alone; compare/results/
+kernels-mosaic-backward-profile-2026-11-23-h200-h12g): two_kernel 12.6 ms (its dK/dV kernel 7.6), one_kernel 19.2,
+one_kernel_private 20.9, cuDNN ~10.9. Dropping the dQ wgmma takes the one-kernel forms to 11.8 / 12.8 ms, the
+reduce-add alone gains nothing in the shared form; ptxas compiles every one of these kernels against 168 registers
+a thread (64K / 384 threads; the compute warpgroups' `set_max_registers` raise does not reach its allocation) and
+spills 232 bytes (dK/dV), 944 (one_kernel), 800 (one_kernel_private): the in-kernel profile shows the whole step,
+not only the dQ part, ~2.6x slower in the one-kernel form. At D=64 one_kernel_private is level with two_kernel
+(bwd 400 against 392 TF/s causal and full, within run-to-run spread), so the default stays "two_kernel".
+The named scopes (`jax.named_scope`) in the dK/dV kernel are the regions of Mosaic GPU's in-kernel profiler
+(`plgpu.CompilerParams(profile_space=..., profile_dir=...)`); without it they compile to nothing.
 Measured on an H200 (S=16k, compare/results/README.md, 2026-11-22 and 2026-11-23), the one-kernel form reaches
 407-441 TFLOP/s fwd+bwd at D=128 with every wgmma awaited when issued and 337 with `bwd_overlap`, against the
-two-kernel form's 456-464 and 485, so "two_kernel" is the default: every one-kernel step adds a barrier between
-the two warpgroups plus an fp32 shared-memory round trip and TMA reduce-add for dQ, with nothing to overlap them.
+two-kernel form's 456-464 and 485, so "two_kernel" is the default (why, below).
 GPU interpreter: it has no TMA reduction (nor aliased Refs), so under interpretation (lines marked INTERPRET) each
 CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the wrapper adds the slices up
 (the slices of query blocks a causal CTA never visits are masked out there). Everything else is the same code.

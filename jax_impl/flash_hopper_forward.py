@@ -80,7 +80,8 @@ class HopperConfig:
     `bwd_overlap`: the backward issues its independent wgmmas together and awaits each only where its result is
     read (False: each is awaited when issued; see `flash_hopper_backward._gradient_step`). `bwd_form`:
     "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in
-    fp32 by TMA reduce-add); see flash_hopper_backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
+    fp32 by TMA reduce-add) or "one_kernel_private" (the same, each warpgroup adding its own keys' dQ share);
+    see flash_hopper_backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
     causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at D=128 with `bwd_overlap`,
     485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64: 381)."""
     block_q: int = 64
