@@ -26,10 +26,21 @@ fp32 dQ in global memory by TMA reduce-add:
     split in chunks of 64 between the warpgroups (D=64: one chunk, taken by the warpgroups in turn);
   - the fp32 chunk goes out by `copy_smem_to_gmem(..., reduction_op="add")` into a zeroed dQ that the kernel
     takes as a mutable JAX Ref (aliased in and out: `pl.kernel` with a `plgpu.Mesh`).
+"one_kernel_private" is the same without the barrier and the turn-taking branch: each warpgroup adds the dQ share
+of its own keys, all D columns (one dS^T buffer, twice the reduce-add traffic).
+Where the time goes (H200, S=16k, causal, D=128, backward alone; compare/results/
+kernels-mosaic-backward-profile-2026-11-23-h200-h12g): two_kernel 12.6 ms (its dK/dV kernel 7.6), one_kernel 19.2,
+one_kernel_private 20.9, cuDNN ~10.9. Dropping the dQ wgmma takes the one-kernel forms to 11.8 / 12.8 ms, the
+reduce-add alone gains nothing in the shared form; ptxas compiles every one of these kernels against 168 registers
+a thread (64K / 384 threads; the compute warpgroups' `set_max_registers` raise does not reach its allocation) and
+spills 232 bytes (dK/dV), 944 (one_kernel), 800 (one_kernel_private): the in-kernel profile shows the whole step,
+not only the dQ part, ~2.6x slower in the one-kernel form. At D=64 one_kernel_private is level with two_kernel
+(bwd 400 against 392 TF/s causal and full, within run-to-run spread), so the default stays "two_kernel".
+The named scopes (`jax.named_scope`) in the dK/dV kernel are the regions of Mosaic GPU's in-kernel profiler
+(`plgpu.CompilerParams(profile_space=..., profile_dir=...)`); without it they compile to nothing.
 Measured on an H200 (S=16k, compare/results/README.md, 2026-11-22 and 2026-11-23), the one-kernel form reaches
 407-441 TFLOP/s fwd+bwd at D=128 with every wgmma awaited when issued and 337 with `bwd_overlap`, against the
-two-kernel form's 456-464 and 485, so "two_kernel" is the default: every one-kernel step adds a barrier between
-the two warpgroups plus an fp32 shared-memory round trip and TMA reduce-add for dQ, with nothing to overlap them.
+two-kernel form's 456-464 and 485, so "two_kernel" is the default (why, below).
 GPU interpreter: it has no TMA reduction (nor aliased Refs), so under interpretation (lines marked INTERPRET) each
 CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the wrapper adds the slices up
 (the slices of query blocks a causal CTA never visits are masked out there). Everything else is the same code.
@@ -126,12 +137,15 @@ def _gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, probs_acc, ds
             settle()
             plgpu.wgmma(dprobs_ref, dprobs_pair[0], plgpu.transpose_ref(dprobs_pair[1], (1, 0)))
             settle()
-            probs = probs_of(plgpu.wgmma_accumulator_load(scores_ref, wait_n=1 if overlap else 0))
+            with jax.named_scope("probs"):
+                probs = probs_of(plgpu.wgmma_accumulator_load(scores_ref, wait_n=1 if overlap else 0))
             if probs_acc is not None:
                 plgpu.wgmma(acc_refs[0], probs.astype(probs_acc[1].dtype), probs_acc[1])
                 settle()
-            dprobs = plgpu.wgmma_accumulator_load(dprobs_ref, wait_n=1 if overlap and probs_acc is not None else 0)
-            dscores = dscores_of(probs, dprobs)
+            with jax.named_scope("dscores"):
+                dprobs = plgpu.wgmma_accumulator_load(dprobs_ref,
+                                                      wait_n=1 if overlap and probs_acc is not None else 0)
+                dscores = dscores_of(probs, dprobs)
             plgpu.wgmma(acc_refs[-1], dscores.astype(dscores_acc[1].dtype), dscores_acc[1])
         shape = (scores_pair[0].shape[0], scores_pair[1].shape[0])
         pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
@@ -143,9 +157,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                  out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, kv_barriers, q_barriers, dout_barriers,
                  lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool, scale: float, block_q: int,
                  block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int, overlap: bool,
-                 interpret: bool):
-    """dK/dV (and with `dq_ref`, the one-kernel form, dQ by reduce-add; else dq_ref, ds_smem and ds_ready are
-    None)."""
+                 private_dq: bool, interpret: bool):
+    """dK/dV (and with `dq_ref`, the one-kernel forms, dQ by reduce-add; else dq_ref, ds_smem and ds_ready are
+    None). `private_dq`: each warpgroup adds the dQ share of its own keys (ds_ready is None)."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     kv_tile = lax.axis_index("kv_tile")
     cta_first = kv_tile * (COMPUTE_WARPGROUPS * block_kv)
@@ -176,35 +190,44 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         zeros = layout(jnp.zeros((block_kv, dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
 
         def add_dq(t, parity):
-            """dQ[block t] += dS K over the CTA's keys, for the column chunks this warpgroup takes at step t."""
+            """dQ[block t] += dS K over the CTA's keys, for the column chunks this warpgroup takes at step t
+            (`private_dq`: over this warpgroup's keys, every chunk)."""
             q_block, head = q_block_and_head(t)
             rows = (batch, pl.ds(q_block * block_q, block_q), head)
+            # INTERPRET: the CTA's (private_dq: the warpgroup's) own slice of dQ, added up by the wrapper
+            dq_slice = (kv_tile * COMPUTE_WARPGROUPS + wg if private_dq else kv_tile,)
             for chunk in range(max(dim // DQ_CHUNK, 1)):
                 cols = pl.ds(chunk * DQ_CHUNK, min(DQ_CHUNK, dim))
+                taker = (lambda body: body()) if private_dq else pl.when(lax.rem(chunk + t, COMPUTE_WARPGROUPS) == wg)
 
-                @pl.when(lax.rem(chunk + t, COMPUTE_WARPGROUPS) == wg)
+                @taker
                 def _():
-                    dq = _matmul_tn_sum([(ds_smem.at[parity, w], k_smem2.at[w, :, cols])
-                                         for w in range(COMPUTE_WARPGROUPS)], interpret=interpret)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read dq_smem
-                    out_smem[...] = dq * scale
-                    plgpu.commit_smem()
-                    if interpret:  # INTERPRET: no TMA reduction; this CTA's own slice, added up by the wrapper
-                        plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[(kv_tile,) + rows + (cols,)])
-                    else:
-                        plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[rows + (cols,)], reduction_op="add")
+                    pairs = ([(ds_smem.at[parity, wg], k_smem.at[:, cols])] if private_dq else
+                             [(ds_smem.at[parity, w], k_smem2.at[w, :, cols]) for w in range(COMPUTE_WARPGROUPS)])
+                    with jax.named_scope("dq_mma"):
+                        dq = _matmul_tn_sum(pairs, interpret=interpret)
+                    with jax.named_scope("dq_wait_tma"):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read dq_smem
+                    with jax.named_scope("dq_out"):
+                        out_smem[...] = dq * scale
+                        plgpu.commit_smem()
+                        if interpret:  # INTERPRET: no TMA reduction; this CTA's own slice, added up by the wrapper
+                            plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[dq_slice + rows + (cols,)])
+                        else:
+                            plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[rows + (cols,)], reduction_op="add")
 
         def step(t, carry, *, masked: bool):
             dk, dv = carry
             slot = lax.rem(t - begin, stages)
-            for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
-                plgpu.barrier_wait(barrier.at[slot])
-            lse2 = _load_stats(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
-            delta = _load_stats(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
-            # dS^T tiles of the one-kernel form alternate between two buffers: a warpgroup writes buffer t % 2
-            # again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ wgmmas
-            # of step t.
-            parity = lax.rem(t - begin, 2)
+            with jax.named_scope("inputs"):
+                for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
+                    plgpu.barrier_wait(barrier.at[slot])
+                lse2 = _load_stats(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
+                delta = _load_stats(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
+            # dS^T tiles of the shared one-kernel form alternate between two buffers: a warpgroup writes buffer
+            # t % 2 again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ
+            # wgmmas of step t. With private_dq a warpgroup reads only its own tile, awaited within the step: one.
+            parity = lax.rem(t - begin, ds_smem.shape[0]) if dq_ref is not None else 0
 
             def probs_of(scores_t):
                 probs_t = jnp.exp2(scores_t * (scale * LOG2E) - lax.broadcast_in_dim(lse2, scores_t.shape, [1]))
@@ -222,13 +245,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                     plgpu.commit_smem()
                 return dscores_t
 
-            dv, dk = _gradient_step((k_smem, q_smem.at[slot]), (v_smem, dout_smem.at[slot]), probs_of, dscores_of,
-                                    (dv, dout_smem.at[slot]), (dk, q_smem.at[slot]), overlap=overlap,
-                                    interpret=interpret)
+            with jax.named_scope("grads"):
+                dv, dk = _gradient_step((k_smem, q_smem.at[slot]), (v_smem, dout_smem.at[slot]), probs_of,
+                                        dscores_of, (dv, dout_smem.at[slot]), (dk, q_smem.at[slot]),
+                                        overlap=overlap, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
+            if dq_ref is not None and not private_dq:
+                with jax.named_scope("ds_barrier"):
+                    plgpu.barrier_arrive(ds_ready)
+                    plgpu.barrier_wait(ds_ready)
             if dq_ref is not None:
-                plgpu.barrier_arrive(ds_ready)
-                plgpu.barrier_wait(ds_ready)
                 add_dq(t, parity)
             return dk, dv
 
@@ -389,15 +415,16 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     def tiles(count, rows):
         return plgpu.SMEM((count, rows, head_dim), dtype, transforms=transforms)
 
-    one_kernel = config.bwd_form == "one_kernel"
+    one_kernel, private_dq = config.bwd_form != "two_kernel", config.bwd_form == "one_kernel_private"
     stages = min(config.bwd_num_stages, num_q_blocks * group)
     out_width = min(DQ_CHUNK, head_dim)  # fp32 tiles leave through shared memory in column chunks
     dq_shape = (batch, q_len, heads, head_dim)
     dkdv_out = (output_struct(k.shape, jnp.float32, *inputs), output_struct(v.shape, jnp.float32, *inputs))
     kv_tiles = k_len // (wgs * block_kv)
     dkdv_inputs = inputs
-    if one_kernel and interpret:  # INTERPRET: per-CTA dQ slices instead of a reduce-add target
-        dkdv_out = (output_struct((kv_tiles,) + dq_shape, jnp.float32, *inputs),) + dkdv_out
+    if one_kernel and interpret:  # INTERPRET: per-CTA (per-warpgroup) dQ slices instead of a reduce-add target
+        dq_slices = kv_tiles * (wgs if private_dq else 1)
+        dkdv_out = (output_struct((dq_slices,) + dq_shape, jnp.float32, *inputs),) + dkdv_out
     elif one_kernel:
         dkdv_inputs = inputs + (jax.new_ref(jnp.zeros(dq_shape, jnp.float32)),)
 
@@ -406,7 +433,7 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
             refs = refs[:len(inputs)] + (None,) + refs[len(inputs):]
         _dkdv_kernel(*refs, **smem, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
                      stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
-                     overlap=config.bwd_overlap, interpret=interpret)
+                     overlap=config.bwd_overlap, private_dq=private_dq, interpret=interpret)
 
     results = _launch(
         dkdv_kernel,
@@ -415,17 +442,19 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
              q_smem=tiles(stages, block_q), dout_smem=tiles(stages, block_q),
              lse_smem=plgpu.SMEM((stages, block_q), jnp.float32),
              delta_smem=plgpu.SMEM((stages, block_q), jnp.float32),
-             ds_smem=plgpu.SMEM((2, wgs, block_kv, block_q), dtype, transforms=transforms) if one_kernel else None,
+             ds_smem=(plgpu.SMEM((1 if private_dq else 2, wgs, block_kv, block_q), dtype, transforms=transforms)
+                      if one_kernel else None),
              kv_barriers=plgpu.Barrier(num_barriers=2 * wgs),
              q_barriers=plgpu.Barrier(num_barriers=stages), dout_barriers=plgpu.Barrier(num_barriers=stages),
              lse_barriers=plgpu.Barrier(num_barriers=stages), delta_barriers=plgpu.Barrier(num_barriers=stages),
              consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-             ds_ready=plgpu.Barrier(num_arrivals=wgs) if one_kernel else None),
+             ds_ready=plgpu.Barrier(num_arrivals=wgs) if one_kernel and not private_dq else None),
         dkdv_out, dict(kv_heads=kv_heads, kv_tile=kv_tiles, batch=batch), dkdv_inputs, interpret=interpret,
         name="twinflash_hopper_backward_dkdv" + ("_dq" if one_kernel else ""))
     if one_kernel and interpret:
         dq_slices, dk, dv = results
-        dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=wgs * block_kv, block_q=block_q, offset=offset)
+        dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=block_kv * (1 if private_dq else wgs),
+                               block_q=block_q, offset=offset)
     elif one_kernel:
         (dk, dv), dq = results, dkdv_inputs[-1][...]
     else:

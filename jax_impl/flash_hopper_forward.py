@@ -52,7 +52,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_WARPGROUPS = 2  # + one TMA producer warpgroup (the backward's count, and the forward's default)
 FORWARD_WARPGROUPS = (2, 3)
-BACKWARD_FORMS = ("one_kernel", "two_kernel")
+BACKWARD_FORMS = ("one_kernel", "one_kernel_private", "two_kernel")
 PRODUCER_REGISTERS = 40
 
 
@@ -80,7 +80,8 @@ class HopperConfig:
     `bwd_overlap`: the backward issues its independent wgmmas together and awaits each only where its result is
     read (False: each is awaited when issued; see `flash_hopper_backward._gradient_step`). `bwd_form`:
     "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in
-    fp32 by TMA reduce-add); see flash_hopper_backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
+    fp32 by TMA reduce-add) or "one_kernel_private" (the same, each warpgroup adding its own keys' dQ share);
+    see flash_hopper_backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
     causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at D=128 with `bwd_overlap`,
     485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64: 381)."""
     block_q: int = 64
@@ -101,7 +102,7 @@ class HopperConfig:
     def __post_init__(self):
         if self.bwd_form not in BACKWARD_FORMS:
             raise ValueError(f"HopperConfig.bwd_form must be one of {BACKWARD_FORMS}, got {self.bwd_form!r}")
-        if self.bwd_form == "one_kernel" and self.bwd_block_q != self.bwd_block_kv:
+        if self.bwd_form != "two_kernel" and self.bwd_block_q != self.bwd_block_kv:
             # its dQ and dK/dV tiles leave through the same fp32 shared-memory buffer
             raise ValueError("HopperConfig: the one-kernel backward needs bwd_block_q == bwd_block_kv, got "
                              f"{self.bwd_block_q} and {self.bwd_block_kv}")
@@ -148,7 +149,7 @@ def autotune_space(head_dim: int) -> tuple[HopperConfig, ...]:
     variants = [dict(bwd_overlap=not base.bwd_overlap)] + ([dict(block_kv=256)] if head_dim <= 64 else []) + [
         dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
         dict(num_stages=3), dict(full_compute_warpgroups=None, persistent=False)] + (
-        [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [dict(bwd_form="one_kernel")]
+        [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [dict(bwd_form="one_kernel"), dict(bwd_form="one_kernel_private")]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(dict.fromkeys(configs))
 

@@ -34,10 +34,12 @@ on_hopper = pytest.mark.skipif(
 
 # (Sq, Sk, H, Hkv, D, causal, backward form): odd tails on both sides; GQA 3:1 and 2:1; Sq > Sk causal has rows
 # that see no key; D 64 (the interpreter's cost grows with D, and D 128 runs the same code at the GPU tests' sizes).
-# The default (two-kernel) backward takes every case; the one-kernel form, whose dQ takes an interpreter-only path
-# (per-CTA slices, masked and summed), the case with rows that see no key and CTAs that skip query blocks.
+# The default (two-kernel) backward takes every case; the one-kernel forms, whose dQ takes an interpreter-only path
+# (per-CTA or per-warpgroup slices, masked and summed), the case with rows that see no key and CTAs that skip
+# query blocks.
 INTERPRET_CASES = [(77, 141, 3, 1, 64, True, "two_kernel"), (141, 77, 2, 1, 64, True, "two_kernel"),
-                   (100, 150, 2, 2, 64, False, "two_kernel"), (141, 77, 2, 1, 64, True, "one_kernel")]
+                   (100, 150, 2, 2, 64, False, "two_kernel"), (141, 77, 2, 1, 64, True, "one_kernel"),
+                   (141, 77, 2, 1, 64, True, "one_kernel_private")]
 
 
 @pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal,bwd_form", INTERPRET_CASES,
@@ -122,6 +124,8 @@ def test_config_rejects_blocks_wgmma_cannot_tile():
         HopperConfig(bwd_form="three_kernel")
     with pytest.raises(ValueError, match="bwd_block_q == bwd_block_kv"):
         HopperConfig(bwd_block_kv=128, bwd_form="one_kernel")
+    with pytest.raises(ValueError, match="bwd_block_q == bwd_block_kv"):
+        HopperConfig(bwd_block_kv=128, bwd_form="one_kernel_private")
     HopperConfig(bwd_block_kv=128)  # the two-kernel form takes unequal backward blocks
 
 
@@ -129,8 +133,8 @@ def test_autotune_space_starts_at_the_default_and_varies_the_backward():
     for head_dim in (64, 128):
         space = autotune_space(head_dim)
         assert space[0] == default_config(head_dim) and len(set(space)) == len(space) > 5
-        assert {c.bwd_overlap for c in space} == {True, False} and {c.bwd_form for c in space} == {"one_kernel",
-                                                                                                   "two_kernel"}
+        assert {c.bwd_overlap for c in space} == {True, False}
+        assert {c.bwd_form for c in space} == {"one_kernel", "one_kernel_private", "two_kernel"}
         assert {c.dq_block_kv for c in space} == {64, 128}
     assert any(c.block_kv == 256 for c in autotune_space(64)) and not any(c.block_kv == 256
                                                                           for c in autotune_space(128))
@@ -155,6 +159,18 @@ def test_gpu_mosaic_triton_and_cudnn_meet_the_rule(dtype, seq_q, seq_k, heads, k
     for backend in backends:
         flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend=backend)
         assert not _flash_rule_violations(flash, naive, exact), backend
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("bwd_form", ["one_kernel", "one_kernel_private"])
+@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal", GPU_CASES)
+def test_gpu_mosaic_backward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form):
+    q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16, seed=7)
+    exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
+    flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_mosaic",
+                                    config=HopperConfig(bwd_form=bwd_form))
+    assert not _flash_rule_violations(flash, naive, exact)
 
 
 @pytest.mark.gpu
