@@ -149,7 +149,8 @@ def autotune_space(head_dim: int) -> tuple[HopperConfig, ...]:
     variants = [dict(bwd_overlap=not base.bwd_overlap)] + ([dict(block_kv=256)] if head_dim <= 64 else []) + [
         dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
         dict(num_stages=3), dict(full_compute_warpgroups=None, persistent=False)] + (
-        [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [dict(bwd_form="one_kernel"), dict(bwd_form="one_kernel_private")]
+        [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [
+        dict(bwd_form=form) for form in BACKWARD_FORMS if form != base.bwd_form]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(dict.fromkeys(configs))
 
