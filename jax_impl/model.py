@@ -17,7 +17,8 @@ may be given sharded fp32 weights: each checkpointed layer casts and gathers its
 `convert_to_fp8` switches the decoder layers' linears to `fp8_matmul`, the FP8 recipe of weights/fp8.py
 (`twinflash train --fp8`; the torch twin uses torchao's Float8Linear): a `jax.custom_vjp` whose forward and both
 backward matmuls quantise their operands per tensor (an activation per device's tokens) to float8 and run
-`lax.dot_general` on the float8 arrays with float32 accumulation (which XLA runs on CPU as well as on GPUs).
+`lax.dot_general` on the float8 arrays into bf16, times the inverse scales (`_scaled_dot`: the form XLA turns into
+one cuBLASLt FP8 GEMM on GPUs; XLA runs it on CPU as well).
 
 The decoder layers' weights come one per canonical name ("layers.<i>.<suffix>") or stacked over the layers
 ("layers.*.<suffix>", [num_layers, ...]: `stack_layers`, the JAX training state's layout), which the scan of
@@ -102,10 +103,18 @@ TokenBlocks = tuple[int, int]  # (fsdp, sp): how a [B, S, ...] activation's toke
 
 
 def _device_blocks(x: jax.Array, blocks: TokenBlocks) -> jax.Array:
-    """x [B, S, ...] as [fsdp, B / fsdp, sp, S / sp, ...]: block (f, s) holds device (f, s)'s tokens (batch over
+    """x [B, S, ...] as [fsdp, sp, B / fsdp * S / sp, ...]: block (f, s) holds device (f, s)'s tokens (batch over
     fsdp, sequence over sp in the ring layout's order, which the global arrays keep)."""
     fsdp, sp = blocks
-    return x.reshape(fsdp, x.shape[0] // fsdp, sp, x.shape[1] // sp, *x.shape[2:])
+    x = x.reshape(fsdp, x.shape[0] // fsdp, sp, x.shape[1] // sp, *x.shape[2:]).swapaxes(1, 2)
+    return x.reshape(fsdp, sp, -1, *x.shape[4:])
+
+
+def _from_device_blocks(x: jax.Array, batch: int) -> jax.Array:
+    """The inverse of `_device_blocks`, for `batch` sequences."""
+    fsdp, sp = x.shape[:2]
+    x = x.reshape(fsdp, sp, batch // fsdp, -1, *x.shape[3:]).swapaxes(1, 2)
+    return x.reshape(batch, -1, *x.shape[4:])
 
 
 def quantise(x: jax.Array, dtype: str, axes: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
@@ -118,14 +127,32 @@ def quantise(x: jax.Array, dtype: str, axes: tuple[int, ...] | None = None) -> t
     return jnp.clip(x.astype(jnp.float32) * scale, -FP8_MAX, FP8_MAX).astype(jnp.dtype(dtype)), scale
 
 
-def _rescaled(product: jax.Array, scale_a: jax.Array, scale_b: jax.Array, dtype) -> jax.Array:
-    """A float32 dot of float8 values back to `dtype`: product * (1 / scale_a * 1 / scale_b), torch._scaled_mm's
-    arithmetic."""
-    return (product * (1 / scale_a * (1 / scale_b))).astype(dtype)
+def _quantised_blocks(x: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
+    """(x [fsdp, sp, tokens, features] quantised per device block, the blocks' inverse scales [fsdp, sp])."""
+    x_q, scale = quantise(x, dtype, (2, 3))
+    return x_q, 1 / scale[..., 0, 0]
 
 
-def _dot(a: jax.Array, b: jax.Array, contract: tuple, batch: tuple = ((), ())) -> jax.Array:
-    return jax.lax.dot_general(a, b, (contract, batch), preferred_element_type=jnp.float32)
+def _scaled_dot(a_q: jax.Array, b_q: jax.Array, inverse_scale: jax.Array, contract: tuple, dtype,
+                precision: jax.lax.Precision) -> jax.Array:
+    """One FP8 GEMM of 2-D float8 operands into `dtype`, times the scalar `inverse_scale` (1 / scale_a * 1 /
+    scale_b) rounded to `dtype`: flax's fp8_scaled_dot_general form, which XLA's GEMM rewriter turns into a
+    cuBLASLt FP8 GEMM with that scale in its epilogue, writing `dtype` directly (a float32 product rescaled in a
+    second pass cost more than the FP8 GEMMs saved; XLA 0.11 rewrites no dequantised float32 form and folds no float32
+    scale into a bf16 result: compare/results/train-fp8-jax-2026-11-23-h200-h17k). `precision` HIGHEST turns off
+    cuBLASLt's fast FP8 accumulation, as torchao's backward GEMMs run."""
+    product = jax.lax.dot_general(a_q, b_q, (contract, ((), ())), precision=precision,
+                                  preferred_element_type=dtype)
+    return product * inverse_scale.astype(dtype)
+
+
+def _per_block(fn: Callable, blocks: TokenBlocks) -> Callable:
+    """`fn` over the device blocks ([fsdp, sp, ...] arguments and results): called once on a single block (scalar
+    scales, which XLA folds into the GEMM), else vmapped (batched GEMMs, sharded as the blocks are; their
+    per-block scales stay a separate multiply of the bf16 products)."""
+    if blocks == (1, 1):
+        return lambda *args: jax.tree.map(lambda a: a[None, None], fn(*(a[0, 0] for a in args)))
+    return jax.vmap(jax.vmap(fn))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -133,27 +160,35 @@ def fp8_matmul(x: jax.Array, weight: jax.Array, blocks: TokenBlocks) -> jax.Arra
     """x [B, S, in] @ weight [out, in].T in FP8 (weights/fp8.py), in x's dtype. Activations and output gradients
     get one scale per device's tokens (`blocks`), as each torch rank's Float8Linear scales its own; the (gathered)
     weight one scale."""
-    x_q, x_scale = quantise(_device_blocks(x, blocks), FP8_DTYPE, (1, 3, 4))
-    w_q, w_scale = quantise(weight, FP8_DTYPE)
-    return _rescaled(_dot(x_q, w_q, ((4,), (1,))), x_scale, w_scale, x.dtype).reshape(*x.shape[:2], -1)
+    return _fp8_matmul_forward(x, weight, blocks)[0]
 
 
 def _fp8_matmul_forward(x: jax.Array, weight: jax.Array, blocks: TokenBlocks):
-    # the high-precision operands are kept and quantised again in the backward, as torchao's Float8Linear does
-    return fp8_matmul(x, weight, blocks), (x, weight)
+    x_q, x_inverse = _quantised_blocks(_device_blocks(x, blocks), FP8_DTYPE)
+    w_q, w_scale = quantise(weight, FP8_DTYPE)
+    w_inverse = 1 / w_scale.reshape(())
+    forward = _per_block(lambda a, a_inverse: _scaled_dot(a, w_q, a_inverse * w_inverse, ((1,), (1,)), x.dtype,
+                                                          jax.lax.Precision.DEFAULT), blocks)
+    y = _from_device_blocks(forward(x_q, x_inverse), x.shape[0])
+    # the float8 activation is kept for the weight gradient: the very values torchao's Float8Linear gets by
+    # quantising the kept bf16 input again, at half its bytes and without that pass
+    return y, (x_q, x_inverse, weight)
 
 
 def _fp8_matmul_backward(blocks: TokenBlocks, residuals, grad: jax.Array):
     """dX per device block; dW per device block in bf16 (a torch rank's), then summed over the blocks in float32."""
-    x, weight = residuals
-    grad_q, grad_scale = quantise(_device_blocks(grad, blocks), GRADIENT_DTYPE, (1, 3, 4))
+    x_q, x_inverse, weight = residuals
+    g_q, g_inverse = _quantised_blocks(_device_blocks(grad, blocks), GRADIENT_DTYPE)
     w_q, w_scale = quantise(weight, FP8_DTYPE)
-    grad_x = _rescaled(_dot(grad_q, w_q, ((4,), (0,))), grad_scale, w_scale, x.dtype).reshape(x.shape)
-    x_q, x_scale = quantise(_device_blocks(x, blocks), FP8_DTYPE, (1, 3, 4))
-    per_block = _dot(grad_q, x_q, ((1, 3), (1, 3)), ((0, 2), (0, 2)))  # [fsdp, sp, out, in]
-    per_block = _rescaled(per_block, grad_scale.reshape(*blocks, 1, 1), x_scale.reshape(*blocks, 1, 1),
-                          weight.dtype)
-    return grad_x, per_block.astype(jnp.float32).sum((0, 1)).astype(weight.dtype)
+    w_inverse = 1 / w_scale.reshape(())
+    highest = jax.lax.Precision.HIGHEST
+
+    def block(g, x, g_inv, x_inv):
+        return (_scaled_dot(g, w_q, g_inv * w_inverse, ((1,), (0,)), grad.dtype, highest),
+                _scaled_dot(g, x, g_inv * x_inv, ((0,), (0,)), weight.dtype, highest))
+
+    grad_x, grad_w = _per_block(block, blocks)(g_q, x_q, g_inverse, x_inverse)
+    return _from_device_blocks(grad_x, grad.shape[0]), grad_w.astype(jnp.float32).sum((0, 1)).astype(weight.dtype)
 
 
 fp8_matmul.defvjp(_fp8_matmul_forward, _fp8_matmul_backward)

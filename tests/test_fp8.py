@@ -3,9 +3,11 @@ Float8Linear (torch) and our scaled fp8 `dot_general` (JAX).
 
 Matmul checks, on one [64, 128] x [96, 128] product and its two backward products:
   - each backend's FP8 matmul equals a hand-written quantise-dot-rescale reference (numpy, float64 dot of the float8
-    values) within one bf16 rounding (1 ulp: the float32 accumulation's order is the library's), and the two
-    backends equal each other just as closely; with the tokens split over devices, JAX scales each device's block
-    on its own, as each torch rank does;
+    values): torch's within one bf16 rounding (1 ulp: the float32 accumulation's order is the library's), JAX's
+    and the two backends' within 2 ulps (JAX rounds its rescale factor 1 / (scale_a * scale_b) to bf16, at most
+    2^-9 relative, so that XLA folds it into the FP8 GEMM, and on CPU rounds the product to bf16 before rescaling:
+    two roundings more than the recipe's one; jax_impl.model._scaled_dot says why); with the tokens split over
+    devices, JAX scales each device's block on its own, as each torch rank does;
   - negative control: the FP8 matmul's error against the float64 product of the bf16 operands is over 4x a bf16
     matmul's (a path that silently ran in bf16 would fail; e4m3's 3 mantissa bits make it ~16x).
 Training, 50 steps of text on the tiny preset (one device, plus a sharded fsdp=1 x sp=2 run with activation
@@ -21,7 +23,7 @@ checkpointing so that FP8 composes with FSDP, the ring and recomputation):
     difference (a bf16 ulp that moves a value across an e4m3 rounding boundary moves it by an e4m3 step, 2^5 bf16
     ulps), so both its floor and the twins' gap are ~8x bf16's (measured: twins' mean gap 0.0012 in bf16, 0.0100
     in FP8, 0.0078 sharded; FP8 floors 0.0087 torch, 0.0079 JAX, on losses ~3.5), while the twins' FP8 matmuls
-    agree within one bf16 ulp (above). The 2x covers the floors' own spread between seeds of rounding.
+    agree within 2 bf16 ulps (above). The 2x covers the floors' own spread between seeds of rounding.
   - checkpoints: an FP8 run stopped at step 25 and resumed reproduces the uninterrupted one bit for bit (torchao's
     Float8Linear weights are plain parameters: checkpoints and exports hold the model's usual names and dtypes).
 Refusals: --fp8 without --dtype bf16, and torch's --fp8 without torchao: one line, exit 2.
@@ -59,6 +61,7 @@ CURVE_RTOL = 0.02  # module docstring
 CURVE_WINDOW = 5  # steps of the running mean: module docstring
 TWIN_FACTOR = 2.0  # module docstring
 NEGATIVE_FACTOR = 4.0  # module docstring
+TORCH_ULPS, JAX_ULPS = 1, 2  # bf16 ulps from the hand-written recipe: module docstring
 LAUNCH_TIMEOUT_S = 600
 RUN = dict(model="tiny", seq_len=64, steps=STEPS, batch=2, dtype="bf16", attention_backend="reference")
 SHARDED = dict(mesh=MeshShape(fsdp=1, sp=2), activation_checkpointing="full")
@@ -83,9 +86,9 @@ def _reference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (qa @ qb * np.float64(inverse)).astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def _within_one_bf16_ulp(value: np.ndarray, expected: np.ndarray) -> bool:
+def _within_bf16_ulps(value: np.ndarray, expected: np.ndarray, ulps: int) -> bool:
     ulp = np.spacing(np.abs(expected).astype(ml_dtypes.bfloat16)).astype(np.float32)
-    return bool(np.all(np.abs(value - expected) <= ulp))
+    return bool(np.all(np.abs(value - expected) <= ulps * ulp))
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +130,14 @@ def _references(x, w, g):
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_fp8_matmuls_equal_the_hand_written_recipe(operands, backend):
     products = (_jax_products if backend == "jax" else _torch_products)(*operands)
+    ulps = JAX_ULPS if backend == "jax" else TORCH_ULPS
     for name, value, expected in zip(("forward", "dX", "dW"), products, _references(*operands)):
-        assert _within_one_bf16_ulp(value, expected), name
+        assert _within_bf16_ulps(value, expected, ulps), name
 
 
 def test_the_twins_fp8_matmuls_agree(operands):
     for name, ours, theirs in zip(("forward", "dX", "dW"), _jax_products(*operands), _torch_products(*operands)):
-        assert _within_one_bf16_ulp(ours, theirs), name
+        assert _within_bf16_ulps(ours, theirs, JAX_ULPS), name
 
 
 def test_each_device_block_of_the_tokens_is_scaled_on_its_own(operands):
@@ -149,7 +153,7 @@ def test_each_device_block_of_the_tokens_is_scaled_on_its_own(operands):
             np.testing.assert_array_equal(y[rows, seq], block[0])
             np.testing.assert_array_equal(dx[rows, seq], block[1])
             block_dw += block[2]
-    assert _within_one_bf16_ulp(dw, block_dw)  # the bf16 rounding of the float32 sum
+    assert _within_bf16_ulps(dw, block_dw, 1)  # the bf16 rounding of the float32 sum
     assert not np.array_equal(y, _jax_products(x, w, g)[0])  # negative control: one scale per tensor differs
 
 

@@ -12,7 +12,10 @@ The recipe, torchao's dynamic per-tensor ("tensorwise") scaling with float8_e4m3
              activation or output gradient per device, over that device's tokens (a torch rank's own tensor; JAX
              splits its global arrays into the devices' blocks for this).
   quantise   q = float8_e4m3fn(clamp(float32(x) * scale, -448, 448)) (saturating).
-  matmul     out = bf16(dot(q_a, q_b) accumulated in float32 * (1 / scale_a * 1 / scale_b)).
+  matmul     out = bf16(dot(q_a, q_b) accumulated in float32 * (1 / scale_a * 1 / scale_b)); on GPUs the forward
+             GEMM uses cuBLASLt's fast FP8 accumulation and the two backward GEMMs the full one (torchao's default
+             Float8GemmConfig per GEMM; JAX: precision DEFAULT / HIGHEST). JAX rounds the factor
+             1 / scale_a * 1 / scale_b to bf16 (2^-9 relative at most) so that XLA folds it into the GEMM.
   backward   dX = q(dY) . q(W), dW = q(dY)^T . q(X), each operand quantised as above with its own scale; the
              results in bf16 (each device's weight gradient is then summed over the devices in float32; JAX rounds
              that sum to bf16 once, as in its bf16 runs: jax_impl/train.py).
