@@ -75,15 +75,19 @@ def test_hopper_ring_backward_from_global_out_and_lse(causal):
 @pytest.mark.parametrize("config", [Config(32, 64, 4, 1, dq_transposed=True), Config(32, 64, 4, 1),
                                     Config(64, 32, 4, 2, dq_transposed=True)], ids=str)
 def test_hopper_configs_compute_the_portable_result(config):
-    """Every dq layout and block shape gives the portable kernels' backward up to float32 summation order (P comes
-    from the given lse, so the blocking does not change the products)."""
+    """Every dq layout and block shape gives the portable kernels' backward up to float32 summation order and a
+    rare flipped bf16 rounding (P comes from the given lse, so the blocking does not change the products, up to the
+    last bit of exp2, which on some CPUs depends on the interpreter's block shape: on an AVX2-only AMD EPYC one dS
+    element rounds to the other bf16 neighbour, moving one row of dq or dk by up to 8.8e-5 at |dq| <= 1.4)."""
     q, k, v, dout = _inputs(1, 100, 130, 4, 2, 64, torch.bfloat16)
     out, lse = triton_forward(q, k, v, causal=True, softmax_scale=0.125, out_dtype=torch.float32)
     want = triton_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=0.125, grad_dtype=torch.float32)
     got = hopper_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=0.125, grad_dtype=torch.float32,
                           config=config)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)  # same products, other sum order
+        # a flipped bf16 rounding of one dS element moves a row by 2^-8 |dS_ij K_j|: 1e-3 of the largest gradient is
+        # ~16x the flip measured (docstring), while a wrong layout or block moves gradients by their own size
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-3 * b.abs().max().item(), msg=name)
     if not INTERPRETED:
         return  # the GPU's portable forward picks its own blocks; the rule tests cover the Hopper forward there
     # The forward rounds P to bf16 against the running row max, which depends on the key blocking: compare it at
