@@ -31,16 +31,17 @@ of its own keys, all D columns (one dS^T buffer, twice the reduce-add traffic).
 Where the time goes (H200, S=16k, causal, D=128, backward alone; compare/results/
 kernels-mosaic-backward-profile-2026-11-23-h200-h12g): two_kernel 12.6 ms (its dK/dV kernel 7.6), one_kernel 19.2,
 one_kernel_private 20.9, cuDNN ~10.9. Dropping the dQ wgmma takes the one-kernel forms to 11.8 / 12.8 ms, the
-reduce-add alone gains nothing in the shared form; ptxas compiles every one of these kernels against 168 registers
-a thread (64K / 384 threads; the compute warpgroups' `set_max_registers` raise does not reach its allocation) and
-spills 232 bytes (dK/dV), 944 (one_kernel), 800 (one_kernel_private): the in-kernel profile shows the whole step,
-not only the dQ part, ~2.6x slower in the one-kernel form. At D=64 one_kernel_private is level with two_kernel
+reduce-add alone gains nothing in the shared form; ptxas reports 168 registers a thread for every one of these
+kernels (the entry count, (40 + 2 x 232) / 3; it warns of no ignored `setmaxnreg`) and spill stores of 232 bytes
+(dK/dV), 944 (one_kernel), 800 (one_kernel_private): the dQ accumulator pushes the one-kernel step's compute
+warpgroups past their 232 registers, and the in-kernel profile shows the whole step, not only the dQ part, ~2.6x
+slower in the one-kernel form. At D=64 one_kernel_private is level with two_kernel
 (bwd 400 against 392 TF/s causal and full, within run-to-run spread), so the default stays "two_kernel".
 The named scopes (`jax.named_scope`) in the dK/dV kernel are the regions of Mosaic GPU's in-kernel profiler
 (`plgpu.CompilerParams(profile_space=..., profile_dir=...)`); without it they compile to nothing.
 Measured on an H200 (S=16k, compare/results/README.md, 2026-11-22 and 2026-11-23), the one-kernel form reaches
 407-441 TFLOP/s fwd+bwd at D=128 with every wgmma awaited when issued and 337 with `bwd_overlap`, against the
-two-kernel form's 456-464 and 485, so "two_kernel" is the default (why, below).
+two-kernel form's 456-464 and 485, so "two_kernel" is the default (why: the spills above).
 GPU interpreter: it has no TMA reduction (nor aliased Refs), so under interpretation (lines marked INTERPRET) each
 CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the wrapper adds the slices up
 (the slices of query blocks a causal CTA never visits are masked out there). Everything else is the same code.
