@@ -18,6 +18,10 @@ Public API (kept stable for the models and for `compare/bench/ring_bench.py`):
       GLOBAL arrays in natural position order: reorders them into the layout's order, runs `ring_attention` in
       `jax.shard_map` (sequence over `axis_name`, batch over `batch_axis` if given) and returns the global
       result in natural order.
+  schedule_forward(ring, cfg, q, k, v) / schedule_backward(ring, cfg, residuals, dout), cfg = ring_config(q, ...)
+      One device's whole forward / backward on any `jax_impl.ring_comm.Ring`: `ring_attention` runs them on the
+      mesh axis's ring inside its custom_vjp; the tests run every rank's exact schedule on one device through a
+      lockstep ring (the interpreted Mosaic GPU kernels cannot run inside a multi-device shard_map on the CPU).
   shard_for_ring(x, world, layout, axis=1) / gather_from_ring(x, world, layout, axis=1)
       Reorder a GLOBAL array between natural position order and layout order (rank 0's positions, then rank 1's,
       ...), so that sharding `axis` evenly over the ring's mesh axis gives each device its layout positions. (The
@@ -64,13 +68,14 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jax_impl.flash_attention import flash_attention_backward, flash_attention_forward, runs_mosaic_kernels
 from jax_impl.remat import keep_for_backward
+from jax_impl.ring_comm import Ring, mesh_ring
 from weights.attention import ALL, RingBlock, check_ring_choices, check_ring_shapes, ring_block
 from weights.layout import check_split, inverse_order, layout_order, position_runs
 
 
 @dataclass(frozen=True)
-class _RingConfig:
-    """The static (hashable) settings of one call: the custom_vjp's non-differentiable argument."""
+class RingConfig:
+    """The static (hashable) settings of one call (`ring_config`): the custom_vjp's non-differentiable argument."""
 
     axis_name: str
     causal: bool
@@ -111,18 +116,19 @@ def _kernel_pieces(block: RingBlock | None, local_len: int, squares: bool) -> tu
                  for cols in (halves if block.cols == ALL else (block.cols,)))
 
 
-def _run_step(step_fn, step: int, rank, cfg: _RingConfig, local_len: int, *operands):
+def _run_step(step_fn, step: int, rank, cfg: RingConfig, local_len: int, *operands):
     """`step_fn(pieces, *operands)` for the block of step `step` (`_kernel_pieces`), whose source rank is
     (rank - step) mod P. Only step 0 holds the local block; later, the source is an earlier rank exactly when
     rank >= step (no wrap-around), which depends on the traced rank, so the choice is a `lax.cond` when the two
-    blocks differ."""
+    blocks differ (a Python choice when the rank is a Python int: the lockstep ring of the tests, where Pallas's GPU
+    interpreter cannot run inside a `lax.cond`)."""
     def pieces(source: str) -> tuple[RingBlock, ...]:
         return _kernel_pieces(ring_block(cfg.causal, cfg.layout, source, local_len), local_len, cfg.square_pieces)
     if step == 0:
         return step_fn(pieces("same"), *operands, cfg=cfg)
     earlier, later = pieces("earlier"), pieces("later")
-    if earlier == later:
-        return step_fn(earlier, *operands, cfg=cfg)
+    if earlier == later or isinstance(rank, int):  # a rank known when tracing (a lockstep ring) needs no cond
+        return step_fn(earlier if earlier == later or rank >= step else later, *operands, cfg=cfg)
     return jax.lax.cond(rank >= step, functools.partial(step_fn, earlier, cfg=cfg),
                         functools.partial(step_fn, later, cfg=cfg), *operands)
 
@@ -142,26 +148,7 @@ def _merge(acc_out, acc_lse, out, lse):
     return weight(acc_lse) * acc_out + weight(lse) * out, new_lse
 
 
-def _to_next(arrays, cfg: _RingConfig, world: int):
-    """Sends each array to the next rank (r -> r+1 mod P) and returns the ones received from the previous."""
-    if cfg.local_copies:
-        return jax.tree.map(jnp.copy, arrays)
-    return jax.lax.ppermute(arrays, cfg.axis_name, perm=[(r, (r + 1) % world) for r in range(world)])
-
-
-def _all_gather(x: jax.Array, cfg: _RingConfig, world: int, axis: int) -> jax.Array:
-    if cfg.local_copies:
-        return jnp.concatenate([x] * world, axis=axis)
-    return jax.lax.all_gather(x, cfg.axis_name, axis=axis, tiled=True)
-
-
-def _reduce_scatter(x: jax.Array, cfg: _RingConfig, world: int, axis: int) -> jax.Array:
-    if cfg.local_copies:
-        return jax.lax.slice_in_dim(x, 0, x.shape[axis] // world, axis=axis)
-    return jax.lax.psum_scatter(x, cfg.axis_name, scatter_dimension=axis, tiled=True)
-
-
-def _forward_step(pieces: tuple[RingBlock, ...], acc, q, k_block, v_block, cfg: _RingConfig):
+def _forward_step(pieces: tuple[RingBlock, ...], acc, q, k_block, v_block, cfg: RingConfig):
     """The accumulated (out float32, lse) of the local queries with this step's partial results merged in."""
     for block in pieces:
         out, lse = flash_attention_forward(q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols],
@@ -173,7 +160,7 @@ def _forward_step(pieces: tuple[RingBlock, ...], acc, q, k_block, v_block, cfg: 
     return acc
 
 
-def _backward_step(pieces: tuple[RingBlock, ...], grads, dout, q, k_block, v_block, out, lse, cfg: _RingConfig):
+def _backward_step(pieces: tuple[RingBlock, ...], grads, dout, q, k_block, v_block, out, lse, cfg: RingConfig):
     """(dq, dk, dv) float32 accumulators with this step's gradients added (dk/dv: those of the block in hand)."""
     for block in pieces:
         dq_part, dk_part, dv_part = flash_attention_backward(
@@ -186,9 +173,9 @@ def _backward_step(pieces: tuple[RingBlock, ...], grads, dout, q, k_block, v_blo
     return grads
 
 
-def _ring_forward(cfg: _RingConfig, world: int, rank, q, k, v):
+def _ring_forward(ring: Ring, cfg: RingConfig, q, k, v):
     """(out float32, in q's dtype when P = 1; lse float32) of the local queries."""
-    local_len = q.shape[1]
+    world, local_len = ring.world, q.shape[1]
     # Step 0 is the whole diagonal block (`ring_block`'s "same"), whose result starts the accumulators as it is:
     # merging it into empty ones, (0, -inf), gives the same numbers with one more pass over them per layer. With
     # no other block (P = 1) the kernel writes the inputs' dtype, the cast back to it then being none.
@@ -196,25 +183,26 @@ def _ring_forward(cfg: _RingConfig, world: int, rank, q, k, v):
                                   out_dtype=jnp.float32 if world > 1 else q.dtype, backend=cfg.backend)
     k_block, v_block = k, v
     for step in range(1, world):
-        k_block, v_block = _to_next((k_block, v_block), cfg, world)
-        acc = _run_step(_forward_step, step, rank, cfg, local_len, acc, q, k_block, v_block)
+        k_block, v_block = ring.exchange((k_block, v_block))
+        acc = _run_step(_forward_step, step, ring.rank, cfg, local_len, acc, q, k_block, v_block)
     return acc
 
 
-def _ring_backward(cfg: _RingConfig, world: int, rank, dout, q, k, v, out, lse):
+def _ring_backward(ring: Ring, cfg: RingConfig, dout, q, k, v, out, lse):
     """(dq, dk, dv) float32; the dk/dv accumulators travel with their K/V block and end at their owner."""
-    local_len = q.shape[1]
+    world, local_len = ring.world, q.shape[1]
     # zeros_like keeps the inputs' varying-over-mesh-axes type, which both cond branches must return.
     grads = tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
     k_block, v_block = k, v
     for step in range(world):
         if step:  # two transfers: the K/V one does not wait for the previous step's gradients
-            k_block, v_block = _to_next((k_block, v_block), cfg, world)
-            grads = (grads[0], *_to_next(grads[1:], cfg, world))
-        grads = _run_step(_backward_step, step, rank, cfg, local_len, grads, dout, q, k_block, v_block, out, lse)
+            k_block, v_block = ring.exchange((k_block, v_block))
+            grads = (grads[0], *ring.exchange(grads[1:]))
+        grads = _run_step(_backward_step, step, ring.rank, cfg, local_len, grads, dout, q, k_block, v_block, out,
+                          lse)
     dq, dk, dv = grads
     if world > 1:  # the last hop brings each rank its own block's accumulators
-        dk, dv = _to_next((dk, dv), cfg, world)
+        dk, dv = ring.exchange((dk, dv))
     return dq, dk, dv
 
 
@@ -223,7 +211,7 @@ def _ring_backward(cfg: _RingConfig, world: int, rank, dout, q, k, v, out, lse):
 # ---------------------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=32)
-def _query_runs(cfg: _RingConfig, world: int, rank: int, local_len: int) -> tuple[tuple[slice, int, bool], ...]:
+def _query_runs(cfg: RingConfig, world: int, rank: int, local_len: int) -> tuple[tuple[slice, int, bool], ...]:
     """(local rows, key prefix length, causal) of the kernel calls: one per run of consecutive positions."""
     seq_len = local_len * world
     if not cfg.causal:
@@ -231,23 +219,25 @@ def _query_runs(cfg: _RingConfig, world: int, rank: int, local_len: int) -> tupl
     return tuple((rows, end, True) for rows, end in position_runs(seq_len, world, rank, cfg.layout))
 
 
-def _gather_kv_in_position_order(cfg: _RingConfig, world: int, k, v):
+def _gather_kv_in_position_order(ring: Ring, cfg: RingConfig, k, v):
     """The full K and V [B, S_total, Hkv, D] in position order (one all-gather of both)."""
-    gathered = _all_gather(jnp.stack([k, v]), cfg, world, axis=2)  # layout order
-    kv = gather_from_ring(gathered, world, cfg.layout, axis=2)
+    gathered = ring.all_gather(jnp.stack([k, v]), axis=2)  # layout order
+    kv = gather_from_ring(gathered, ring.world, cfg.layout, axis=2)
     return kv[0], kv[1]
 
 
-def _for_each_rank(cfg: _RingConfig, world: int, rank, local_len: int, run_fn, *operands):
+def _for_each_rank(ring: Ring, cfg: RingConfig, local_len: int, run_fn, *operands):
     """`run_fn(runs, *operands)` with this rank's query runs. Their key prefixes are static shapes that depend on
     the traced rank, so ranks with different runs go through a `lax.switch` with one branch per rank."""
-    runs = [_query_runs(cfg, world, r, local_len) for r in range(world)]
+    runs = [_query_runs(cfg, ring.world, r, local_len) for r in range(ring.world)]
     if all(r == runs[0] for r in runs):
         return run_fn(runs[0], *operands)
-    return jax.lax.switch(rank, [functools.partial(run_fn, r) for r in runs], *operands)
+    if isinstance(ring.rank, int):  # a rank known when tracing (a lockstep ring) needs no switch
+        return run_fn(runs[ring.rank], *operands)
+    return jax.lax.switch(ring.rank, [functools.partial(run_fn, r) for r in runs], *operands)
 
 
-def _allgather_forward(cfg: _RingConfig, world: int, rank, q, k, v):
+def _allgather_forward(ring: Ring, cfg: RingConfig, q, k, v):
     """(out in q's dtype, lse float32) of the local queries; no merge, each query run is one kernel call."""
     def attend(runs, q, k_all, v_all):
         parts = [flash_attention_forward(q[:, rows], k_all[:, :end], v_all[:, :end], causal=causal,
@@ -255,10 +245,10 @@ def _allgather_forward(cfg: _RingConfig, world: int, rank, q, k, v):
                  for rows, end, causal in runs]
         return jnp.concatenate([o for o, _ in parts], axis=1), jnp.concatenate([lse for _, lse in parts], axis=2)
 
-    return _for_each_rank(cfg, world, rank, q.shape[1], attend, q, *_gather_kv_in_position_order(cfg, world, k, v))
+    return _for_each_rank(ring, cfg, q.shape[1], attend, q, *_gather_kv_in_position_order(ring, cfg, k, v))
 
 
-def _allgather_backward(cfg: _RingConfig, world: int, rank, dout, q, k, v, out, lse):
+def _allgather_backward(ring: Ring, cfg: RingConfig, dout, q, k, v, out, lse):
     """(dq, dk, dv) float32; K/V gathered again (rather than keeping P copies alive from the forward), dK/dV of
     the whole sequence reduce-scattered back to their owners."""
     def grads(runs, dout, q, k_all, v_all, out, lse):
@@ -273,10 +263,10 @@ def _allgather_backward(cfg: _RingConfig, world: int, rank, dout, q, k, v, out, 
             dv_all = _updated(dv_all, slice(None, end), 1, dv, add=True)
         return jnp.concatenate(dq_parts, axis=1), jnp.stack([dk_all, dv_all])
 
-    k_all, v_all = _gather_kv_in_position_order(cfg, world, k, v)
-    dq, dkv_all = _for_each_rank(cfg, world, rank, q.shape[1], grads, dout, q, k_all, v_all, out, lse)
-    dkv_all = shard_for_ring(dkv_all, world, cfg.layout, axis=2)  # layout order: rank r's part is the r-th
-    dk, dv = _reduce_scatter(dkv_all, cfg, world, axis=2)
+    k_all, v_all = _gather_kv_in_position_order(ring, cfg, k, v)
+    dq, dkv_all = _for_each_rank(ring, cfg, q.shape[1], grads, dout, q, k_all, v_all, out, lse)
+    dkv_all = shard_for_ring(dkv_all, ring.world, cfg.layout, axis=2)  # layout order: rank r's part is the r-th
+    dk, dv = ring.reduce_scatter(dkv_all, axis=2)
     return dq, dk, dv
 
 
@@ -284,29 +274,38 @@ def _allgather_backward(cfg: _RingConfig, world: int, rank, dout, q, k, v, out, 
 # custom_vjp
 # ---------------------------------------------------------------------------------------------------------------
 
-def _uses_allgather(cfg: _RingConfig, world: int) -> bool:
-    return cfg.variant == "allgather" and world > 1
+def _uses_allgather(ring: Ring, cfg: RingConfig) -> bool:
+    return cfg.variant == "allgather" and ring.world > 1
 
 
-def _ring_attention_fwd(q, k, v, cfg: _RingConfig):
-    world, rank = jax.lax.axis_size(cfg.axis_name), jax.lax.axis_index(cfg.axis_name)
-    run = _allgather_forward if _uses_allgather(cfg, world) else _ring_forward
-    out, lse = run(cfg, world, rank, q, k, v)
+def schedule_forward(ring: Ring, cfg: RingConfig, q, k, v):
+    """One device's whole forward on any `Ring` (the mesh axis's, or the tests' lockstep one): ((out in q's
+    dtype, lse), the residuals of `schedule_backward`)."""
+    run = _allgather_forward if _uses_allgather(ring, cfg) else _ring_forward
+    out, lse = run(ring, cfg, q, k, v)
     out, lse = keep_for_backward(out.astype(q.dtype), lse)
     return (out, lse), (q, k, v, out, lse)
 
 
-def _ring_attention_bwd(cfg: _RingConfig, residuals, cotangents):
+def schedule_backward(ring: Ring, cfg: RingConfig, residuals, dout):
+    """One device's whole backward on any `Ring`: (dq, dk, dv) in the inputs' dtypes."""
     q, k, v, out, lse = residuals
-    dout = cotangents[0]  # lse leaves the public API as a constant, so its cotangent is ignored
-    world, rank = jax.lax.axis_size(cfg.axis_name), jax.lax.axis_index(cfg.axis_name)
-    run = _allgather_backward if _uses_allgather(cfg, world) else _ring_backward
-    dq, dk, dv = run(cfg, world, rank, dout, q, k, v, out, lse)
+    run = _allgather_backward if _uses_allgather(ring, cfg) else _ring_backward
+    dq, dk, dv = run(ring, cfg, dout, q, k, v, out, lse)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+def _ring_attention_fwd(q, k, v, cfg: RingConfig):
+    return schedule_forward(mesh_ring(cfg.axis_name, local_copies=cfg.local_copies), cfg, q, k, v)
+
+
+def _ring_attention_bwd(cfg: RingConfig, residuals, cotangents):
+    dout = cotangents[0]  # lse leaves the public API as a constant, so its cotangent is ignored
+    return schedule_backward(mesh_ring(cfg.axis_name, local_copies=cfg.local_copies), cfg, residuals, dout)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring_attention(q, k, v, cfg: _RingConfig):
+def _ring_attention(q, k, v, cfg: RingConfig):
     return _ring_attention_fwd(q, k, v, cfg)[0]
 
 
@@ -334,11 +333,21 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
         raise ValueError(f"axis_name {axis_name!r} is not a mesh axis in scope: call ring_attention inside "
                          "jax.shard_map over a mesh with that axis (or use ring_attention_sharded)") from err
     check_ring_shapes(q.shape, k.shape, v.shape, world, layout)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    cfg = _RingConfig(axis_name, bool(causal), layout, variant, scale, backend, bool(local_copies),
-                      runs_mosaic_kernels(backend, q))
+    cfg = ring_config(q, axis_name=axis_name, causal=causal, layout=layout, variant=variant,
+                      softmax_scale=softmax_scale, backend=backend, local_copies=local_copies)
     out, lse = _ring_attention(q, k, v, cfg)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+def ring_config(q: jax.Array, *, axis_name: str = "sp", causal: bool = True, layout: str = "zigzag",
+                variant: str = "ring", softmax_scale: float | None = None, backend: str = "pallas",
+                local_copies: bool = False) -> RingConfig:
+    """The static settings `ring_attention` runs a call on local queries like `q` with (same keywords): what
+    `schedule_forward` / `schedule_backward` take beside their `Ring`."""
+    check_ring_choices(layout, variant)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return RingConfig(axis_name, bool(causal), layout, variant, scale, backend, bool(local_copies),
+                      runs_mosaic_kernels(backend, q))
 
 
 def shard_for_ring(x: jax.Array, world: int, layout: str, axis: int = 1) -> jax.Array:
