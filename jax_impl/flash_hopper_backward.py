@@ -60,7 +60,7 @@ from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .flash_forward import LOG2E, output_struct, pad_axis
+from .flash_forward import LOG2E, index_div, index_rem, output_struct, pad_axis
 from .flash_hopper_config import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, DQ_CHUNK, PRODUCER_REGISTERS, HopperConfig,
                                   KernelScratch, backward_lengths, backward_stages, check_smem, dkdv_scratch,
                                   dq_scratch)
@@ -169,8 +169,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         """(first query block seeing any of the keys from k_first on, first query block seeing them all)."""
         if not causal:
             return 0, 0
-        start = jnp.clip(lax.div(jnp.maximum(k_first - offset, 0), block_q), 0, num_q_blocks)
-        full = jnp.clip(lax.div(jnp.maximum(k_first + block_kv - 1 - offset + block_q - 1, 0), block_q), 0,
+        start = jnp.clip(index_div(jnp.maximum(k_first - offset, 0), block_q), 0, num_q_blocks)
+        full = jnp.clip(index_div(jnp.maximum(k_first + block_kv - 1 - offset + block_q - 1, 0), block_q), 0,
                         num_q_blocks)
         return start, jnp.maximum(full, start)
 
@@ -178,7 +178,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
     begin, end = cta_start * group, num_q_blocks * group  # flat (query block, head of the group) steps
 
     def q_block_and_head(t):
-        return lax.div(t, group), kv_head * group + lax.rem(t, group)
+        return index_div(t, group), kv_head * group + index_rem(t, group)
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -199,7 +199,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             dq_slice = (kv_tile * COMPUTE_WARPGROUPS + wg if private_dq else kv_tile,)
             for chunk in range(max(dim // DQ_CHUNK, 1)):
                 cols = pl.ds(chunk * DQ_CHUNK, min(DQ_CHUNK, dim))
-                taker = (lambda body: body()) if private_dq else pl.when(lax.rem(chunk + t, COMPUTE_WARPGROUPS) == wg)
+                taker = (lambda body: body()) if private_dq else pl.when(index_rem(chunk + t, COMPUTE_WARPGROUPS) == wg)
 
                 @taker
                 def _():
@@ -219,7 +219,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
 
         def step(t, carry, *, masked: bool):
             dk, dv = carry
-            slot = lax.rem(t - begin, stages)
+            slot = index_rem(t - begin, stages)
             with jax.named_scope("inputs"):
                 for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
                     plgpu.barrier_wait(barrier.at[slot])
@@ -228,12 +228,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             # dS^T tiles of the shared one-kernel form alternate between two buffers: a warpgroup writes buffer
             # t % 2 again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ
             # wgmmas of step t. With private_dq a warpgroup reads only its own tile, awaited within the step: one.
-            parity = lax.rem(t - begin, ds_smem.shape[0]) if dq_ref is not None else 0
+            parity = index_rem(t - begin, ds_smem.shape[0]) if dq_ref is not None else 0
 
             def probs_of(scores_t):
                 probs_t = jnp.exp2(scores_t * (scale * LOG2E) - lax.broadcast_in_dim(lse2, scores_t.shape, [1]))
                 if masked:
-                    q_pos = lax.div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
+                    q_pos = index_div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
                     k_pos = k_first + iota(scores_t.shape, 0, interpret=interpret)
                     probs_t = jnp.where(k_pos <= q_pos + offset, probs_t, 0.0)
                 return probs_t
@@ -305,7 +305,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
         n_full, n_end = kv_range(q_first)
 
         def step(kv_step, dq, *, masked: bool):
-            slot = lax.rem(kv_step, stages)
+            slot = index_rem(kv_step, stages)
             plgpu.barrier_wait(k_barriers.at[slot])
             plgpu.barrier_wait(v_barriers.at[slot])
 
@@ -334,7 +334,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
 
         @pl.loop(n_end, tile_steps)
         def _drain(kv_step):  # steps only the other warpgroup needs: observe their loads, release their slots
-            slot = lax.rem(kv_step, stages)
+            slot = index_rem(kv_step, stages)
             for full, done in ((k_barriers, k_consumed), (v_barriers, v_consumed)):
                 plgpu.barrier_wait(full.at[slot])
                 plgpu.barrier_arrive(done.at[slot])
@@ -343,7 +343,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _producer():
         stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_barriers, v_barriers), (k_consumed, v_consumed),
-                  batch=batch, kv_head=lax.div(head, group), block_kv=block_kv, steps=tile_steps, stages=stages)
+                  batch=batch, kv_head=index_div(head, group), block_kv=block_kv, steps=tile_steps, stages=stages)
 
 
 def _launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, interpret: bool, name: str):

@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .flash_forward import LN2, LOG2E, output_struct, pad_axis, round_up
+from .flash_forward import LN2, LOG2E, index_div, index_rem, output_struct, pad_axis, round_up
 # HopperConfig, autotune_space, default_config and supports are imported from here too (scripts, tests).
 from .flash_hopper_config import (COMPUTE_WARPGROUPS, PRODUCER_REGISTERS, HopperConfig, autotune_space,  # noqa: F401
                                   check_smem, default_config, forward_scratch, forward_stages, register_caps, supports)
@@ -69,8 +69,8 @@ def causal_kv_steps(q_first, block_q: int, block_kv: int, *, causal: bool, offse
     every row, [n_full, n_end) need the mask, blocks from n_end on are seen by no row."""
     if not causal:  # blocks wholly past seq_k (padding for another kernel's tiles) are seen by no row
         return seq_k // block_kv, min(-(-seq_k // block_kv), num_kv)
-    n_end = jnp.clip(lax.div(jnp.maximum(q_first + block_q + offset + block_kv - 1, 0), block_kv), 0, num_kv)
-    n_full = jnp.minimum(lax.div(jnp.maximum(q_first + offset + 1, 0), block_kv), n_end)
+    n_end = jnp.clip(index_div(jnp.maximum(q_first + block_q + offset + block_kv - 1, 0), block_kv), 0, num_kv)
+    n_full = jnp.minimum(index_div(jnp.maximum(q_first + offset + 1, 0), block_kv), n_end)
     return n_full, n_end
 
 
@@ -157,12 +157,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
         items, item_tile = 1, None
     else:
         cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
-        items = lax.div(num_items - cta + num_ctas - 1, num_ctas)
+        items = index_div(num_items - cta + num_ctas - 1, num_ctas)
 
         def item_tile(j):  # query tiles fastest, so the CTAs running together share K/V heads in L2
             item = cta + j * num_ctas
-            return lax.div(item, num_tiles * heads), lax.rem(lax.div(item, num_tiles), heads), lax.rem(item,
-                                                                                                      num_tiles)
+            return (index_div(item, num_tiles * heads), index_rem(index_div(item, num_tiles), heads),
+                    index_rem(item, num_tiles))
     first_tile = None if item_tile is None else item_tile(0)[2]
     first_row, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q,
                                                  block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv,
@@ -183,7 +183,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
         plgpu.barrier_wait(turn_barriers.at[wg])
 
     def pass_turn():
-        plgpu.barrier_arrive(turn_barriers.at[lax.rem(wg + 1, warpgroups)])
+        plgpu.barrier_arrive(turn_barriers.at[index_rem(wg + 1, warpgroups)])
 
     @pl.when(wg < warpgroups)
     def _compute():
@@ -205,12 +205,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
 
             @pl.when(n_end > 0)
             def _():
-                plgpu.barrier_wait(k_barriers.at[lax.rem(first_step, stages)])
+                plgpu.barrier_wait(k_barriers.at[index_rem(first_step, stages)])
             take_turn()
 
             def step(kv_step, carry, *, masked: bool):
                 acc, row_max, row_sum = carry
-                slot = lax.rem(first_step + kv_step, stages)
+                slot = index_rem(first_step + kv_step, stages)
 
                 scores = matmul_nt(q_smem, k_smem.at[slot], then=pass_turn, interpret=interpret)
                 plgpu.barrier_arrive(k_consumed.at[slot])
@@ -236,7 +236,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
 
                 @pl.when(kv_step + 1 < n_end)
                 def _():
-                    plgpu.barrier_wait(k_barriers.at[lax.rem(first_step + kv_step + 1, stages)])
+                    plgpu.barrier_wait(k_barriers.at[index_rem(first_step + kv_step + 1, stages)])
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, new_max, row_sum
 
@@ -250,7 +250,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
                 # Steps only later warpgroups of the tile need: observe their loads (every barrier phase is
                 # waited for once by each warpgroup, which keeps the phase parity right), release their slots
                 # and keep the turn going round.
-                slot = lax.rem(first_step + kv_step, stages)
+                slot = index_rem(first_step + kv_step, stages)
                 plgpu.barrier_wait(k_barriers.at[slot])
                 plgpu.barrier_wait(v_barriers.at[slot])
                 plgpu.barrier_arrive(k_consumed.at[slot])
@@ -277,8 +277,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
     @pl.when(wg == warpgroups)
     def _producer():
         def rows_of(step):
-            item_batch, item_head, _, first_step = coordinates(0 if item_tile is None else lax.div(step, tile_steps))
-            return item_batch, pl.ds((step - first_step) * block_kv, block_kv), lax.div(item_head, group)
+            item_batch, item_head, _, first_step = coordinates(0 if item_tile is None else index_div(step, tile_steps))
+            return item_batch, pl.ds((step - first_step) * block_kv, block_kv), index_div(item_head, group)
         stream_blocks((k_ref, v_ref), (k_smem, v_smem), (k_barriers, v_barriers), (k_consumed, v_consumed),
                       rows_of=rows_of, steps=items * tile_steps, stages=stages, registers=producer_registers)
 
@@ -320,7 +320,7 @@ def produce(load, consumed, *, begin, end, stages: int):
 
     @pl.loop(begin + stages, end)
     def _refill(step):
-        slot = lax.rem(step - begin, stages)
+        slot = index_rem(step - begin, stages)
         for barrier in consumed:
             plgpu.barrier_wait(barrier.at[slot])
         load(step, slot)
@@ -330,7 +330,7 @@ def produce(load, consumed, *, begin, end, stages: int):
         # Nothing is refilled after the last steps, but their releases complete barrier phases: observe them so
         # every phase has been waited for when the kernel exits (the GPU interpreter checks this).
         for barrier in consumed:
-            plgpu.barrier_wait(barrier.at[lax.rem(step - begin, stages)])
+            plgpu.barrier_wait(barrier.at[index_rem(step - begin, stages)])
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "out_dtype", "config", "interpret"))
