@@ -19,8 +19,9 @@ very allocations a kernel makes, laid out as Mosaic GPU lays them out (the same 
 Checked against: the failing ring call of issue 32 (default config, D=128, bf16 in, float32 out, full attention:
 280688 bytes, the GPU's own number); the error rows of the 2026-11-23 sweep (compare/results/
 kernels-mosaic-2026-11-23-h200-matrix/sweep-16k.json: the dQ kernel at dq_block_q 128 / dq_block_kv 64, 264320, and
-at bwd_num_stages 3, 297120); and, for every kernel and form at several configs, Pallas's own estimate traced on
-CPU (tests/test_mosaic_smem.py).
+at bwd_num_stages 3, 297120); the default dQ kernel at D=128, which compiles: its tiles are the 224 KB the heuristic
+was sized by, 231552 bytes with its row statistics and barriers, 896 under the limit; and, for every kernel and form
+at several configs, Pallas's own estimate traced on CPU (tests/test_mosaic_smem.py).
 
 `smem_limit` is the device's limit as Mosaic GPU reads it; `check_smem` turns a call over it into one ValueError
 naming the config and the bytes, before compiling and under the interpreter alike; `smem_needs` gives every
