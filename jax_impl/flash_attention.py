@@ -30,8 +30,10 @@ Backends (`backend=`):
 
 Block sizes (`config=`, every entry point): those of the Pallas kernel family serving the call, a `TritonConfig`
 or a `HopperConfig` (the other family's is a ValueError, and so is any config for "reference" and "cudnn"); None
-picks the family's heuristic (`flash_forward.default_config`, `flash_hopper_forward.default_config`). They
-travel only as this argument: the module holds no state that a call could change.
+picks the family's heuristic (`flash_forward.default_config`, `flash_hopper_config.default_config`: for the
+Mosaic kernels by head dim, dtype and the forward's out dtype, among the configs that fit the device's shared
+memory). A `HopperConfig` some kernel of which does not fit is a ValueError naming it and the bytes, before anything
+compiles. They travel only as this argument: the module holds no state that a call could change.
 
 Semantics shared by every backend: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], H a multiple of Hkv (GQA: K/V are
 never repeated). `causal=True` with Sq != Sk aligns the last query with the last key (the flash-attention
@@ -51,12 +53,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import flash_forward, flash_hopper_forward
+from . import flash_forward, flash_hopper_config
 from .attention import reference_attention_backward, reference_attention_forward
 from .flash_backward import pallas_backward
 from .flash_forward import TritonConfig, pallas_forward
 from .flash_hopper_backward import mosaic_backward
-from .flash_hopper_forward import HopperConfig, mosaic_forward, supports
+from .flash_hopper_config import HopperConfig, smem_limit, supports
+from .flash_hopper_forward import mosaic_forward
 from .remat import keep_for_backward
 from weights.attention import check_attention_shapes
 
@@ -108,12 +111,15 @@ def runs_mosaic_kernels(backend: str, q) -> bool:
     return backend in ("pallas", "pallas_mosaic") and _uses_mosaic(backend, q)
 
 
-def _pallas_config(backend: str, q, config, *, interpret: bool) -> TritonConfig | HopperConfig:
+def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None) -> TritonConfig | HopperConfig:
     """The config of the Pallas kernel family serving this call (a `HopperConfig` for Mosaic, else a
-    `TritonConfig`): `config` if given, else the family's heuristic for q's head dim and dtype."""
+    `TritonConfig`): `config` if given, else the family's heuristic for q's head dim and dtype, and for Mosaic the
+    forward's out dtype (None: q's; the ring's fp32 partials take more shared memory) and the device's shared
+    memory."""
     mosaic = _uses_mosaic(backend, q)
     if config is None:
-        return (flash_hopper_forward.default_config(q.shape[3]) if mosaic
+        return (flash_hopper_config.default_config(q.shape[3], dtype=q.dtype, out_dtype=out_dtype,
+                                                   limit=smem_limit(interpret)) if mosaic
                 else flash_forward.default_config(q.shape[3], q.dtype, interpret=interpret))
     family = HopperConfig if mosaic else TritonConfig
     if not isinstance(config, family):
@@ -241,7 +247,7 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal:
     if backend == "cudnn":
         return _cudnn_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
     interpret = _interpret()
-    config = _pallas_config(backend, q, config, interpret=interpret)
+    config = _pallas_config(backend, q, config, interpret=interpret, out_dtype=out_dtype)
     if isinstance(config, HopperConfig):
         return mosaic_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config,
                               interpret=interpret)

@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .flash_forward import (LOG2E, KernelConfig, causal_visible, dot_precision, fit_block, has_masked_blocks,
-                            kv_block_range, matmul, matmul_nt, output_struct, pad_axis, padded_head_dim,
-                            program_q_block, q_block_range, query_grid_maps, round_up, visible)
+                            index_div, index_rem, kv_block_range, matmul, matmul_nt, output_struct, pad_axis,
+                            padded_head_dim, program_q_block, q_block_range, query_grid_maps, round_up, visible)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_ref, *, causal: bool, scale: float,
@@ -38,14 +38,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_
     k_first = pl.program_id(0) * block_k
     k = k_ref[...]
     v = v_ref[...]
-    k_pos = k_first + jnp.arange(block_k)[:, None]
+    k_pos = k_first + jnp.arange(block_k, dtype=jnp.int32)[:, None]
     scale_log2 = scale * LOG2E
 
     def step(t, carry, *, first_q_block, masked: bool):
         dk, dv = carry
         # Flat loop over (query block, head of the group), head fastest; t >= 0, so truncating lax ops suffice.
-        head = lax.rem(t, group) if group > 1 else 0
-        q_first = (first_q_block + (lax.div(t, group) if group > 1 else t)) * block_q
+        head = index_rem(t, group) if group > 1 else 0
+        q_first = (first_q_block + (index_div(t, group) if group > 1 else t)) * block_q
         rows = pl.ds(q_first, block_q)
         q = q_ref[rows, head, :]
         dout = dout_ref[rows, head, :]
@@ -53,7 +53,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_
         delta = delta_ref[head, rows]
         probs_t = jnp.exp2(matmul_nt(k, q, precision) * scale_log2 - lse2[None, :])  # [block_k, block_q]
         if masked:  # only causal runs have masked blocks; padded keys need no mask here, their rows are sliced off
-            q_pos = q_first + jnp.arange(block_q)[None, :]
+            q_pos = q_first + jnp.arange(block_q, dtype=jnp.int32)[None, :]
             probs_t = jnp.where(causal_visible(q_pos, k_pos, offset), probs_t, 0.0)
         dv = dv + matmul(probs_t.astype(dout.dtype), dout, precision)
         dscores_t = probs_t * (matmul_nt(v, dout, precision) - delta[None, :])
@@ -81,7 +81,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, *, ca
     dout = dout_ref[...]
     lse2 = lse2_ref[...]
     delta = delta_ref[...]
-    q_pos = q_first + jnp.arange(block_q)[:, None]
+    q_pos = q_first + jnp.arange(block_q, dtype=jnp.int32)[:, None]
     scale_log2 = scale * LOG2E
 
     def step(k_block, dq, *, masked: bool):
@@ -90,7 +90,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, *, ca
         v = v_ref[rows, :]
         probs = jnp.exp2(matmul_nt(q, k, precision) * scale_log2 - lse2[:, None])
         if masked:
-            k_pos = k_block * block_k + jnp.arange(block_k)[None, :]
+            k_pos = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
             probs = jnp.where(visible(q_pos, k_pos, causal=causal, offset=offset, seq_k=seq_k), probs, 0.0)
         dscores = probs * (matmul_nt(dout, v, precision) - delta[:, None])
         return dq + matmul(dscores.astype(k.dtype), k, precision)

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -149,9 +150,26 @@ def traced(value: int):
     return value + pl.program_id(0) * 0
 
 
+def _int32(value):
+    """A Python or numpy int as an int32 constant; traced values as they are (the kernels' indices are int32)."""
+    return np.int32(value) if isinstance(value, (int, np.integer)) else value
+
+
+def index_div(x, divisor):
+    """x // divisor on the kernels' int32 indices (lax.div truncates, which is floor for x >= 0). Python ints
+    enter as int32: with jax_enable_x64 on lax would make them int64, which it does not mix with the int32
+    program, axis and loop indices."""
+    return lax.div(_int32(x), _int32(divisor))
+
+
+def index_rem(x, divisor):
+    """x % divisor on the kernels' int32 indices (`index_div`'s remainder; x >= 0)."""
+    return lax.rem(_int32(x), _int32(divisor))
+
+
 def _nonneg_div(x, divisor: int):
-    """x // divisor for a traced int clamped at 0 (lax.div truncates, which is floor for x >= 0)."""
-    return lax.div(jnp.maximum(x, 0), divisor)
+    """x // divisor for a traced int clamped at 0."""
+    return index_div(jnp.maximum(x, 0), divisor)
 
 
 def kv_block_range(q_first, block_q: int, block_k: int, *, causal: bool, offset: int, seq_k: int,
@@ -212,7 +230,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, causal: bool, scal
     block_q, head_dim = q_ref.shape
     q_first = program_q_block(causal, num_q_blocks) * block_q
     q = q_ref[...]
-    q_pos = q_first + jnp.arange(block_q)[:, None]
+    q_pos = q_first + jnp.arange(block_q, dtype=jnp.int32)[:, None]
 
     def step(k_block, carry, *, masked: bool):
         acc, row_max, row_sum = carry
@@ -221,7 +239,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, causal: bool, scal
         v = v_ref[rows, :]
         scores = matmul_nt(q, k, precision) * scale_log2
         if masked:
-            k_pos = k_block * block_k + jnp.arange(block_k)[None, :]
+            k_pos = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
             scores = jnp.where(visible(q_pos, k_pos, causal=causal, offset=offset, seq_k=seq_k), scores, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
         if masked:

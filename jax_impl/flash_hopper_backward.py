@@ -1,6 +1,6 @@
 """FlashAttention backward for Hopper (sm90) as Pallas Mosaic GPU kernels, fp32 gradients. Twin of
-`torch_impl/flash_hopper_backward.py`; the config, producer loop, step ranges and interpreter switch come
-from `flash_hopper_forward.py`.
+`torch_impl/flash_hopper_backward.py`; the config and the kernels' scratch (with its shared-memory check) come
+from `flash_hopper_config.py`, the producer loop, step ranges and interpreter switch from `flash_hopper_forward.py`.
 
 Same contract as `flash_backward.pallas_backward`: dout, q, k, v and a (possibly globally merged) out/lse;
 returns fp32 dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D]. Plain JAX first forms, in fp32, delta = rowsum(dout *
@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 
 import jax
 import jax.numpy as jnp
@@ -61,14 +60,15 @@ from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .flash_forward import LOG2E, output_struct, pad_axis, round_up
-from .flash_hopper_forward import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, PRODUCER_REGISTERS, HopperConfig,
-                                   copy_in, interpret_params, iota, layout, matmul_nt, produce,
-                                   query_tile, smem_transforms, stream_kv, warpgroup_rows)
+from .flash_forward import LOG2E, index_div, index_rem, output_struct, pad_axis
+from .flash_hopper_config import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, DQ_CHUNK, PRODUCER_REGISTERS, HopperConfig,
+                                  KernelScratch, backward_lengths, backward_stages, check_smem, dkdv_scratch,
+                                  dq_scratch)
+from .flash_hopper_forward import (copy_in, interpret_params, iota, layout, matmul_nt, produce, query_tile, stream_kv,
+                                   warpgroup_rows)
 
 # jax 0.10's plgpu.load takes an index argument that 0.11 dropped.
 _LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
-DQ_CHUNK = 64  # dQ columns per reduce-add tile: one 128-byte-swizzle tile of K, half of D=128
 
 
 def _load_stats(ref, kind, *, interpret: bool):
@@ -169,8 +169,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         """(first query block seeing any of the keys from k_first on, first query block seeing them all)."""
         if not causal:
             return 0, 0
-        start = jnp.clip(lax.div(jnp.maximum(k_first - offset, 0), block_q), 0, num_q_blocks)
-        full = jnp.clip(lax.div(jnp.maximum(k_first + block_kv - 1 - offset + block_q - 1, 0), block_q), 0,
+        start = jnp.clip(index_div(jnp.maximum(k_first - offset, 0), block_q), 0, num_q_blocks)
+        full = jnp.clip(index_div(jnp.maximum(k_first + block_kv - 1 - offset + block_q - 1, 0), block_q), 0,
                         num_q_blocks)
         return start, jnp.maximum(full, start)
 
@@ -178,7 +178,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
     begin, end = cta_start * group, num_q_blocks * group  # flat (query block, head of the group) steps
 
     def q_block_and_head(t):
-        return lax.div(t, group), kv_head * group + lax.rem(t, group)
+        return index_div(t, group), kv_head * group + index_rem(t, group)
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -199,7 +199,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             dq_slice = (kv_tile * COMPUTE_WARPGROUPS + wg if private_dq else kv_tile,)
             for chunk in range(max(dim // DQ_CHUNK, 1)):
                 cols = pl.ds(chunk * DQ_CHUNK, min(DQ_CHUNK, dim))
-                taker = (lambda body: body()) if private_dq else pl.when(lax.rem(chunk + t, COMPUTE_WARPGROUPS) == wg)
+                taker = (lambda body: body()) if private_dq else pl.when(index_rem(chunk + t, COMPUTE_WARPGROUPS) == wg)
 
                 @taker
                 def _():
@@ -219,7 +219,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
 
         def step(t, carry, *, masked: bool):
             dk, dv = carry
-            slot = lax.rem(t - begin, stages)
+            slot = index_rem(t - begin, stages)
             with jax.named_scope("inputs"):
                 for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
                     plgpu.barrier_wait(barrier.at[slot])
@@ -228,12 +228,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             # dS^T tiles of the shared one-kernel form alternate between two buffers: a warpgroup writes buffer
             # t % 2 again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ
             # wgmmas of step t. With private_dq a warpgroup reads only its own tile, awaited within the step: one.
-            parity = lax.rem(t - begin, ds_smem.shape[0]) if dq_ref is not None else 0
+            parity = index_rem(t - begin, ds_smem.shape[0]) if dq_ref is not None else 0
 
             def probs_of(scores_t):
                 probs_t = jnp.exp2(scores_t * (scale * LOG2E) - lax.broadcast_in_dim(lse2, scores_t.shape, [1]))
                 if masked:
-                    q_pos = lax.div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
+                    q_pos = index_div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
                     k_pos = k_first + iota(scores_t.shape, 0, interpret=interpret)
                     probs_t = jnp.where(k_pos <= q_pos + offset, probs_t, 0.0)
                 return probs_t
@@ -305,7 +305,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
         n_full, n_end = kv_range(q_first)
 
         def step(kv_step, dq, *, masked: bool):
-            slot = lax.rem(kv_step, stages)
+            slot = index_rem(kv_step, stages)
             plgpu.barrier_wait(k_barriers.at[slot])
             plgpu.barrier_wait(v_barriers.at[slot])
 
@@ -334,7 +334,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
 
         @pl.loop(n_end, tile_steps)
         def _drain(kv_step):  # steps only the other warpgroup needs: observe their loads, release their slots
-            slot = lax.rem(kv_step, stages)
+            slot = index_rem(kv_step, stages)
             for full, done in ((k_barriers, k_consumed), (v_barriers, v_consumed)):
                 plgpu.barrier_wait(full.at[slot])
                 plgpu.barrier_arrive(done.at[slot])
@@ -343,7 +343,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _producer():
         stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_barriers, v_barriers), (k_consumed, v_consumed),
-                  batch=batch, kv_head=lax.div(head, group), block_kv=block_kv, steps=tile_steps, stages=stages)
+                  batch=batch, kv_head=index_div(head, group), block_kv=block_kv, steps=tile_steps, stages=stages)
 
 
 def _launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, interpret: bool, name: str):
@@ -398,11 +398,17 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     seq_k, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
-    # Padded for both kernels: query tiles of the dQ kernel, key tiles of the dK/dV kernel and the dQ kernel's steps
-    q_len = round_up(seq_q, COMPUTE_WARPGROUPS * math.lcm(block_q, config.dq_block_q))
-    k_len = round_up(seq_k, math.lcm(COMPUTE_WARPGROUPS * block_kv, config.dq_block_kv))
+    q_len, k_len = backward_lengths(config, seq_q=seq_q, seq_k=seq_k)
     num_q_blocks = q_len // block_q
     offset = seq_k - seq_q
+    stages, dq_stages = backward_stages(config, seq_q=seq_q, seq_k=seq_k, group=group)
+    one_kernel, private_dq = config.bwd_form != "two_kernel", config.bwd_form == "one_kernel_private"
+    call = f"D={head_dim}, {q.dtype}, {'causal' if causal else 'full'} attention, Sq={seq_q}, Sk={seq_k}"
+    dkdv_smem = dkdv_scratch(config, head_dim=head_dim, dtype=q.dtype, stages=stages)
+    dq_smem = None if one_kernel else dq_scratch(config, head_dim=head_dim, dtype=q.dtype, stages=dq_stages)
+    for kernel_smem in (dkdv_smem, dq_smem):
+        if kernel_smem is not None:
+            check_smem(config, kernel_smem, call, interpret=interpret)
 
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
@@ -410,15 +416,7 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     q, dout = pad_axis(q, 1, q_len), pad_axis(dout.astype(q.dtype), 1, q_len)
     k, v = pad_axis(k, 1, k_len), pad_axis(v, 1, k_len)
     inputs = (q, k, v, dout, lse2, delta)
-    dtype, transforms = q.dtype, smem_transforms(q.dtype)
     wgs = COMPUTE_WARPGROUPS
-
-    def tiles(count, rows):
-        return plgpu.SMEM((count, rows, head_dim), dtype, transforms=transforms)
-
-    one_kernel, private_dq = config.bwd_form != "two_kernel", config.bwd_form == "one_kernel_private"
-    stages = min(config.bwd_num_stages, num_q_blocks * group)
-    out_width = min(DQ_CHUNK, head_dim)  # fp32 tiles leave through shared memory in column chunks
     dq_shape = (batch, q_len, heads, head_dim)
     dkdv_out = (output_struct(k.shape, jnp.float32, *inputs), output_struct(v.shape, jnp.float32, *inputs))
     kv_tiles = k_len // (wgs * block_kv)
@@ -437,21 +435,8 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
                      overlap=config.bwd_overlap, private_dq=private_dq, interpret=interpret)
 
     results = _launch(
-        dkdv_kernel,
-        dict(k_smem2=tiles(wgs, block_kv), v_smem2=tiles(wgs, block_kv),
-             out_smem2=plgpu.SMEM((wgs, block_kv, out_width), jnp.float32, transforms=smem_transforms(jnp.float32)),
-             q_smem=tiles(stages, block_q), dout_smem=tiles(stages, block_q),
-             lse_smem=plgpu.SMEM((stages, block_q), jnp.float32),
-             delta_smem=plgpu.SMEM((stages, block_q), jnp.float32),
-             ds_smem=(plgpu.SMEM((1 if private_dq else 2, wgs, block_kv, block_q), dtype, transforms=transforms)
-                      if one_kernel else None),
-             kv_barriers=plgpu.Barrier(num_barriers=2 * wgs),
-             q_barriers=plgpu.Barrier(num_barriers=stages), dout_barriers=plgpu.Barrier(num_barriers=stages),
-             lse_barriers=plgpu.Barrier(num_barriers=stages), delta_barriers=plgpu.Barrier(num_barriers=stages),
-             consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-             ds_ready=plgpu.Barrier(num_arrivals=wgs) if one_kernel and not private_dq else None),
-        dkdv_out, dict(kv_heads=kv_heads, kv_tile=kv_tiles, batch=batch), dkdv_inputs, interpret=interpret,
-        name="twinflash_hopper_backward_dkdv" + ("_dq" if one_kernel else ""))
+        dkdv_kernel, dkdv_smem.buffers, dkdv_out, dict(kv_heads=kv_heads, kv_tile=kv_tiles, batch=batch), dkdv_inputs,
+        interpret=interpret, name="twinflash_hopper_backward_dkdv" + ("_dq" if one_kernel else ""))
     if one_kernel and interpret:
         dq_slices, dk, dv = results
         dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=block_kv * (1 if private_dq else wgs),
@@ -460,37 +445,22 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
         (dk, dv), dq = results, dkdv_inputs[-1][...]
     else:
         dk, dv = results
-        dq = _dq_call(inputs, causal=causal, scale=softmax_scale, config=config, group=group, offset=offset,
-                      seq_k=seq_k, out_width=out_width, dq_shape=dq_shape, interpret=interpret)
+        dq = _dq_call(inputs, dq_smem, causal=causal, scale=softmax_scale, config=config, group=group, offset=offset,
+                      seq_k=seq_k, stages=dq_stages, dq_shape=dq_shape, interpret=interpret)
     return dq[:, :seq_q], dk[:, :seq_k], dv[:, :seq_k]
 
 
-def _dq_call(inputs, *, causal: bool, scale: float, config: HopperConfig, group: int, offset: int, seq_k: int,
-             out_width: int, dq_shape, interpret: bool):
-    """The two-kernel form's dQ kernel on the padded inputs."""
-    batch, q_len, heads, head_dim = dq_shape
+def _dq_call(inputs, smem: KernelScratch, *, causal: bool, scale: float, config: HopperConfig, group: int,
+             offset: int, seq_k: int, stages: int, dq_shape, interpret: bool):
+    """The two-kernel form's dQ kernel on the padded inputs, its scratch `smem`."""
+    batch, q_len, heads, _ = dq_shape
     block_q, block_kv, wgs = config.dq_block_q, config.dq_block_kv, COMPUTE_WARPGROUPS
     num_kv = inputs[1].shape[1] // block_kv
-    dtype = inputs[0].dtype
-    transforms = smem_transforms(dtype)
-
-    def tiles(count, rows):
-        return plgpu.SMEM((count, rows, head_dim), dtype, transforms=transforms)
-
-    stages = min(config.bwd_num_stages, num_kv)
     num_tiles = q_len // (wgs * block_q)
     return _launch(
         functools.partial(_dq_kernel, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
                           stages=stages, group=group, offset=offset, seq_k=seq_k, num_kv=num_kv,
                           num_tiles=num_tiles, overlap=config.bwd_overlap, interpret=interpret),
-        dict(q_smem2=tiles(wgs, block_q), dout_smem2=tiles(wgs, block_q),
-             lse_smem2=plgpu.SMEM((wgs, block_q), jnp.float32), delta_smem2=plgpu.SMEM((wgs, block_q), jnp.float32),
-             out_smem2=plgpu.SMEM((wgs, block_q, out_width), jnp.float32, transforms=smem_transforms(jnp.float32)),
-             k_smem=tiles(stages, block_kv), v_smem=tiles(stages, block_kv),
-             row_barriers=plgpu.Barrier(num_barriers=4 * wgs),
-             k_barriers=plgpu.Barrier(num_barriers=stages), v_barriers=plgpu.Barrier(num_barriers=stages),
-             k_consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-             v_consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
-        output_struct(dq_shape, jnp.float32, *inputs),
+        smem.buffers, output_struct(dq_shape, jnp.float32, *inputs),
         dict(heads=heads, q_tile=num_tiles, batch=batch), inputs, interpret=interpret,
         name="twinflash_hopper_backward_dq")

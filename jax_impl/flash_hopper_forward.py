@@ -1,6 +1,7 @@
 """FlashAttention forward for Hopper (sm90) as a Pallas Mosaic GPU kernel, plus what the Mosaic backward shares
-with it: the launch config (`HopperConfig`, heuristics, autotune space), the GPU interpreter switch and the
-causal step ranges. Twin of `torch_impl/flash_hopper_forward.py`.
+with it: the GPU interpreter switch, the producer loop and the causal step ranges. The launch config
+(`HopperConfig`, heuristics, autotune space) and each kernel's shared memory live in `flash_hopper_config.py`
+(re-exported here). Twin of `torch_impl/flash_hopper_forward.py`.
 
 Same contract as `flash_forward.pallas_forward`: q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (GQA: the KV head is
 h // (H // Hkv), K/V never repeated), causal aligned bottom-right (query i sees key j iff j <= i + Sk - Sq),
@@ -32,7 +33,6 @@ roles and the turn, step ranges, masks, softmax, epilogue stores -- is the same 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -41,127 +41,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .flash_forward import LN2, LOG2E, output_struct, pad_axis, round_up
+from .flash_forward import LN2, LOG2E, index_div, index_rem, output_struct, pad_axis, round_up
+# HopperConfig, autotune_space, default_config and supports are imported from here too (scripts, tests).
+from .flash_hopper_config import (COMPUTE_WARPGROUPS, PRODUCER_REGISTERS, HopperConfig, autotune_space,  # noqa: F401
+                                  check_smem, default_config, forward_scratch, forward_stages, register_caps, supports)
 
 try:  # public from jax 0.11; jax 0.10 has it only under _src
     from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 except ImportError:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-HEAD_DIMS = (64, 128)
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-COMPUTE_WARPGROUPS = 2  # + one TMA producer warpgroup (the backward's count, and the forward's default)
-FORWARD_WARPGROUPS = (2, 3)
-BACKWARD_FORMS = ("one_kernel", "one_kernel_private", "two_kernel")
-PRODUCER_REGISTERS = 40
-
-
-def register_caps(compute_warpgroups: int) -> tuple[int, int]:
-    """Per-thread register caps (setmaxnreg) of (the producer, each compute warpgroup). The SM's 64K registers
-    allow 512 per thread summed over the CTA's warpgroups (128 threads each); an increase beyond what the others
-    released waits forever, so the compute cap is what the producer leaves, split evenly, in steps of 8:
-    (512 - 40) / 2 -> 232. Three compute warpgroups take FA3's split: producer 32, 160 each."""
-    producer = PRODUCER_REGISTERS if compute_warpgroups == COMPUTE_WARPGROUPS else 32
-    return producer, (512 - producer) // compute_warpgroups // 8 * 8
-
-
-COMPUTE_REGISTERS = register_caps(COMPUTE_WARPGROUPS)[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class HopperConfig:
-    """Block sizes and schedule of the Mosaic kernels. Forward: each of `compute_warpgroups` warpgroups owns
-    `block_q` query rows (a CTA compute_warpgroups * block_q) and steps over K/V by `block_kv` through
-    `num_stages` shared-memory slots. Full (not causal) attention: `full_block_kv` and `full_compute_warpgroups`
-    replace the two where set, and `persistent` runs one CTA per SM, each walking (batch, head, query tile) items
-    in turn (causal calls keep one CTA per tile, longest first); see `forward_schedule`. Backward dK/dV:
-    a warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
-    owns `dq_block_q` query rows and steps over keys by `dq_block_kv`; both through `bwd_num_stages` slots.
-    `bwd_overlap`: the backward issues its independent wgmmas together and awaits each only where its result is
-    read (False: each is awaited when issued; see `flash_hopper_backward._gradient_step`). `bwd_form`:
-    "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in
-    fp32 by TMA reduce-add) or "one_kernel_private" (the same, each warpgroup adding its own keys' dQ share);
-    see flash_hopper_backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
-    causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at D=128 with `bwd_overlap`,
-    485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64: 381)."""
-    block_q: int = 64
-    block_kv: int = 128
-    num_stages: int = 2
-    compute_warpgroups: int = COMPUTE_WARPGROUPS
-    persistent: bool = False
-    full_block_kv: int | None = None
-    full_compute_warpgroups: int | None = None
-    bwd_block_q: int = 64
-    bwd_block_kv: int = 64
-    bwd_num_stages: int = 2
-    dq_block_q: int = 64
-    dq_block_kv: int = 128
-    bwd_overlap: bool = True
-    bwd_form: str = "two_kernel"
-
-    def __post_init__(self):
-        if self.bwd_form not in BACKWARD_FORMS:
-            raise ValueError(f"HopperConfig.bwd_form must be one of {BACKWARD_FORMS}, got {self.bwd_form!r}")
-        if self.bwd_form != "two_kernel" and self.bwd_block_q != self.bwd_block_kv:
-            # its dQ and dK/dV tiles leave through the same fp32 shared-memory buffer
-            raise ValueError("HopperConfig: the one-kernel backward needs bwd_block_q == bwd_block_kv, got "
-                             f"{self.bwd_block_q} and {self.bwd_block_kv}")
-        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_q", "dq_block_kv",
-                     "full_block_kv"):
-            if getattr(self, name) is not None and (getattr(self, name) % 64 or getattr(self, name) < 64):
-                raise ValueError(f"HopperConfig.{name} must be a positive multiple of 64 (wgmma tiles), got "
-                                 f"{getattr(self, name)}")
-        if self.num_stages < 1 or self.bwd_num_stages < 1:
-            raise ValueError("HopperConfig stages must be >= 1")
-        for name in ("compute_warpgroups", "full_compute_warpgroups"):
-            value = getattr(self, name)
-            if value not in FORWARD_WARPGROUPS and not (value is None and name == "full_compute_warpgroups"):
-                raise ValueError(f"HopperConfig.{name} must be one of {FORWARD_WARPGROUPS}, got {value}")
-
-    def forward_schedule(self, causal: bool) -> tuple[int, int, bool]:
-        """(block_kv, compute warpgroups, persistent grid) of a forward call."""
-        if causal:
-            return self.block_kv, self.compute_warpgroups, False
-        return (self.full_block_kv or self.block_kv, self.full_compute_warpgroups or self.compute_warpgroups,
-                self.persistent)
-
-
-def default_config(head_dim: int) -> HopperConfig:
-    """Heuristic: block_kv 128 for D <= 128 (FA3's and tokamax's sm90 choice), 2 stages; shared memory at
-    D=128: Q 32 KB + K/V 2 x 2 x 32 KB + an fp32 out tile 64 KB when the ring asks for fp32 out. The dQ kernel
-    at D=128 holds Q and dO (32 KB each), K/V slots (2 stages x 2 x 32 KB at dq_block_kv 128) and a 32 KB fp32
-    out tile, 224 KB: dq_block_q 128 or a third stage exceed the 227 KB (compile errors in the 2026-11-23 sweep).
-    Backward defaults, both head dims: `bwd_overlap` and dq_block_kv 128 (fastest of the sweep at D=128 and 64).
-    Full attention runs three compute warpgroups (192-row tiles), at D=128 on a persistent grid: on an H200
-    (S 16k and 64k, Hkv 32 and 8; compare/results/kernels-mosaic-forward-2026-11-23-h200-h12f) fwd 582-594 ->
-    638-654 TFLOP/s at D=128, 377-444 -> 460-488 at D=64. Causal keeps two (three lost at some points at D=64
-    and at D=128)."""
-    return HopperConfig(full_compute_warpgroups=3, persistent=head_dim > 64)
-
-
-def autotune_space(head_dim: int) -> tuple[HopperConfig, ...]:
-    """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family mosaic`), each a full
-    config timed as one, `default_config(head_dim)` first: the backward's schedule, stages and dQ blocks one
-    at a time, then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early).
-    Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and
-    dP^T, so bwd_block_kv stays 64."""
-    base = default_config(head_dim)
-    variants = [dict(bwd_overlap=not base.bwd_overlap)] + ([dict(block_kv=256)] if head_dim <= 64 else []) + [
-        dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
-        dict(num_stages=3), dict(full_compute_warpgroups=None, persistent=False)] + (
-        [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [
-        dict(bwd_form=form) for form in BACKWARD_FORMS if form != base.bwd_form]
-    configs = [base] + [dataclasses.replace(base, **change) for change in variants]
-    return tuple(dict.fromkeys(configs))
-
-
-def supports(q, head_dim: int) -> str | None:
-    """None when the Mosaic kernels serve this call, else the reason they do not."""
-    if jnp.dtype(q.dtype) not in DTYPES:
-        return f"dtype {q.dtype} (Mosaic kernels take bfloat16/float16)"
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim {head_dim} (Mosaic kernels take {HEAD_DIMS})"
-    return None
 
 
 def sm_count(interpret: bool) -> int:
@@ -175,20 +63,14 @@ def interpret_params(interpret: bool):
     return InterpretGPUParams() if interpret else None
 
 
-def smem_transforms(dtype):
-    """Tiled + 128-byte-swizzled shared memory (rows of 128 bytes: 64 16-bit or 32 fp32 elements): the layout
-    wgmma operands need, and conflict-free stores of register tiles."""
-    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
-
-
 def causal_kv_steps(q_first, block_q: int, block_kv: int, *, causal: bool, offset: int, seq_k: int,
                     num_kv: int):
     """For query rows [q_first, q_first + block_q): (n_full, n_end). K/V blocks [0, n_full) are seen fully by
     every row, [n_full, n_end) need the mask, blocks from n_end on are seen by no row."""
     if not causal:  # blocks wholly past seq_k (padding for another kernel's tiles) are seen by no row
         return seq_k // block_kv, min(-(-seq_k // block_kv), num_kv)
-    n_end = jnp.clip(lax.div(jnp.maximum(q_first + block_q + offset + block_kv - 1, 0), block_kv), 0, num_kv)
-    n_full = jnp.minimum(lax.div(jnp.maximum(q_first + offset + 1, 0), block_kv), n_end)
+    n_end = jnp.clip(index_div(jnp.maximum(q_first + block_q + offset + block_kv - 1, 0), block_kv), 0, num_kv)
+    n_full = jnp.minimum(index_div(jnp.maximum(q_first + offset + 1, 0), block_kv), n_end)
     return n_full, n_end
 
 
@@ -275,12 +157,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
         items, item_tile = 1, None
     else:
         cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
-        items = lax.div(num_items - cta + num_ctas - 1, num_ctas)
+        items = index_div(num_items - cta + num_ctas - 1, num_ctas)
 
         def item_tile(j):  # query tiles fastest, so the CTAs running together share K/V heads in L2
             item = cta + j * num_ctas
-            return lax.div(item, num_tiles * heads), lax.rem(lax.div(item, num_tiles), heads), lax.rem(item,
-                                                                                                      num_tiles)
+            return (index_div(item, num_tiles * heads), index_rem(index_div(item, num_tiles), heads),
+                    index_rem(item, num_tiles))
     first_tile = None if item_tile is None else item_tile(0)[2]
     first_row, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q,
                                                  block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv,
@@ -301,7 +183,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
         plgpu.barrier_wait(turn_barriers.at[wg])
 
     def pass_turn():
-        plgpu.barrier_arrive(turn_barriers.at[lax.rem(wg + 1, warpgroups)])
+        plgpu.barrier_arrive(turn_barriers.at[index_rem(wg + 1, warpgroups)])
 
     @pl.when(wg < warpgroups)
     def _compute():
@@ -323,12 +205,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
 
             @pl.when(n_end > 0)
             def _():
-                plgpu.barrier_wait(k_barriers.at[lax.rem(first_step, stages)])
+                plgpu.barrier_wait(k_barriers.at[index_rem(first_step, stages)])
             take_turn()
 
             def step(kv_step, carry, *, masked: bool):
                 acc, row_max, row_sum = carry
-                slot = lax.rem(first_step + kv_step, stages)
+                slot = index_rem(first_step + kv_step, stages)
 
                 scores = matmul_nt(q_smem, k_smem.at[slot], then=pass_turn, interpret=interpret)
                 plgpu.barrier_arrive(k_consumed.at[slot])
@@ -354,7 +236,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
 
                 @pl.when(kv_step + 1 < n_end)
                 def _():
-                    plgpu.barrier_wait(k_barriers.at[lax.rem(first_step + kv_step + 1, stages)])
+                    plgpu.barrier_wait(k_barriers.at[index_rem(first_step + kv_step + 1, stages)])
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, new_max, row_sum
 
@@ -368,7 +250,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
                 # Steps only later warpgroups of the tile need: observe their loads (every barrier phase is
                 # waited for once by each warpgroup, which keeps the phase parity right), release their slots
                 # and keep the turn going round.
-                slot = lax.rem(first_step + kv_step, stages)
+                slot = index_rem(first_step + kv_step, stages)
                 plgpu.barrier_wait(k_barriers.at[slot])
                 plgpu.barrier_wait(v_barriers.at[slot])
                 plgpu.barrier_arrive(k_consumed.at[slot])
@@ -395,8 +277,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
     @pl.when(wg == warpgroups)
     def _producer():
         def rows_of(step):
-            item_batch, item_head, _, first_step = coordinates(0 if item_tile is None else lax.div(step, tile_steps))
-            return item_batch, pl.ds((step - first_step) * block_kv, block_kv), lax.div(item_head, group)
+            item_batch, item_head, _, first_step = coordinates(0 if item_tile is None else index_div(step, tile_steps))
+            return item_batch, pl.ds((step - first_step) * block_kv, block_kv), index_div(item_head, group)
         stream_blocks((k_ref, v_ref), (k_smem, v_smem), (k_barriers, v_barriers), (k_consumed, v_consumed),
                       rows_of=rows_of, steps=items * tile_steps, stages=stages, registers=producer_registers)
 
@@ -438,7 +320,7 @@ def produce(load, consumed, *, begin, end, stages: int):
 
     @pl.loop(begin + stages, end)
     def _refill(step):
-        slot = lax.rem(step - begin, stages)
+        slot = index_rem(step - begin, stages)
         for barrier in consumed:
             plgpu.barrier_wait(barrier.at[slot])
         load(step, slot)
@@ -448,7 +330,7 @@ def produce(load, consumed, *, begin, end, stages: int):
         # Nothing is refilled after the last steps, but their releases complete barrier phases: observe them so
         # every phase has been waited for when the kernel exits (the GPU interpreter checks this).
         for barrier in consumed:
-            plgpu.barrier_wait(barrier.at[lax.rem(step - begin, stages)])
+            plgpu.barrier_wait(barrier.at[index_rem(step - begin, stages)])
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "out_dtype", "config", "interpret"))
@@ -464,30 +346,16 @@ def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
     k_len = round_up(seq_k, block_kv)
     num_tiles, num_kv = q_len // (warpgroups * block_q), k_len // block_kv
     num_items = batch * heads * num_tiles if persistent else None
-    stages = min(config.num_stages, num_kv)
+    stages = forward_stages(config, causal=causal, seq_k=seq_k)
+    out_dtype = jnp.dtype(out_dtype)
+    kernel_smem = forward_scratch(config, head_dim=head_dim, dtype=q.dtype, out_dtype=out_dtype, causal=causal,
+                                  stages=stages)
+    check_smem(config, kernel_smem, f"D={head_dim}, {q.dtype} in, {out_dtype} out, {'causal' if causal else 'full'} "
+               f"attention, Sk={seq_k}", interpret=interpret)
+    scratch = kernel_smem.buffers
     inputs = (q, k, v)
     q = pad_axis(q, 1, q_len)
     k, v = pad_axis(k, 1, k_len), pad_axis(v, 1, k_len)
-
-    transforms = smem_transforms(q.dtype)
-    out_dtype = jnp.dtype(out_dtype)
-    scratch = dict(
-        q_smem2=plgpu.SMEM((warpgroups, block_q, head_dim), q.dtype, transforms=transforms),
-        # A half-precision out tile reuses Q's buffer (Q is dead by then); fp32 (ring partials) gets its own.
-        o_smem2=None,
-        lse_smem2=plgpu.SMEM((warpgroups, block_q), jnp.float32),
-        k_smem=plgpu.SMEM((stages, block_kv, head_dim), k.dtype, transforms=transforms),
-        v_smem=plgpu.SMEM((stages, block_kv, head_dim), v.dtype, transforms=transforms),
-        q_barriers=plgpu.Barrier(num_barriers=warpgroups),
-        k_barriers=plgpu.Barrier(num_barriers=stages),
-        v_barriers=plgpu.Barrier(num_barriers=stages),
-        k_consumed=plgpu.Barrier(num_arrivals=warpgroups, num_barriers=stages),
-        v_consumed=plgpu.Barrier(num_arrivals=warpgroups, num_barriers=stages),
-        turn_barriers=plgpu.Barrier(num_barriers=warpgroups),
-    )
-    if out_dtype != q.dtype:
-        scratch["o_smem2"] = plgpu.SMEM((warpgroups, block_q, head_dim), out_dtype,
-                                        transforms=smem_transforms(out_dtype))
 
     def body(q_ref, k_ref, v_ref, out_ref, lse_ref, **smem):
         smem.setdefault("o_smem2", smem["q_smem2"])
@@ -510,10 +378,7 @@ def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
         grid_names=("heads", "q_tile", "batch") if num_items is None else ("cta",),
         num_threads=warpgroups + 1,
         thread_name="wg",
-        # An fp32 out tile at D=128 overshoots 227 KB of shared memory by a few bytes; the row reductions here
-        # stay inside warps and need little of the reduction scratch.
-        compiler_params=plgpu.CompilerParams(approx_math=True,
-                                             reduction_scratch_bytes=2048 if out_dtype == q.dtype else 1024),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=kernel_smem.reduction_bytes),
         interpret=interpret_params(interpret),
         kernel_name="twinflash_hopper_forward",
     )(q, k, v)

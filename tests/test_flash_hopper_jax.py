@@ -188,12 +188,16 @@ def test_gpu_ring_pairs_with_external_lse_meet_the_rule(head_dim):
         assert not _flash_rule_violations(by_pairs, naive, exact), backend
 
 
-# Compiled forward forms (Sq, Sk, H, Hkv, D, causal, config changes, out dtype), as FORWARD_FORMS on CPU.
+# Compiled forward forms (Sq, Sk, H, Hkv, D, causal, config changes, out dtype), as FORWARD_FORMS on CPU; None: no
+# config, the heuristic's, here the call issue 32 saw fail to compile (the ring's fp32 partials of full attention at
+# D=128, which three compute warpgroups cannot fit: jax_impl/flash_hopper_config.default_config).
 GPU_FORWARD_FORMS = [(777, 2048, 6, 2, 64, True, dict(compute_warpgroups=3), jnp.bfloat16),
                      (2048, 777, 4, 1, 64, True, dict(compute_warpgroups=3), jnp.bfloat16),
                      (1536, 1536, 4, 4, 64, False, dict(full_compute_warpgroups=3, persistent=True), jnp.float32),
                      (1000, 1000, 4, 2, 64, False, dict(full_block_kv=256, persistent=True), jnp.bfloat16),
-                     (1000, 1000, 4, 4, 128, False, dict(persistent=True), jnp.float32)]
+                     (1000, 1000, 4, 4, 128, False, dict(persistent=True), jnp.float32),
+                     (1000, 1000, 8, 2, 128, False, None, jnp.float32),
+                     (1000, 1000, 8, 2, 128, False, None, jnp.bfloat16)]
 
 
 @pytest.mark.gpu
@@ -202,8 +206,9 @@ GPU_FORWARD_FORMS = [(777, 2048, 6, 2, 64, True, dict(compute_warpgroups=3), jnp
 def test_gpu_mosaic_forward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, head_dim, causal, change, out_dtype):
     q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16, seed=7)
     exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
+    config = None if change is None else HopperConfig(**change)
     out, lse = _jit(functools.partial(flash_attention_forward, causal=causal, out_dtype=out_dtype,
-                                      backend="pallas_mosaic", config=HopperConfig(**change)))(q, k, v)
+                                      backend="pallas_mosaic", config=config))(q, k, v)
     naive = _jit(functools.partial(reference_attention, causal=causal, return_lse=True))(q, k, v)
     # the forward alone: the gradients are the exact answer's own, so only out and lse can break the rule
     assert not _flash_rule_violations((out, lse, *exact[2:]), (*naive, *exact[2:]), exact)
