@@ -62,13 +62,18 @@ def test_the_rule_passes_honest_kernels_and_names_a_scaled_tensor():
     exact = F.exact_attention(*(inputs[n] for n in ("q", "k", "v", "dout")))
     vendor = _noisy(exact, 2e-3, seed=1)
     honest = F.attention_comparison(_noisy(exact, 3e-3, seed=2), vendor, exact)
-    assert all(c["passed"] for c in honest) and len(honest) == len(F.TENSORS) * len(F.STATISTICS)
+    assert all(c["passed"] for c in honest) and len(honest) == len(F.TENSORS) * (len(F.STATISTICS) + 1)
     broken = _noisy(exact, 3e-3, seed=2)
     broken["dq"] = broken["dq"] * 1.01  # what --perturb BACKEND:attention-dq=1.01 does
     failing = {(c["tensor"], c["statistic"]) for c in F.attention_comparison(broken, vendor, exact)
                if not c["passed"]}
     assert failing and {tensor for tensor, _ in failing} == {"dq"}
     assert ("dq", "norm_bias") in failing and ("dq", "relative") in failing
+    # a broken yardstick (the vendor's, or the harness's reading of both: a batch scrambled alike) fails its ceiling
+    scrambled = {name: array[:, ::-1] for name, array in exact.items()}
+    failing = {(c["tensor"], c["statistic"]) for c in F.attention_comparison(scrambled, scrambled, exact)
+               if not c["passed"]}
+    assert failing == {(tensor, "vendor_relative") for tensor in F.TENSORS}
 
 
 def test_the_step_compares_every_parameter_from_files_and_names_the_one_off(tmp_path):
@@ -86,6 +91,46 @@ def test_the_step_compares_every_parameter_from_files_and_names_the_one_off(tmp_
     assert [c["name"] for c in checks] == ["p0", "p1", "p2"]
     assert [c["passed"] for c in checks] == [True, False, True]
     assert checks[1]["ours"] == pytest.approx(0.1, rel=1e-6) and checks[0]["vendor"] == pytest.approx(1e-2, rel=0.2)
+
+
+def test_the_section_from_jobs_fails_with_the_job_that_did_not_run_and_fits_the_schema(tmp_path):
+    """The section from files as the workers leave them: the attention's ours and vendor on one device, the bf16
+    step's with the float32 step; the vendor's attention job errs, so its check fails naming it, while the step
+    passes. The report with the section validates and renders it."""
+    from test_compare_report import make_report
+
+    from compare.report.render import render_markdown
+    from compare.report.write import validate_report
+
+    jobs = fast_path_jobs("torch", "cpu", "tiny", 32, (1,), 1)
+    reference = J.Job(id="reference-equivalence", kind="equivalence", backend="torch", model="tiny", seq_len=32,
+                      devices=1, attention="reference", attention_backend="reference", dtype="fp32",
+                      mode="forward", steps=1)
+    inputs = F.attention_inputs(1, 32, 4, 2, 32)
+    exact = F.exact_attention(*(inputs[n] for n in ("q", "k", "v", "dout")))
+    save_file(_noisy(exact, 2e-3, seed=1), str(tmp_path / "torch-fast-path-d1-ours.safetensors"))
+    rng = np.random.default_rng(0)
+    grads = {f"grad/{n}": rng.standard_normal(s).astype(np.float32) for n, s in parameter_shapes(PRESETS["tiny"]).items()}
+    for job_id, scale in (("reference-equivalence", 0), ("torch-bf16-step-ours", 1e-2),
+                          ("torch-bf16-step-reference", 1e-2)):
+        save_file({k: (v * (1 + scale * rng.standard_normal(v.shape))).astype(np.float32) for k, v in grads.items()},
+                  str(tmp_path / f"{job_id}.safetensors"))
+    for job in [*jobs, reference]:
+        failed = job.id == "torch-fast-path-d1-reference"
+        J.write_result(tmp_path, job, {"status": "error", "message": "RuntimeError: boom"} if failed else
+                       {"status": "ok"})
+    section = F.fast_path_section(jobs, tmp_path, reference)
+    (attention,), (step,) = section["attention"], section["steps"]
+    assert not section["passed"] and not attention["passed"] and step["passed"]
+    assert section["failures"] == ["torch attention on 1 device(s), ours (triton) vs reference (reference): "
+                                   "torch-fast-path-d1-reference: error: RuntimeError: boom"]
+    assert len(step["checks"]) == len(grads) and section["heads"] == 4 and section["batch"] == 1
+    report = {**make_report(), "plots": []}
+    report["equivalence"]["fast_path"] = section
+    validate_report(report)
+    text = render_markdown(report)
+    assert "bf16 fast path: FAIL" in text and "RuntimeError: boom" in text
+    assert "torch-fast-path-d1-reference: error" in text.split("## Setup")[0]  # in the verdict at the top
 
 
 def _scaled_gradients(wrapper) -> dict[str, torch.Tensor]:
@@ -225,8 +270,10 @@ def test_check_on_a_2x2_mesh_passes_and_a_perturbed_dv_fails_naming_it(tmp_path,
                      "--out", str(tmp_path / "clean")]) == 0
     section = json.loads((tmp_path / "clean" / "check.json").read_text())
     assert section["passed"] and section["batch"] == 2 and section["attention"][0]["mesh"] == "fsdp=2,sp=2"
+    # both against float64 at bf16's size (a harness that scrambled the batch rows failed only the ceiling)
+    assert max(c["ours"] for c in section["attention"][0]["checks"] if c["statistic"] == "relative") < 5e-3
     assert max(c["ours"] for c in section["steps"][0]["checks"]) < 0.1  # the bf16 step is near the float32 one
     assert cli_main(["check", "--backend", "jax", "--mesh", "fsdp=2,sp=2", "--seq-len", "64", "--perturb",
                      "jax:attention-dv=1.01", "--out", str(tmp_path / "broken")]) == 1
     out = capsys.readouterr().out
-    assert "FAILED" in out and "jax attention on 4 device(s)" in out and "dv relative" in out
+    assert "FAILED" in out and "jax attention on 4 device(s)" in out and "dv norm bias" in out

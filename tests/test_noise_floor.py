@@ -100,6 +100,14 @@ def test_issue_33_numbers_name_the_broken_run_where_the_larger_floor_said_consis
     assert section["outliers"] == ["jax-ours"] and section["consistent"] is False
     assert section["verdict"].startswith("jax-ours differs from the other three runs")
     assert section["ratio"] > 50 and "above 1.5" in section["verdict"]
+    report = {**make_report(), "plots": []}
+    report["equivalence"]["bf16"] = section
+    validate_report(report)
+    from compare.report.noise_floor import figure
+
+    assert "jax-ours differs from the other three runs" in figure(report).get_suptitle()
+    text = render_markdown(report)
+    assert "| jax-ours (outlier) |" in text and section["verdict"] in text and section["floor_why"] in text
 
 
 def test_the_vendor_runs_cross_difference_floors_the_floor_and_three_agreeing_runs_name_none():

@@ -18,7 +18,8 @@ noise floor):
               (the loss of the check's first text batch), ours and the vendor's, each parameter's relative
               distance to the float32 step's gradient (the float32 reference's, which the float32 section checks).
 The rule (the flash rule against the vendor): ours <= RATIO x vendor + the statistic's absolute term, per tensor
-and per parameter. A failure fails the run (exit 1), as a float32 failure does.
+and per parameter; and the yardstick itself sane: the vendor's relative error under `VENDOR_CEILING`. A failure
+fails the run (exit 1), as a float32 failure does.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ STEP_ATOL = (1e-3, "per-parameter gradient distance ||g - g_fp32|| / ||g_fp32||:
                    "rounding but the attention's, so their distances are alike; 1e-3 covers parameters whose bf16 "
                    "gradient is nearly exact (the absolute term of the flash rule)")
 STATISTICS = (("max_abs", MAX_ABS_ATOL), ("relative", RELATIVE_ATOL), ("norm_bias", NORM_ATOL))
+VENDOR_CEILING = (3e-2, "the vendor's relative error, the yardstick itself: bf16 rounding gives ~2e-3 (measured on "
+                        "CPU and by issue 32 on H200s), so above 3e-2 the vendor or the harness is broken and ours "
+                        "cannot be judged against it (ours within 2x of a broken yardstick would pass)")
 
 
 def bf16_values(x: np.ndarray) -> np.ndarray:
@@ -107,7 +111,8 @@ def error_statistics(value: np.ndarray, exact: np.ndarray) -> dict[str, float]:
 
 def _rule(name: str, ours: float, vendor: float, atol: float) -> dict:
     bound = RATIO[0] * vendor + atol
-    return {"name": name, "ours": ours, "vendor": vendor, "bound": bound, "passed": bool(ours <= bound)}
+    return {"name": name, "ours": ours, "vendor": vendor, "bound": bound, "passed": bool(ours <= bound),
+            "limit": f"{RATIO[0]:g} x vendor {vendor:.3g} + atol {atol:g}"}
 
 
 def attention_comparison(ours: dict[str, np.ndarray], vendor: dict[str, np.ndarray], exact: dict[str, np.ndarray]
@@ -119,6 +124,10 @@ def attention_comparison(ours: dict[str, np.ndarray], vendor: dict[str, np.ndarr
         checks += [{"tensor": tensor, "statistic": statistic,
                     **_rule(f"{tensor} {statistic.replace('_', ' ')}", mine[statistic], theirs[statistic], atol)}
                    for statistic, (atol, _) in STATISTICS]
+        ceiling = VENDOR_CEILING[0]
+        checks.append({"tensor": tensor, "statistic": "vendor_relative", "name": f"{tensor} vendor's relative",
+                       "ours": mine["relative"], "vendor": theirs["relative"], "bound": ceiling,
+                       "passed": bool(theirs["relative"] <= ceiling), "limit": f"ceiling {ceiling:g}"})
     return checks
 
 
@@ -193,7 +202,7 @@ def fast_path_section(jobs: list[J.Job], work_dir: Path, reference: J.Job) -> di
                "kv_heads": shape[3], "head_dim": shape[4], "seed": SEED, "layers": config.num_layers,
                "reference": reference.id, "ratio": RATIO[0], "ratio_why": RATIO[1],
                "rules": [{"statistic": name, "atol": atol, "why": why} for name, (atol, why) in
-                         (*STATISTICS, ("step distance", STEP_ATOL))],
+                         (*STATISTICS, ("step distance", STEP_ATOL), ("vendor ceiling", VENDOR_CEILING))],
                "attention": checks, "steps": steps}
     section["passed"] = all(c["passed"] for c in checks + steps) and bool(checks) and bool(steps)
     section["failures"] = failure_lines(section)
@@ -208,6 +217,6 @@ def failure_lines(section: dict) -> list[str]:
             where = (f"{entry['backend']} {what} on {entry['devices']} device(s), ours ({entry['ours_kernel']}) vs "
                      f"{entry['vendor']} ({entry['vendor_kernel']})")
             lines += [f"{where}: {failure}" for failure in entry["failures"]]
-            lines += [f"{where}: {c['name']} {c['ours']:.3g} > {RATIO[0]:g} x {c['vendor']:.3g} + atol = "
-                      f"{c['bound']:.3g}" for c in entry["checks"] if not c["passed"]]
+            lines += [f"{where}: {c['name']} {c['ours' if c.get('statistic') != 'vendor_relative' else 'vendor']:.3g}"
+                      f" > {c['limit']} = {c['bound']:.3g}" for c in entry["checks"] if not c["passed"]]
     return lines

@@ -89,7 +89,8 @@ def attention(job: Job, work_dir: Path, devices: list, clock: SetupClock, host_a
         return (out, *backward(dout))
 
     results = run(*(jnp.asarray(inputs[name][:, order], jnp.bfloat16) for name in ("q", "k", "v", "dout")))
-    arrays = {name: np.asarray(value.astype(jnp.float32))[:, inverse_order(order)]
+    # C order: an index along axis 1 of a batch over 1 leaves strided arrays, which safetensors writes scrambled
+    arrays = {name: np.ascontiguousarray(np.asarray(value.astype(jnp.float32))[:, inverse_order(order)])
               for name, value in zip(TENSORS, results)}
     save_file(arrays, str(work_dir / f"{job.id}.safetensors"))
     return {"status": "ok", "setup": clock.result()}

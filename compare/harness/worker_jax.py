@@ -114,7 +114,7 @@ def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock, host
             (loss, logits), grads = _loss_and_grads(run.state["model"], tokens, targets, positions, spec=run.spec,
                                                     with_logits=True)
             order = layout_order(job.seq_len, settings.mesh.sp, RING_LAYOUT)
-            arrays["logits"] = _on_host(logits)[:, inverse_order(order)]
+            arrays["logits"] = np.ascontiguousarray(_on_host(logits)[:, inverse_order(order)])  # safetensors: C order
             del logits  # the device's copy, before the steps need the memory
         else:
             loss, grads = _loss_and_grads_alone(run.state["model"], tokens, targets, positions, spec=run.spec)

@@ -34,7 +34,7 @@ def blocks(report: dict) -> list[tuple]:
                   f"bf16 training step ({fast['layers']} layers, the float32 check's first batch) with each kernel, "
                   f"each parameter's distance ||g - g_fp32|| / ||g_fp32|| to the float32 step's ({fast['reference']})."
                   f" Rule: ours <= {fast['ratio']:g} x vendor + atol; why {fast['ratio']:g}: {fast['ratio_why']}."]),
-           ("table", ["statistic", "atol", "why"], [[r["statistic"].replace("_", " "), fmt(r["atol"], "sig"),
+           ("table", ["statistic", "absolute term (ceiling)", "why"], [[r["statistic"].replace("_", " "), fmt(r["atol"], "sig"),
                                                      r["why"]] for r in fast["rules"]])]
     if fast["failures"]:
         doc += [("p", [("b", "Failing:")]), ("list", [[line] for line in fast["failures"]])]
@@ -44,7 +44,7 @@ def blocks(report: dict) -> list[tuple]:
         for tensor in dict.fromkeys(c["tensor"] for c in entry["checks"]):
             cells = [f"{fmt(checks[tensor, s]['ours'], 'sig')} / {fmt(checks[tensor, s]['vendor'], 'sig')}"
                      for s in _STATISTICS]
-            passed = all(checks[tensor, s]["passed"] for s in _STATISTICS)
+            passed = all(c["passed"] for c in entry["checks"] if c["tensor"] == tensor)  # the vendor's ceiling too
             rows.append([entry["backend"], str(entry["devices"]), entry["ours_kernel"], entry["vendor_kernel"],
                          tensor, *cells, _verdict(passed)])
     doc += [("p", ["Attention errors against float64, ours / vendor:"]),
