@@ -4,7 +4,7 @@ against torch's own, the rules on hand-made errors (each with a negative control
 distances from files, the perturbation wrappers of both backends on plain attention, the parsing and routing of
 `--perturb`, `twinflash check`'s bad input; and (slow) the attention jobs of both backends run by the compare
 workers on 4 emulated CPU devices with our interpreted kernels, clean and with each tensor perturbed, and `twinflash
-check` end to end on a 2x2 mesh, clean and perturbed."""
+check` end to end on a 2x2 mesh in both backends, clean and perturbed."""
 
 from __future__ import annotations
 
@@ -261,19 +261,23 @@ def test_each_attention_perturbation_fails_its_tensor_in_both_backends(tmp_path)
 
 
 @pytest.mark.slow
-def test_check_on_a_2x2_mesh_passes_and_a_perturbed_dv_fails_naming_it(tmp_path, capsys):
-    """`twinflash check --backend jax --mesh fsdp=2,sp=2`: two sequences, each over a ring of two emulated devices;
-    clean it passes (exit 0), with --perturb jax:attention-dv=1.01 it fails (exit 1) naming dv."""
+@pytest.mark.parametrize("backend, tensor", [("torch", "dk"), ("jax", "dv")])
+def test_check_on_a_2x2_mesh_passes_and_a_perturbed_tensor_fails_naming_it(tmp_path, capsys, backend, tensor):
+    """`twinflash check --backend B --mesh fsdp=2,sp=2`: two sequences, each over a ring of two emulated devices;
+    clean it passes (exit 0) at bf16's errors, with --perturb B:attention-T=1.01 it fails (exit 1) naming T."""
     import json
 
-    assert cli_main(["check", "--backend", "jax", "--mesh", "fsdp=2,sp=2", "--seq-len", "64",
-                     "--out", str(tmp_path / "clean")]) == 0
+    mesh = ["--backend", backend, "--mesh", "fsdp=2,sp=2", "--seq-len", "64"]
+    assert cli_main(["check", *mesh, "--out", str(tmp_path / "clean")]) == 0
     section = json.loads((tmp_path / "clean" / "check.json").read_text())
     assert section["passed"] and section["batch"] == 2 and section["attention"][0]["mesh"] == "fsdp=2,sp=2"
     # both against float64 at bf16's size (a harness that scrambled the batch rows failed only the ceiling)
     assert max(c["ours"] for c in section["attention"][0]["checks"] if c["statistic"] == "relative") < 5e-3
     assert max(c["ours"] for c in section["steps"][0]["checks"]) < 0.1  # the bf16 step is near the float32 one
-    assert cli_main(["check", "--backend", "jax", "--mesh", "fsdp=2,sp=2", "--seq-len", "64", "--perturb",
-                     "jax:attention-dv=1.01", "--out", str(tmp_path / "broken")]) == 1
+    assert cli_main(["check", *mesh, "--perturb", f"{backend}:attention-{tensor}=1.01",
+                     "--out", str(tmp_path / "broken")]) == 1
     out = capsys.readouterr().out
-    assert "FAILED" in out and "jax attention on 4 device(s)" in out and "dv norm bias" in out
+    assert "FAILED" in out and f"{backend} attention on 4 device(s)" in out and f"{tensor} norm bias" in out
+    failing = {c["tensor"] for c in json.loads((tmp_path / "broken" / "check.json").read_text())["attention"][0][
+        "checks"] if not c["passed"]}
+    assert failing == {tensor}
