@@ -3,7 +3,8 @@
 stderr, `twinflash: error: ...`, and exit code 2, with nothing written; bugs keep their traceback).
 
 Subcommands: `convert` and `export` (weights/), `run` (compare/commands/run.py), `train`
-(compare/commands/train.py), `compare` (compare/harness/), `bench kernels|ring` (compare/bench/).
+(compare/commands/train.py), `compare` (compare/harness/), `check` (compare/commands/check.py), `bench
+kernels|ring` (compare/bench/).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from compare.args import SEED_MAX, OneLineParser, integer, with_error_contract
-from compare.commands import train
+from compare.commands import check, train
 from compare.harness import across_nodes, command as compare_command
 from compare.harness.launches import side_launcher
 from compare.harness.plan import gpu_count, gpu_memory_bytes, plan_settings
@@ -105,6 +106,10 @@ def cmd_train(args) -> int:
     return train.run_command(args)
 
 
+def cmd_check(args) -> int:
+    return check.run_command(args)
+
+
 def cmd_compare(args) -> int:
     """One node's command; spanning nodes, node 0 runs the compare (`across_nodes.lead_run`) and the others their
     side of the launches that span them (`across_nodes.follow`)."""
@@ -166,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "of more devices than a node has spans nodes, the others run on node 0; --out is required, "
                        "on a file system every node sees (node 0 writes the report there)")
     compare.set_defaults(func=cmd_compare)
+
+    checking = commands.add_parser("check", help="the fast path for one backend on a mesh: our attention kernels and "
+                                   "a bf16 step against the vendor's and exact answers (a minute after a kernel change)")
+    check.add_arguments(checking)
+    checking.set_defaults(func=cmd_check)
 
     bench = commands.add_parser("bench", help="GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs)",
                                 description="arguments after the benchmark's name go to it: "

@@ -75,6 +75,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl import checkpointing
+from jax_impl.attention import AttentionFn
 from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, stack_layers, unstack_layers
 from jax_impl.parallel import (make_mesh, mesh_shape, overlap_compiler_options, parameter_shardings, put_sharded,
                                ring_attention_fn, sharded_batch)
@@ -163,6 +164,9 @@ class StepSpec:
     skip_non_finite: bool = False
     # XLA options the step is compiled with (`jax_impl.parallel.overlap_compiler_options`): (name, value) pairs
     compiler_options: tuple[tuple[str, bool], ...] = ()
+    # a hashable callable that wraps the model's attention function (`fn -> fn`): the harness's hook for its
+    # negative controls (compare/harness/perturb.py); None in training
+    attention_wrapper: Callable[[AttentionFn], AttentionFn] | None = None
 
 
 def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: jax.Array, positions: jax.Array,
@@ -189,6 +193,8 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
         weights = {name: (p.astype(dtype) if copy else p) if is_stacked(name) else compute(p)
                    for name, p in params.items()}
     attention = ring_attention_fn(spec.mesh, backend=spec.attention_backend, variant=spec.ring_variant)
+    if spec.attention_wrapper is not None:
+        attention = spec.attention_wrapper(attention)
     llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer)
     if spec.fp8:
         devices = mesh_shape(spec.mesh)  # each device's activations scaled on their own, as torch's ranks do

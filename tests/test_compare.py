@@ -104,6 +104,27 @@ def test_perturbed_weight_fails_and_the_report_names_it(tmp_path):
     assert name in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
+def test_a_perturbed_attention_gradient_fails_the_fast_path_which_names_backend_and_tensor(tmp_path):
+    """`--perturb jax:attention-dq=1.01`: JAX's attention function on the points' path returns dq scaled by 1 %. The
+    float32 checks (another path) still pass; the fast path fails on JAX's dq alone, at every device count, and the
+    run exits 1 with lines naming them."""
+    out = tmp_path / "report"
+    run = _compare("--no-bench", "--mode", "forward", "--seq-lens", "64", "--perturb", "jax:attention-dq=1.01",
+                   "--out", str(out))
+    assert run.returncode == 1, run.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    validate_report(report)
+    fast = report["equivalence"]["fast_path"]
+    assert report["equivalence"]["passed"] and not fast["passed"] and not report["passed"]
+    failing = {(e["backend"], e["devices"], c["tensor"]) for e in fast["attention"] for c in e["checks"]
+               if not c["passed"]}
+    assert failing == {("jax", 1, "dq"), ("jax", 4, "dq")}
+    assert all(e["passed"] for e in fast["steps"])  # a 1 % dq moves the step's gradients < 2x the vendor's
+    assert "jax attention on 4 device(s), ours (pallas)" in run.stderr and "dq relative" in run.stderr
+    assert "bf16 fast path: FAIL" in (out / "report.md").read_text()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--seq-lens", "100"], "100"),
     (["--devices", "0"], "--devices"),

@@ -311,3 +311,24 @@ def test_the_console_summary_fits_the_terminal(width):
     assert lines and max(len(line) for line in lines) <= width
     assert not any("…" in line for line in lines)  # no cell cut short
     assert all(header in out.getvalue() for header in ("backend", "attn", "status", "step"))
+
+
+def test_the_git_commit_is_the_checkouts_own_or_unknown(tmp_path):
+    """A checkout without its own .git inside another repository: the report said the outer repository's commit
+    (issue 33); it must say unknown. The negative control: the repository's own top does give its commit."""
+    import subprocess
+
+    from compare.report.data import checkout_commit
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "outer"], check=True)
+    outer = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    checkout = tmp_path / "twinflash"
+    checkout.mkdir()
+    assert checkout_commit(tmp_path) == outer
+    assert checkout_commit(checkout) is None
+    report = make_report()
+    report["environment"]["git_commit"] = None
+    assert "| git commit | unknown" in render_markdown(report)

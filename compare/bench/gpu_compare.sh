@@ -9,7 +9,8 @@
 # job's result and the launches' logs; profiler traces over 3 MB dropped: a file comes back only under 16 MiB), report.md and report.json beside it,
 # compare.log, env.txt (five files: the device tool brings back at most 8, none deeper than two folders); the summary
 # table last.
-# Expected for the 1B shape on 2 H200s: 31 jobs (3 equivalence checks, 24 points of which 6 are skipped up front for
+# Expected for the 1B shape on 2 H200s: 43 jobs (3 equivalence checks, 12 fast-path jobs: the attention with ours
+# and cuDNN on 1 and 2 GPUs and the bf16 step with each, per backend; 24 points of which 6 are skipped up front for
 # memory, 4 noise-floor trainings). Measured 2026-11-23 (compare/results/compare-llama3.2-1b-2026-11-23-h200x2-cut/):
 # cut at 578 s with the JAX 128k points and JAX's 8k reference left (~130 s); since then the checks run at once
 # before the points, a step over 2 s is timed once, and the equivalence comparison streams float64 chunks. The

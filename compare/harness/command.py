@@ -1,7 +1,8 @@
 """`twinflash compare`: both backends on the same devices, weights and inputs, one after the other; an
 equivalence section and a benchmark section in one report. This module owns the arguments and the command: the plan
 is `plan.py`'s (which jobs run where), the launches of the backend workers and the relaunch after a failed launch
-`launches.py`'s, the verdicts `equivalence.py`'s, the benchmark arithmetic and the report `compare/report/`'s.
+`launches.py`'s, the verdicts `equivalence.py`'s (float32), `fastpath.py`'s (the bf16 code the points time) and
+`noise_floor.py`'s, the benchmark arithmetic and the report `compare/report/`'s.
 
 Without GPUs and with no arguments it runs the embedded default: the tiny preset, 4 emulated CPU devices (gloo
 processes; XLA host devices; interpreted Triton and Pallas kernels), in about 1½ minutes on 2 cores. A run pays its
@@ -23,9 +24,9 @@ Benchmark numbers, per backend x context length x device count (batch 1, the seq
   scaling efficiency   step_s(1 device) / (devices * step_s(devices)), the same sequence on both
 With `--precisions bf16,fp8` every point runs once more in FP8 (`plan.py`), the noise floor's trainings of our
 kernels too (`noise_floor.py`), and the report compares them (compare/report/precision.py).
-Exit code: 0 when the equivalence section passes, 1 when it fails, 2 for bad input, 130 / 143 when interrupted by
-SIGINT / SIGTERM: the workers are stopped and the report of the jobs that finished is written, the rest marked
-"interrupted" (one line names it).
+Exit code: 0 when the equivalence section passes (its float32 checks and its fast path), 1 when it fails, 2 for bad
+input, 130 / 143 when interrupted by SIGINT / SIGTERM: the workers are stopped and the report of the jobs that
+finished is written, the rest marked "interrupted" (one line names it).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from compare.harness import jobs as J
 from compare.harness import noise_floor
 from compare.harness.across_nodes import Lead
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
+from compare.harness.fastpath import fast_path_section
 from compare.harness.launches import CACHE_DIR, run_jobs
 from compare.harness.plan import (PRECISIONS, WEIGHTS_DIR, CompareSettings, check_model, gpu_count, gpu_memory_bytes,
                                   plan_jobs, plan_settings, prepare_weights)
@@ -75,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=integer(1),
                         help="timed steps per point and loss-curve steps (default 2 CPU, 3 GPU)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="benchmark dtype (default fp32 CPU, bf16 GPU); "
-                        "the equivalence check is always fp32; bf16 in train mode adds the bf16 noise floor")
+                        "the equivalence check is fp32, its fast path bf16; bf16 in train mode adds the bf16 noise floor")
     parser.add_argument("--precisions", type=names(PRECISIONS), default="bf16",
                         help="train mode: bf16 (the --dtype as it is) and fp8 (the decoder layers' linears in FP8, "
                              "as `twinflash train --fp8`; needs --dtype bf16, and torchao for torch: "
@@ -94,8 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-layers", type=integer(1), help="equivalence on the model's first N layers "
                         "(default: all, or 2 for models over 2B parameters)")
     parser.add_argument("--no-bench", dest="bench", action="store_false", help="equivalence section only")
-    parser.add_argument("--perturb", metavar="BACKEND:PARAM", help="harness self-test: scale one parameter by 1 %% "
-                        "in one backend's equivalence run (the check must fail and name it)")
+    parser.add_argument("--perturb", metavar="BACKEND:PARAM|BACKEND:attention-T=F",
+                        help="harness self-test (compare/harness/perturb.py): scale one parameter by 1 %% in one "
+                             "backend's float32 check and noise-floor runs (the check must fail and name it), or "
+                             "one output of our attention (T: out, dq, dk, dv) by F on the points' path in that "
+                             "backend's fast-path checks and noise-floor run of our kernels (the fast path must fail "
+                             "naming the backend and T, the noise floor name the run)")
     parser.add_argument("--job-timeout-s", type=number(0, above=True), default=900.0,
                         help="a job silent this long is stopped")
     parser.add_argument("--time-limit-s", type=number(0, above=True), help="stop launching after this long; the "
@@ -246,8 +252,9 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
             console.width = 200
         console.print(_summary_table(report, console.width))
         verdict = "[green]PASSED[/]" if report["passed"] else "[red]FAILED[/]"
-        console.print(f"equivalence {verdict}; report: {out / 'report.md'} (also report.html, report.json)",
-                      soft_wrap=True)
+        console.print(f"equivalence {verdict} (float32: {'passed' if equivalence['passed'] else 'FAILED'}, fast path: "
+                      f"{'passed' if equivalence['fast_path']['passed'] else 'FAILED'}); report: {out / 'report.md'} "
+                      "(also report.html, report.json)", soft_wrap=True)
         for comparison in equivalence["comparisons"]:
             for check in comparison["checks"]:
                 if not check["passed"]:
@@ -260,8 +267,8 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
             if bad:
                 console.print(f"  [red]{comparison['name']}: parameters out of tolerance: {', '.join(bad[:8])}"
                               f"{' ...' if len(bad) > 8 else ''}[/]")
-        for failure in equivalence.get("failures", []):
-            console.print(f"  [red]{failure[:300]}[/]")
+        for failure in equivalence.get("failures", []) + equivalence["fast_path"]["failures"]:
+            console.print(f"  [red]{failure[:300]}[/]", highlight=False)
         if interrupted is not None:
             print(f"twinflash: compare interrupted ({interrupted.signal_name}); report of the {len(jobs) - left} of "
                   f"{len(jobs)} jobs that finished, the rest marked interrupted: {out / 'report.md'}", file=sys.stderr)
@@ -275,7 +282,7 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
 
 def _equivalence_section(jobs: list[J.Job], work_dir: Path, settings: CompareSettings) -> dict:
     """The report's equivalence section from the equivalence jobs' results and files (or the failures of those
-    that did not finish)."""
+    that did not finish), with the fast path's (`fastpath.fast_path_section`) in it."""
     loaded, failures = {}, []
     for job in (j for j in jobs if j.kind == "equivalence"):
         result = J.read_result(work_dir, job.id)
@@ -284,11 +291,16 @@ def _equivalence_section(jobs: list[J.Job], work_dir: Path, settings: CompareSet
         else:
             failures.append(f"{job.id}: {result['status']}: {result.get('message')}")
     if failures:
-        return {"seq_len": settings.check_seq_len, "devices": settings.devices, "layers": settings.check_layers,
-                "dtype": "fp32", "reference": REFERENCE, "passed": False, "comparisons": [], "loss_curves": {},
-                "failures": failures}
-    return equivalence_section(loaded, seq_len=settings.check_seq_len, devices=settings.devices,
-                               layers=settings.check_layers, reference_description=REFERENCE)
+        section = {"seq_len": settings.check_seq_len, "devices": settings.devices, "layers": settings.check_layers,
+                   "dtype": "fp32", "reference": REFERENCE, "passed": False, "comparisons": [], "loss_curves": {},
+                   "failures": failures}
+    else:
+        section = equivalence_section(loaded, seq_len=settings.check_seq_len, devices=settings.devices,
+                                      layers=settings.check_layers, reference_description=REFERENCE)
+    del loaded  # the float32 arrays, before the fast path reads its own
+    reference = next(j for j in jobs if j.id == "reference-equivalence")
+    section["fast_path"] = fast_path_section([j for j in jobs if j.kind in J.FAST_PATH_KINDS], work_dir, reference)
+    return section
 
 
 def _remove_bulk(work_dir: Path) -> None:

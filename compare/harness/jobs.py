@@ -10,7 +10,8 @@ bandwidth divides); the exposed communication is the part of that union during w
 most the median step (the profiled step runs a little slower under the profiler).
 
 Workers: `compare/harness/worker_torch.py` (one process per device, under torchrun) and
-`compare/harness/worker_jax.py` (one process, all devices), twins that run a job file's jobs in order. A job that raises in the torch worker ends its
+`compare/harness/worker_jax.py` (one process, all devices), twins that run a job file's jobs in order (the fast
+path's jobs by their `fastpath_torch.py` / `fastpath_jax.py`). A job that raises in the torch worker ends its
 launch (a rank that failed can leave the others waiting in a collective, so the whole group is taken down and the
 harness starts a new launch for the jobs left); the JAX worker, one process, records an out-of-memory or other
 error as the job's result and goes on.
@@ -18,7 +19,10 @@ error as the job's result and goes on.
 Equivalence jobs (fp32) record: the loaded weights' float64 sum and sum of squares per parameter (a perturbed or
 misread weight shows up by name), the next-token loss and the full logits of the first batch, every parameter's
 gradient of that loss, in train mode the loss of each of `steps` optimizer steps, and the time of each phase
-(`Phases`). Benchmark jobs record the median step time, the forward time (`forward_passes`), the communication
+(`Phases`). The fast path's jobs (compare/harness/fastpath.py) leave files too: an "attention" job the
+output and q/k/v gradients of the model's attention function on the fast path's inputs, a "gradients" job every
+parameter's gradient of the first batch's loss (in bf16 with one kernel, or the float32 step of `twinflash
+check`). Benchmark jobs record the median step time, the forward time (`forward_passes`), the communication
 time of one profiled step, throughput inputs and the peak memory per device. Curve jobs (the bf16 noise floor's
 trainings, compare/harness/noise_floor.py, and with `--precisions ...,fp8` their FP8 twins) train exactly as
 `twinflash train --data text --seed S --mesh fsdp=1,sp=devices --dtype DTYPE --steps N [--fp8]` does (its batches,
@@ -49,6 +53,10 @@ from weights.settings import TrainSettings
 
 LAUNCHED_AT_ENV = "TWINFLASH_LAUNCHED_AT"  # time.time() when the harness started a worker process
 PERTURBATION = 1e-2  # --perturb multiplies one parameter by 1 + this in one backend (a real, small mismatch)
+# The fast path's jobs (compare/harness/fastpath.py): "attention" runs the model's attention function (the ring over
+# one kernel, bf16) on the fast path's random inputs, "gradients" the loss gradients of the check's first batch.
+FAST_PATH_KINDS = ("attention", "gradients")
+CHECK_KINDS = ("equivalence", *FAST_PATH_KINDS)  # the jobs that time nothing and are compared, not benchmarked
 EQUIVALENCE_LR = 1e-3  # train-mode loss curves: large enough that the curve moves, small enough to stay smooth
 # XLA's collective op names, as HLO spells them (all-gather) or as JAX names the op (all_gather, ppermute, psum).
 _COLLECTIVE_OP = re.compile(r"(all[-_]gather|all[-_]reduce|reduce[-_]scatter|psum[-_]scatter|psum|"
@@ -57,9 +65,12 @@ _COLLECTIVE_OP = re.compile(r"(all[-_]gather|all[-_]reduce|reduce[-_]scatter|psu
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One unit of a backend's work. `kind`: "equivalence", "bench" or "curve"; `attention`: the harness's name of the
-    kernel family ("ours", "vendor", "reference") and `attention_backend` the backend's own kernel name; `fp8`: the
-    precision axis (`twinflash compare --precisions`), the job trains as `twinflash train --fp8` does."""
+    """One unit of a backend's work. `kind`: "equivalence", "bench", "curve", or one of the fast path's
+    (`FAST_PATH_KINDS`); `attention`: the harness's name of the kernel family ("ours", "vendor", "reference") and
+    `attention_backend` the backend's own kernel name; `fp8`: the precision axis (`twinflash compare
+    --precisions`), the job trains as `twinflash train --fp8` does; `mesh`: "fsdp=A,sp=B" (`twinflash check`; by
+    default sp over all `devices`), one sequence per fsdp row; `perturb`: a weight's name or an attention
+    perturbation (compare/harness/perturb.py)."""
 
     id: str
     kind: str
@@ -78,26 +89,31 @@ class Job:
     trace_dir: str | None = None
     skip: str | None = None  # why the point is not attempted (decided up front by the plan), recorded as its result
     fp8: bool = False  # the decoder layers' linears in FP8, as `twinflash train --fp8` (weights/fp8.py)
+    mesh: str = ""
+
+    def mesh_shape(self) -> MeshShape:
+        return MeshShape.parse(self.mesh) if self.mesh else MeshShape(sp=self.devices)
 
     def settings(self) -> TrainSettings:
         """The training description of this job: batch 1, the sequence split over all `devices` (fsdp=1); a curve
         job's is the one `twinflash train` builds from the same arguments (its default optimizer)."""
-        steps = max(self.steps, 1)
+        steps, mesh = max(self.steps, 1), self.mesh_shape()
         if self.kind == "curve":
             hidden_size = open_weights(self.model, self.seed).config.hidden_size
             return TrainSettings(backend=self.backend, model=self.model, seq_len=self.seq_len, steps=steps,
-                                 mesh=MeshShape(sp=self.devices), batch=1, dtype=self.dtype, seed=self.seed,
+                                 mesh=mesh, batch=1, dtype=self.dtype, seed=self.seed,
                                  data="text", optimizer=default_optimizer(hidden_size, steps),
                                  activation_checkpointing=self.remat, attention_backend=self.attention_backend,
                                  fp8=self.fp8)
         optimizer = OptimizerConfig(lr=EQUIVALENCE_LR, warmup_steps=0, total_steps=steps)
-        # an equivalence check runs its few steps eagerly (torch on GPUs): compiling them would cost more than they
-        # take, and the reference it is held against is eager too
+        # a check runs its few steps eagerly (torch on GPUs): compiling them would cost more than they take, and
+        # the reference it is held against is eager too
+        check = self.kind in CHECK_KINDS
         return TrainSettings(backend=self.backend, model=self.model, seq_len=self.seq_len, steps=steps,
-                             mesh=MeshShape(sp=self.devices), batch=1, dtype=self.dtype, seed=self.seed,
-                             data="text" if self.kind == "equivalence" else "random", optimizer=optimizer,
+                             mesh=mesh, batch=mesh.fsdp, dtype=self.dtype, seed=self.seed,
+                             data="text" if check else "random", optimizer=optimizer,
                              activation_checkpointing=self.remat, attention_backend=self.attention_backend,
-                             eager=self.kind == "equivalence", fp8=self.fp8)
+                             eager=check, fp8=self.fp8)
 
 
 def job_batches(job: Job) -> np.ndarray:
@@ -109,7 +125,7 @@ def job_batches(job: Job) -> np.ndarray:
         return training_batches(settings, config)
     vocab = config.vocab_size
     make = text_batches if settings.data == "text" else random_batches
-    return make(settings.steps + 1, 1, job.seq_len, vocab, job.seed)
+    return make(settings.steps + 1, settings.batch, job.seq_len, vocab, job.seed)
 
 
 def write_job_file(path: Path, jobs: Iterable[Job], work_dir: Path) -> None:

@@ -14,8 +14,8 @@ the same time, each on GPUs of its own (CUDA_VISIBLE_DEVICES), e.g. torch's and 
 and 1 (on 2 H200s that took ~50-75 s each while the other GPU idled). Their points stay comparable: a point's
 step runs on its own devices, and a one-device point moves nothing over NVLink or PCIe but its inputs and loss;
 what they share is the host's cores, for launching and compiling. Before them the jobs whose time is no
-measurement, the equivalence checks and the bf16 noise floor's trainings, run in launches of their own (one per
-backend, device count and kind), all at once on shared GPUs (`run_together`): mostly compilation and host work (on
+measurement, the checks (the float32 equivalence and the fast path's) and the bf16 noise floor's trainings, run in
+launches of their own (one per backend, device count and kind), all at once on shared GPUs (`run_together`): mostly compilation and host work (on
 2 H200s the reference, torch and JAX checks took 25, 51 and 76 s one after the other, the four trainings ~12 s
 each after their points' compilation). On CPU (emulated devices share the
 cores, and a point's time would count the other launch's work), across nodes, and with `--serial-launches`, one
@@ -287,8 +287,9 @@ def run_jobs(jobs: list[J.Job], settings: CompareSettings, work_dir: Path, timeo
         run_side_by_side([launch(*group) for group in planned], None)
         return
     gpus = visible_gpus(settings.devices)
-    checks = [(backend, devices, [j for j in group if j.kind == kind], kind)
-              for backend, devices, group in planned for kind in ("equivalence", "curve")]
+    shared = {"equivalence": J.CHECK_KINDS, "curve": ("curve",)}  # the launches' kinds of jobs, by name
+    checks = [(backend, devices, [j for j in group if j.kind in kinds], name)
+              for backend, devices, group in planned for name, kinds in shared.items()]
     run_together([launch(*group) for group in checks if group[2]], gpus)
     if on_checks_done is not None:
         on_checks_done()

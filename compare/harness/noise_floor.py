@@ -14,21 +14,30 @@ Runs (the same model, weights, text batches and optimizer; bf16 compute; fsdp=1 
   <backend>-ours-fp8   with `--precisions ...,fp8` only: <backend>-ours with FP8 linears (`twinflash train --fp8`),
                        the precision section's loss curve beside <backend>-ours (compare/report/precision.py); no
                        part of the floor's pairs, runs table or plot
-Pairs:
-  noise floor          <backend>-ours vs <backend>-<floor>, per backend: what bf16 rounding alone, amplified by
-                       training, moves the loss by
-  cross                torch-ours vs jax-ours
-Per pair and step: relative difference |a - b| / ((|a| + |b|) / 2); its max, mean and final value over the steps.
-ratio = mean(cross) / mean(floor), the floor being the larger of the backends' floors (the mean: the max and the
-final value are single steps of chaotic trajectories), and never below `FLOOR_MIN` (kernels that agree bit for bit
-give a zero floor). Verdict "consistent with bf16 noise" when ratio <= `RATIO_LIMIT`.
+Pairs: all six of the four runs (torch and JAX, each with ours and with the other kernel):
+  floor                <backend>-ours vs <backend>-<floor>, per backend: what bf16 rounding alone, amplified by
+                       training, moves the loss by (if both kernels are right)
+  cross                torch-ours vs jax-ours: what the verdict is about
+  vendor cross         torch-<floor> vs jax-<floor>: two frameworks, the vendor's kernels in both
+  mixed                torch-ours vs jax-<floor>, torch-<floor> vs jax-ours
+Per pair and step: relative difference |a - b| / ((|a| + |b|) / 2); its max, mean and final value over the steps
+(the report shows the means as a matrix). The floor is the smaller of the two within-backend floors, or the vendor
+runs' cross-framework difference where that is larger (`FLOOR_WHY`): a backend whose own kernel is wrong inflates
+its own floor, so the larger floor would hide it (issue 33: JAX's wrong ring gradients made its floor 4.7 % against
+torch's 0.05 %, and divided by that, torch vs JAX read "ratio 0.97"). An outlier is a run whose mean differences
+to each of the other three all exceed `OUTLIER_FACTOR` x the floor: the verdict names it ("jax-ours differs from the
+other three runs"). ratio = mean(cross) / floor (the mean: the max and the final value are single steps of chaotic
+trajectories; the floor never below `FLOOR_MIN`: kernels that agree bit for bit give a zero floor). Verdict
+"consistent with bf16 noise" when no run is an outlier and ratio <= `RATIO_LIMIT`.
 
-The verdict is reported beside the float32 checks, not folded into the exit code: a ratio of two 50-step trainings
-is a statistic of chaotic trajectories with a spread of its own, not a bound on arithmetic; the float32 checks are
-that bound. `--perturb BACKEND:PARAM` applies here too: both runs of that backend scale that parameter by
-1 + `jobs.PERTURBATION` once loaded (so its floor stays clean and only the cross pair moves): the negative control
-of the verdict. A run that fails, runs out of memory or is stopped is recorded like any job (`launches.py`) and
-leaves its pairs out ("not measured" when no floor or no cross pair is left).
+The verdict is reported beside the float32 checks and the fast path, not folded into the exit code: a ratio of two
+50-step trainings is a statistic of chaotic trajectories with a spread of its own, not a bound on arithmetic; the
+float32 checks and the fast path (compare/harness/fastpath.py) are that bound. `--perturb` applies here too
+(compare/harness/perturb.py): a weight's, to both runs of that backend (so its floor stays clean and only the
+cross pair moves); an attention perturbation, to that backend's run of our kernels, which the verdict names when
+the error moves training beyond bf16 noise (tests/test_noise_floor.py: out x 1.1 does, 10x the floor; a 1 % scale
+of one output does not, and is the fast path's to catch). A run that fails, runs out of memory or is stopped is recorded like any job (`launches.py`) and leaves its
+pairs out ("not measured" when no floor or no cross pair is left).
 """
 
 from __future__ import annotations
@@ -46,11 +55,16 @@ from weights.layout import check_split
 from weights.parallel import RING_LAYOUT
 from weights.schedule import default_optimizer
 
-RATIO_LIMIT = (1.5, "mean relative difference of torch vs JAX over that of one backend with another correct "
-                    "attention kernel: both are bf16 rounding amplified by training, so a correct pair of stacks "
-                    "drifts apart about as far as the floor; 1.5 leaves room for the spread of one pair of "
-                    "chaotic trajectories, while a real mistake (a weight scaled by 1 %, tests/test_noise_floor.py) "
-                    "moves the ratio by far more")
+RATIO_LIMIT = (1.5, "mean relative difference of torch vs JAX over the floor: both are bf16 rounding amplified by "
+                    "training, so a correct pair of stacks drifts apart about as far as the floor; 1.5 leaves room "
+                    "for the spread of one pair of chaotic trajectories, while a real mistake (a weight scaled by "
+                    "1 %, tests/test_noise_floor.py) moves the ratio by far more")
+OUTLIER_FACTOR = (3.0, "a run is an outlier when its mean difference to each of the other three runs exceeds 3x the "
+                       "floor: correct runs sit within ~1-1.5x the floor of each other (RATIO_LIMIT's spread), so 3x "
+                       "to all three at once is one run off on its own, and the other three agree without it")
+FLOOR_WHY = ("the smaller within-backend floor, because a backend whose own kernel is wrong inflates its own floor "
+             "(the larger floor would hide the very error it measures); but never below the two vendor runs' "
+             "cross-framework difference, which measures how far two correct frameworks drift apart on their own")
 FLOOR_MIN = 1e-6  # relative: a few float32 roundings of the loss; two runs closer than that are one run
 SPLIT = 2  # the runs' sp: the ring's merge is in play; at most this many devices, so the runs fit any box
 DEFAULTS = {"gpu": {"seq_len": 8192, "steps": 50}, "cpu": {"seq_len": 128, "steps": 10}}
@@ -112,16 +126,16 @@ def plan(args: argparse.Namespace, settings: CompareSettings) -> dict | None:
 # --- the runs ---------------------------------------------------------------------------------------------------
 
 def plan_jobs(floor: dict | None, settings: CompareSettings, model: str) -> list[J.Job]:
-    """The curve jobs of `plan`'s runs on `model` (none when the floor does not run); with `settings.perturb`,
-    both runs of the perturbed backend scale that parameter; an FP8 run that cannot run here is skipped with its
+    """The curve jobs of `plan`'s runs on `model` (none when the floor does not run); with `settings.perturb`, the
+    runs it applies to carry it (module docstring); an FP8 run that cannot run here is skipped with its
     reason (`plan.fp8_skip`)."""
     if floor is None:
         return []
-    perturb_backend, perturb_name = settings.perturb or (None, None)
     return [J.Job(id=f"{JOB_PREFIX}{run.name}", kind="curve", backend=run.backend, model=model,
                   seq_len=floor["seq_len"], devices=floor["devices"], attention=run.attention,
                   attention_backend=run.kernel, dtype="bf16", mode="train", steps=floor["steps"], seed=SEED,
-                  perturb=perturb_name if run.backend == perturb_backend else None, fp8=run.fp8,
+                  perturb=settings.perturb and settings.perturb.for_job(run.backend, "curve", run.attention, "bf16"),
+                  fp8=run.fp8,
                   skip=fp8_skip(run.backend) if run.fp8 else None)
             for run in floor["runs"]]
 
@@ -161,37 +175,73 @@ def compare_curves(name: str, kind: str, a: str, b: str, losses: dict[str, list[
             "final": diffs[-1] if diffs else None}
 
 
+def _pair_kind(a: dict, b: dict) -> str:
+    if a["backend"] == b["backend"]:
+        return "floor"
+    if a["attention"] == b["attention"]:
+        return "cross" if a["attention"] == "ours" else "vendor cross"
+    return "mixed"
+
+
+def _pair_name(kind: str, a: dict, b: dict) -> str:
+    if kind == "floor":
+        return f"{a['backend']} noise floor: ours vs {b['attention']} ({a['kernel']} vs {b['kernel']})"
+    if kind in ("cross", "vendor cross"):
+        return f"torch vs jax, {'our' if kind == 'cross' else 'the ' + a['attention']} kernels"
+    return f"{a['name']} vs {b['name']}"
+
+
 def _pairs(records: list[dict]) -> list[tuple[str, str, str, str]]:
-    """(name, kind, a, b) of every pair whose two runs both finished."""
-    done = {r["name"]: r for r in records if r["status"] == "ok" and r["losses"]}
-    pairs = []
-    for backend in ("torch", "jax"):
-        ours = f"{backend}-ours"
-        for other in (r["name"] for r in records if r["backend"] == backend and r["attention"] != "ours"):
-            if ours in done and other in done:
-                pairs.append((f"{backend} noise floor: ours vs {done[other]['attention']} "
-                              f"({done[ours]['kernel']} vs {done[other]['kernel']})", "floor", ours, other))
-    if "torch-ours" in done and "jax-ours" in done:
-        pairs.append(("torch vs jax, our kernels", "cross", "torch-ours", "jax-ours"))
-    return pairs
+    """(name, kind, a, b) of every pair of finished runs (at most six: floors, cross, vendor cross, mixed)."""
+    done = sorted((r for r in records if r["status"] == "ok" and r["losses"]),
+                  key=lambda r: (r["backend"] != "torch", r["attention"] != "ours"))  # torch first, ours first
+    rank = {"floor": 0, "cross": 1, "vendor cross": 2, "mixed": 3}
+    pairs = [(_pair_name(_pair_kind(a, b), a, b), _pair_kind(a, b), a["name"], b["name"])
+             for i, a in enumerate(done) for b in done[i + 1:]]
+    return sorted(pairs, key=lambda p: rank[p[1]])
+
+
+def _outliers(pairs: list[dict], floor: float) -> tuple[list[str], dict[str, float]]:
+    """The runs whose differences to each of three others all exceed OUTLIER_FACTOR x `floor`, and each run's
+    smallest difference to another."""
+    nearest: dict[str, list[float]] = {}
+    for p in pairs:
+        for run in (p["a"], p["b"]):
+            nearest.setdefault(run, []).append(p["mean"])
+    limit = OUTLIER_FACTOR[0] * floor
+    outliers = [run for run, means in nearest.items() if len(means) == 3 and min(means) > limit]
+    return outliers, {run: min(means) for run, means in nearest.items()}
 
 
 def verdict(pairs: list[dict]) -> dict:
-    """The ratio of the cross pair's mean difference to the noise floor's, and what it says."""
-    floors = [p for p in pairs if p["kind"] == "floor" and p["mean"] is not None]
-    cross = next((p for p in pairs if p["kind"] == "cross" and p["mean"] is not None), None)
+    """The floor (FLOOR_WHY), the runs that differ from the other three, the ratio of the cross pair's mean
+    difference to the floor, and what they say."""
+    measured = [p for p in pairs if p["mean"] is not None]
+    floors = [p for p in measured if p["kind"] == "floor"]
+    cross = next((p for p in measured if p["kind"] == "cross"), None)
+    vendor = next((p for p in measured if p["kind"] == "vendor cross"), None)
     limit, why = RATIO_LIMIT
-    base = {"ratio": None, "ratio_limit": limit, "consistent": None, "floor_pair": None, "floor": None,
-            "why": why}
+    base = {"ratio": None, "ratio_limit": limit, "consistent": None, "floor_pair": None, "floor": None, "why": why,
+            "floor_why": FLOOR_WHY, "outliers": [], "outlier_factor": OUTLIER_FACTOR[0],
+            "outlier_why": OUTLIER_FACTOR[1]}
     if not floors or cross is None:
         missing = "a noise floor" if not floors else "the torch vs jax pair"
         return {**base, "verdict": f"not measured: {missing} did not run to the end (see the runs)"}
-    floor = max(floors, key=lambda p: p["mean"])
-    ratio = cross["mean"] / max(floor["mean"], FLOOR_MIN)
-    consistent = ratio <= limit
-    words = "consistent with bf16 noise" if consistent else "larger than bf16 noise"
-    return {**base, "ratio": ratio, "consistent": consistent, "floor_pair": floor["name"], "floor": floor["mean"],
-            "verdict": f"{words}: ratio {ratio:.2f} {'within' if consistent else 'above'} {limit}"}
+    chosen = min(floors, key=lambda p: p["mean"])
+    if vendor is not None and vendor["mean"] > chosen["mean"]:
+        chosen = vendor
+    floor = max(chosen["mean"], FLOOR_MIN)
+    outliers, nearest = _outliers(measured, floor)
+    ratio = cross["mean"] / floor
+    consistent = ratio <= limit and not outliers
+    words = [f"{run} differs from the other three runs (by at least {nearest[run] * 100:.3g} %, over "
+             f"{OUTLIER_FACTOR[0]:g} x the floor {floor * 100:.3g} %)" for run in outliers]
+    words.append(f"{'consistent with' if ratio <= limit else 'larger than'} bf16 noise: ratio {ratio:.2f} "
+                 f"{'within' if ratio <= limit else 'above'} {limit}")
+    if outliers:
+        words[-1] = f"torch vs JAX {words[-1].split(': ', 1)[1]}"
+    return {**base, "ratio": ratio, "consistent": consistent, "floor_pair": chosen["name"], "floor": chosen["mean"],
+            "outliers": outliers, "verdict": "; ".join(words)}
 
 
 def noise_floor_section(floor: dict, records: list[dict], config: LlamaConfig) -> dict:

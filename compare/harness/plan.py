@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from compare.harness import jobs as J
+from compare.harness.perturb import Perturbation
+from compare.harness.perturb import parse as parse_perturbation
 from weights import BadInputError, LlamaConfig, open_weights, parameter_shapes, write_converted_checkpoint
 from weights.checkpoint import RandomWeights
 from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
@@ -39,6 +41,7 @@ CPU_DEFAULTS = {"seq_lens": (128,), "devices": 4, "steps": 2, "dtype": "fp32"}
 # ~15 s per such point over a sweep that must fit 10 minutes
 GPU_DEFAULTS = {"seq_lens": (8192, 32768, 131072), "steps": 3, "dtype": "bf16"}
 LARGE_MODEL_PARAMS = 2e9  # above: the equivalence check keeps 2 layers and the benchmark checkpoints activations
+MAX_CHECK_SEQ_LEN = 2048  # the checks' default length: the shortest point's, at most this (float32 logits, float64)
 TIME_TO_TOKENS = 1e9
 PRECISIONS = ("bf16", "fp8")  # bf16: the run's --dtype as it is; fp8: its decoder layers' linears in FP8 besides
 # A point whose estimated peak exceeds the device's memory by this factor is skipped up front: the estimate tracks
@@ -69,7 +72,7 @@ class CompareSettings:
     bench: bool
     platform: str  # "gpu" or "cpu"
     notes: tuple[str, ...] = ()
-    perturb: tuple[str, str] | None = None
+    perturb: Perturbation | None = None
     device_memory_bytes: int | None = None  # per GPU; None on CPU (nothing skipped up front)
     time_to_tokens: float = TIME_TO_TOKENS
     precisions: tuple[str, ...] = ("bf16",)
@@ -171,6 +174,11 @@ def fp8_skip(backend: str) -> str | None:
     return None
 
 
+def default_check_layers(config: LlamaConfig) -> int:
+    """The checks' layers by default: all, or 2 for models over LARGE_MODEL_PARAMS."""
+    return min(2, config.num_layers) if config.num_params > LARGE_MODEL_PARAMS else config.num_layers
+
+
 def default_device_counts(devices: int, gpus: int) -> tuple[int, ...]:
     """On GPUs 1, 2, 4, ... up to `devices`, and `devices` itself; on CPU 1 and `devices` (CPU_DEFAULTS)."""
     if not gpus:
@@ -207,22 +215,17 @@ def plan_settings(args: argparse.Namespace, gpus: int, device_memory_bytes: int 
     steps = args.steps if args.steps is not None else defaults["steps"]
     if steps < 1:
         raise BadInputError(f"--steps must be >= 1, got {steps}")
-    check_layers = args.check_layers or (min(2, config.num_layers) if large else config.num_layers)
+    check_layers = args.check_layers or default_check_layers(config)
     if not 1 <= check_layers <= config.num_layers:
         raise BadInputError(f"--check-layers must lie in 1..{config.num_layers}, got {check_layers}")
-    check_seq_len = args.check_seq_len or min(min(seq_lens), 2048)
-    check_split(check_seq_len, devices, RING_LAYOUT)
+    check_seq_len = args.check_seq_len or min(min(seq_lens), MAX_CHECK_SEQ_LEN)
+    for count in {devices, *counts}:  # the float32 check on all devices, the fast path on each count
+        check_split(check_seq_len, count, RING_LAYOUT)
     backends, notes = _available_backends(_parsed_list(args.backends, ("torch", "jax"), "--backends"),
                                           explicit=args.backends != "torch,jax")
     if "torch" not in backends:
         raise BadInputError(f"the float32 reference runs on the torch backend: {INSTALL_HINT['torch']}")
-    perturb = None
-    if args.perturb:
-        backend, _, name = args.perturb.partition(":")
-        if backend not in backends or name not in parameter_shapes(config):
-            raise BadInputError(f"--perturb takes BACKEND:PARAM with a backend of {backends} and a parameter of "
-                                f"the model (e.g. torch:layers.0.attention.wq.weight), got {args.perturb!r}")
-        perturb = (backend, name)
+    perturb = parse_perturbation(args.perturb, backends, parameter_shapes(config)) if args.perturb else None
     precisions = _precisions(args.precisions, args.mode, dtype, seq_lens, counts)
     return CompareSettings(
         model=args.model, mode=args.mode, seq_lens=seq_lens, device_counts=counts, devices=devices, steps=steps,
@@ -234,52 +237,64 @@ def plan_settings(args: argparse.Namespace, gpus: int, device_memory_bytes: int 
 
 
 def prepare_weights(settings: CompareSettings, work_dir: Path) -> CompareSettings:
-    """The weights every job of the run reads, made once: a preset's random weights generated into
-    work_dir/weights as a converted checkpoint (safetensors, which each process memory-maps), a converted directory
-    used where it is. work_dir/weights.json records what was done and how long it took; a second call finds the
-    weights there and makes nothing. Returns `settings` with `weights` set."""
+    """`settings` with `weights` set: `prepared_weights(settings.model, work_dir)`."""
+    return dataclasses.replace(settings, weights=prepared_weights(settings.model, work_dir))
+
+
+def prepared_weights(model: str, work_dir: Path) -> str:
+    """The weights every job of a run reads, made once: a preset's random weights generated into work_dir/weights
+    as a converted checkpoint (safetensors, which each process memory-maps), a converted directory used where it
+    is. work_dir/weights.json records what was done and how long it took; a second call finds the weights there
+    and makes nothing."""
     log = work_dir / WEIGHTS_LOG
     directory = work_dir / WEIGHTS_DIR
-    if Path(settings.model).is_dir():
-        return dataclasses.replace(settings, weights=str(Path(settings.model).resolve()))
+    if Path(model).is_dir():
+        return str(Path(model).resolve())
     if not log.exists():
         began = time.perf_counter()
-        source = open_weights(settings.model)
+        source = open_weights(model)
         if not isinstance(source, RandomWeights):
-            raise BadInputError(f"--model {settings.model}: neither a converted directory nor a preset")
+            raise BadInputError(f"--model {model}: neither a converted directory nor a preset")
         write_converted_checkpoint(dict(source), source.config, directory)
-        log.write_text(json.dumps({"model": settings.model, "generated_s": time.perf_counter() - began,
+        log.write_text(json.dumps({"model": model, "generated_s": time.perf_counter() - began,
                                    "directory": WEIGHTS_DIR}))
-    return dataclasses.replace(settings, weights=str(directory))
+    return str(directory)
 
 
 def check_model(settings: CompareSettings, work_dir: Path) -> str:
-    """The model the equivalence jobs load: the run's weights, or their first `check_layers` layers written as a
-    converted checkpoint (the same tensors)."""
-    source = open_weights(settings.weights)
-    if settings.check_layers == source.config.num_layers:
-        return settings.weights
-    config = dataclasses.replace(source.config, num_layers=settings.check_layers)
+    """The model the equivalence jobs load: `first_layers(settings.weights, settings.check_layers, work_dir)`."""
+    return first_layers(settings.weights, settings.check_layers, work_dir)
+
+
+def first_layers(weights: str, layers: int, work_dir: Path) -> str:
+    """`weights`, or their first `layers` layers written as a converted checkpoint (the same tensors) under
+    work_dir."""
+    source = open_weights(weights)
+    if layers == source.config.num_layers:
+        return weights
+    config = dataclasses.replace(source.config, num_layers=layers)
     directory = work_dir / "check-model"
     write_converted_checkpoint({name: source.tensor(name) for name in parameter_shapes(config)}, config, directory)
     return str(directory)
 
 
 def plan_jobs(settings: CompareSettings, check_model_path: str, trace_dir: Path) -> list[J.Job]:
-    """Equivalence jobs (the torch float32 reference on one device first), then benchmark points: every backend x
-    context length x device count with our kernels, and the ablation at the largest device count, each once per
-    precision. A point that cannot run here carries its reason in `skip` (vendor kernels off-GPU; torch's FP8
-    without torchao; a peak estimated beyond the device)."""
+    """Equivalence jobs (the torch float32 reference on one device first), the fast path's (`fast_path_jobs`), then
+    benchmark points: every backend x context length x device count with our kernels, and the ablation at the
+    largest device count, each once per precision. A point that cannot run here carries its reason in `skip`
+    (vendor kernels off-GPU; torch's FP8 without torchao; a peak estimated beyond the device)."""
     devices, mode, steps = settings.devices, settings.mode, settings.steps
     eq = {"kind": "equivalence", "model": check_model_path, "seq_len": settings.check_seq_len, "dtype": "fp32",
           "mode": mode, "steps": steps}
     jobs = [J.Job(id="reference-equivalence", backend="torch", devices=1, attention="reference",
                   attention_backend="reference", **eq)]
-    perturb_backend, perturb_name = settings.perturb or (None, None)
     for backend in settings.backends:
+        perturb = settings.perturb and settings.perturb.for_job(backend, "equivalence", "ours", "fp32")
         jobs.append(J.Job(id=f"{backend}-equivalence", backend=backend, devices=devices, attention="ours",
-                          attention_backend=KERNELS[backend]["ours"],
-                          perturb=perturb_name if backend == perturb_backend else None, **eq))
+                          attention_backend=KERNELS[backend]["ours"], perturb=perturb, **eq))
+    for backend in settings.backends:
+        jobs += fast_path_jobs(backend, settings.platform, check_model_path, settings.check_seq_len,
+                               settings.device_counts, devices, settings.perturb, steps=steps)
     if not settings.bench:
         return jobs
     config = open_weights(settings.weights).config
@@ -301,16 +316,40 @@ def plan_jobs(settings: CompareSettings, check_model_path: str, trace_dir: Path)
     return jobs
 
 
+FAST_PATH_VENDOR = {"gpu": "vendor", "cpu": "reference"}  # off-GPU the plain-math reference plays the vendor
+
+
+def fast_path_jobs(backend: str, platform: str, model: str, seq_len: int, device_counts, step_devices: int,
+                   perturb: Perturbation | None = None, mesh: str = "", steps: int = 1) -> list[J.Job]:
+    """The fast path's jobs of one backend (compare/harness/fastpath.py): the attention function with our kernels
+    and with the vendor's (off-GPU the reference) on each of `device_counts`, and the bf16 step's gradients with
+    each on `step_devices` (`mesh`: on that mesh instead, `twinflash check`), on the first of the text batches of
+    a check of `steps` steps (the float32 step they are held to must be the first of as many: `job_batches`)."""
+    jobs = []
+    for attention in ("ours", FAST_PATH_VENDOR[platform]):
+        kernel = KERNELS[backend][attention]
+        common = {"backend": backend, "model": model, "seq_len": seq_len, "attention": attention,
+                  "attention_backend": kernel, "dtype": "bf16", "mode": "forward", "steps": steps}
+        jobs += [J.Job(id=f"{backend}-fast-path-d{count}-{attention}", kind="attention", devices=count, mesh=mesh,
+                       perturb=perturb and perturb.for_job(backend, "attention", attention, "bf16"), **common)
+                 for count in device_counts]
+        jobs.append(J.Job(id=f"{backend}-bf16-step-{attention}", kind="gradients", devices=step_devices, mesh=mesh,
+                          perturb=perturb and perturb.for_job(backend, "gradients", attention, "bf16"), **common))
+    return jobs
+
+
 def group_launches(jobs: list[J.Job]) -> list[tuple[str, int, list[J.Job]]]:
     """[(backend, devices, jobs)]: one launch per backend and device count, in the order the first job of each
-    appears; inside a launch the equivalence job first, then our and the vendor's kernels by growing length, the
-    plain reference last (the largest, and the likeliest to run out of memory: a torch launch ends on an OOM). A
+    appears; inside a launch the checks first (equivalence, then the fast path's), then our and the vendor's kernels
+    by growing length, the plain reference last (the largest, and the likeliest to run out of memory: a torch launch
+    ends on an OOM). A
     curve job (the bf16 noise floor) follows the benchmark point of its length and kernel, whose compiled step and
     tuned kernels it reuses."""
     groups: dict[tuple[str, int], list[J.Job]] = {}
     for job in jobs:
         groups.setdefault((job.backend, job.devices), []).append(job)
     order = {"ours": 1, "vendor": 1, "reference": 2}
-    return [(backend, devices, sorted(group, key=lambda j: (j.kind != "equivalence", order[j.attention],
+    return [(backend, devices, sorted(group, key=lambda j: (j.kind not in J.CHECK_KINDS,
+                                                            0 if j.kind in J.CHECK_KINDS else order[j.attention],
                                                             j.seq_len, j.attention == "vendor", j.kind == "curve")))
             for (backend, devices), group in groups.items()]

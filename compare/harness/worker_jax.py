@@ -1,5 +1,6 @@
 """The JAX backend's side of `twinflash compare`: runs the jobs of a job file (`compare/harness/jobs.py`) in this one
-process, each job over the first `devices` of JAX's devices (fsdp=1, sp=devices). Twin of
+process, each job over the first `devices` of JAX's devices (its mesh: fsdp=1, sp=devices in a compare run; the
+fast path's jobs are `fastpath_jax.py`'s). Twin of
 `compare/harness/worker_torch.py`; the models, kernels, ring and training step are `jax_impl`'s own, built by
 `jax_impl.train.build_training` exactly as `twinflash train` builds them (a curve job of the bf16 noise floor
 trains as `twinflash train` does: the same settings, batches and `train_step`).
@@ -40,11 +41,12 @@ from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
 from compare.harness.equivalence import float64_chunks
-from compare.harness.jobs import (PERTURBATION, Job, Phases, SetupClock, bench_units, exposed_seconds,
+from compare.harness import fastpath_jax
+from compare.harness.jobs import (Job, Phases, SetupClock, bench_units, exposed_seconds,
                                   forward_passes, is_collective_op, is_out_of_memory, job_batches, launched_at,
                                   mark_progress, mark_started, read_job_file, timed_steps, union_seconds, write_result)
 from compare.nodes import Nodes
-from jax_impl.model import stack_layers, unstack_layers
+from jax_impl.model import unstack_layers
 from jax_impl.parallel import sharded_batch
 from jax_impl.train import (Training, build_training, init_distributed, next_token_loss, peak_memory_bytes,
                             step_scalars, train_step)
@@ -54,15 +56,8 @@ from weights.training import adamw_coefficients
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch's name of it
 _loss_and_grads = jax.jit(jax.value_and_grad(next_token_loss, has_aux=True), static_argnames=("spec", "with_logits"))
+_loss_and_grads_alone = jax.jit(jax.value_and_grad(next_token_loss), static_argnames=("spec",))
 _forward_loss = jax.jit(next_token_loss, static_argnames=("spec",))
-
-
-def _perturb(run: Training, name: str | None) -> None:
-    if name is not None:  # the state stacks the layers' weights: perturbed by name, stacked again as it was
-        params = unstack_layers(run.state["model"])
-        params[name] = params[name] * (1 + PERTURBATION)
-        shardings = jax.tree.map(lambda p: p.sharding, run.state["model"])
-        run.state["model"] = jax.device_put(stack_layers(params), shardings)
 
 
 def _on_host(array: jax.Array) -> np.ndarray:
@@ -100,27 +95,35 @@ def _train_steps(run: Training, batches: np.ndarray, steps: range) -> list[float
 
 
 def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock, host_arrays: dict) -> dict:
+    """An equivalence job (jobs.py), or a "gradients" job of the fast path: its gradients alone (no weight sums,
+    logits or loss curve), computed as the training step computes them (XLA's default matmul precision)."""
     phases = Phases()  # each lap after a host read, which waits for the devices' work
     settings = job.settings()
     batches = job_batches(job)
-    with jax.default_matmul_precision("highest" if jax.default_backend() == "gpu" else None):
+    whole = job.kind == "equivalence"
+    with jax.default_matmul_precision("highest" if whole and jax.default_backend() == "gpu" else None):
         run = build_training(settings, devices, host_arrays)
         clock.weights_loaded()
         phases.lap("build")
-        _perturb(run, job.perturb)
-        sums = _weight_sums(run)
+        fastpath_jax.perturb(run, job.perturb)
+        sums = _weight_sums(run) if whole else None
         phases.lap("weight sums")
         tokens, targets, positions = sharded_batch(batches[0], run.mesh)
-        (loss, logits), grads = _loss_and_grads(run.state["model"], tokens, targets, positions, spec=run.spec,
-                                                with_logits=True)
+        arrays = {}
+        if whole:
+            (loss, logits), grads = _loss_and_grads(run.state["model"], tokens, targets, positions, spec=run.spec,
+                                                    with_logits=True)
+            order = layout_order(job.seq_len, settings.mesh.sp, RING_LAYOUT)
+            arrays["logits"] = np.ascontiguousarray(_on_host(logits)[:, inverse_order(order)])  # safetensors: C order
+            del logits  # the device's copy, before the steps need the memory
+        else:
+            loss, grads = _loss_and_grads_alone(run.state["model"], tokens, targets, positions, spec=run.spec)
         loss = float(loss)
         phases.lap("loss and gradients")
-        order = layout_order(job.seq_len, job.devices, RING_LAYOUT)
-        arrays = {"logits": _on_host(logits)[:, inverse_order(order)]}
         arrays.update({f"grad/{name}": g for name, g in _unstacked_on_host(grads).items()})
-        del logits, grads  # the device's copies, before the steps need the memory
+        del grads
         phases.lap("gather to host")
-        curve = _train_steps(run, batches, range(settings.steps)) if job.mode == "train" else []
+        curve = _train_steps(run, batches, range(settings.steps)) if whole and job.mode == "train" else []
         phases.lap("loss curve steps")
     save_file(arrays, str(work_dir / f"{job.id}.safetensors"))
     phases.lap("write")
@@ -134,7 +137,7 @@ def curve(job: Job, work_dir: Path, devices: list, clock: SetupClock, host_array
     batches = job_batches(job)
     run = build_training(settings, devices, host_arrays)
     clock.weights_loaded()
-    _perturb(run, job.perturb)
+    fastpath_jax.perturb(run, job.perturb)
     losses, seconds = [], []
     for step in range(settings.steps):
         mark_progress(work_dir, job, step, settings.steps, f"step {step + 1}/{settings.steps}")
@@ -287,7 +290,8 @@ def main(argv: list[str]) -> int:
         weights = host_arrays.setdefault((job.model, job.seed), {})
         with backend_compiles() as compiles:
             try:
-                result = {"equivalence": equivalence, "bench": bench, "curve": curve}[job.kind](
+                result = {"equivalence": equivalence, "gradients": equivalence, "attention": fastpath_jax.attention,
+                          "bench": bench, "curve": curve}[job.kind](
                     job, work_dir, jax.devices()[:job.devices], clock, weights)
             except Exception as failure:  # recorded in the report; the sweep goes on
                 message = f"{type(failure).__name__}: {failure}"

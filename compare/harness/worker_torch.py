@@ -1,5 +1,6 @@
 """The torch backend's side of `twinflash compare`: runs the jobs of a job file (`compare/harness/jobs.py`) on this
-torchrun launch's ranks, one process per device, each job over all of them (fsdp=1, sp=world). Twin of
+torchrun launch's ranks, one process per device, each job over all of them (its mesh: fsdp=1, sp=world in a
+compare run; the fast path's jobs are `fastpath_torch.py`'s). Twin of
 `compare/harness/worker_jax.py`; the models, kernels, ring and training step are `torch_impl`'s own, built by
 `torch_impl.train.build_training` exactly as `twinflash train` builds them (a curve job of the bf16 noise floor
 trains as `twinflash train` does: the same settings, batches and `train_step`).
@@ -21,7 +22,8 @@ import torch.distributed as dist
 from safetensors.numpy import save_file
 from torch.profiler import ProfilerActivity, profile
 
-from compare.harness.jobs import (PERTURBATION, Job, Phases, SetupClock, bench_units, exposed_seconds,
+from compare.harness import fastpath_torch
+from compare.harness.jobs import (Job, Phases, SetupClock, bench_units, exposed_seconds,
                                   forward_passes, job_batches, launched_at, mark_progress, mark_started,
                                   read_job_file, timed_steps, union_seconds, write_result)
 from compare.nodes import Nodes
@@ -35,12 +37,6 @@ from weights.training import valid_target_count
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded DTensor on every rank (a collective: all ranks call it in the same order)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _perturb(run: Training, name: str | None) -> None:
-    if name is not None:
-        with torch.no_grad():
-            dict(run.llama.named_parameters())[name].to_local().mul_(1 + PERTURBATION)
 
 
 def _weight_sums(run: Training) -> dict[str, list[float]]:
@@ -69,39 +65,42 @@ def _gathered_logits(local: torch.Tensor, run: Training) -> np.ndarray:
 
 
 def equivalence(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> None:
+    """An equivalence job (jobs.py), or a "gradients" job of the fast path: its gradients alone (no weight sums,
+    logits or loss curve)."""
     phases = Phases()  # each lap after a host read, which waits for the GPU's work
     settings = job.settings()
     batches = job_batches(job)
     run = build_training(settings, device)
     clock.weights_loaded()
     phases.lap("build")
-    _perturb(run, job.perturb)
-    sums = _weight_sums(run)
+    fastpath_torch.perturb(run, job.perturb)
+    whole = job.kind == "equivalence"
+    sums = _weight_sums(run) if whole else None
     phases.lap("weight sums")
     tokens, targets, positions = local_batch(batches[0], run.mesh, device)
-    count = valid_target_count(1, job.seq_len)
-    share, local_logits = run.model(tokens, positions, targets, count, with_logits=True)
+    count = valid_target_count(settings.batch, job.seq_len)
+    share, local_logits = run.model(tokens, positions, targets, count, with_logits=True) if whole else (
+        run.model(tokens, positions, targets, count), None)
     share.backward()
     loss = _global_loss(share)
     phases.lap("loss and gradients")
-    logits = _gathered_logits(local_logits, run)
+    arrays = {"logits": _gathered_logits(local_logits, run)} if whole else {}
     rank0 = dist.get_rank() == 0
-    grads = {}
     for name, param in run.llama.named_parameters():
-        whole = _full(param.grad)  # a collective: every rank takes part, rank 0 keeps the copy
-        if rank0:  # float32 already (the check runs in float32): one copy to the host, no conversion
-            grads[f"grad/{name}"] = whole.cpu().numpy()
+        full = _full(param.grad)  # a collective: every rank takes part, rank 0 keeps the copy
+        if rank0:  # float32 already (fp32 master weights): one copy to the host, no conversion
+            arrays[f"grad/{name}"] = full.cpu().numpy()
     for p in run.llama.parameters():
         p.grad = None
     phases.lap("gather to host")
     curve = []
-    if job.mode == "train":
+    if whole and job.mode == "train":
         for step in range(settings.steps):
             curve.append(train_step(run.model, run.optimizer, *local_batch(batches[step], run.mesh, device), step,
                                     count)[0])
     phases.lap("loss curve steps")
     if rank0:
-        save_file({"logits": logits, **grads}, str(work_dir / f"{job.id}.safetensors"))
+        save_file(arrays, str(work_dir / f"{job.id}.safetensors"))
         phases.lap("write")
         write_result(work_dir, job, {"status": "ok", "loss": loss, "loss_curve": curve, "weight_sums": sums,
                                      "phases_s": phases.seconds, "setup": clock.result()})
@@ -113,7 +112,7 @@ def curve(job: Job, work_dir: Path, device: torch.device, clock: SetupClock) -> 
     batches = job_batches(job)
     run = build_training(settings, device)
     clock.weights_loaded()
-    _perturb(run, job.perturb)
+    fastpath_torch.perturb(run, job.perturb)
     count = valid_target_count(settings.batch, job.seq_len)
     rank0 = dist.get_rank() == 0
     losses, seconds = [], []
@@ -240,7 +239,8 @@ def main(argv: list[str]) -> int:
                 mark_started(work_dir, job)
             clock = SetupClock(started_at)
             started_at = None  # the launch's start is the first job's setup alone
-            {"equivalence": equivalence, "bench": bench, "curve": curve}[job.kind](job, work_dir, device, clock)
+            {"equivalence": equivalence, "gradients": equivalence, "attention": fastpath_torch.attention,
+             "bench": bench, "curve": curve}[job.kind](job, work_dir, device, clock)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)

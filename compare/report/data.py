@@ -113,6 +113,18 @@ def _command_output(command: list[str], cwd: Path | None = None) -> str | None:
         return None
 
 
+CHECKOUT = Path(__file__).resolve().parents[2]  # the twinflash checkout this module runs from
+
+
+def checkout_commit(root: Path) -> str | None:
+    """The commit checked out in `root` when `root` is the top of a git work tree (a clone or a worktree); None
+    otherwise: a checkout without its own .git would show the commit of a repository above it."""
+    top = _command_output(["git", "rev-parse", "--show-toplevel"], cwd=root)
+    if top is None or Path(top).resolve() != root.resolve():
+        return None
+    return _command_output(["git", "rev-parse", "HEAD"], cwd=root)
+
+
 def environment(settings: CompareSettings) -> dict:
     if settings.platform == "gpu":
         import torch
@@ -125,7 +137,7 @@ def environment(settings: CompareSettings) -> dict:
     libraries = {name: _version(name) for name in ("torch", "triton", "jax", "jaxlib", "flax", "numpy")}
     return {"platform": settings.platform, "devices": names, "driver": driver,
             "python": platform.python_version(), "libraries": libraries,
-            "git_commit": _command_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent),
+            "git_commit": checkout_commit(CHECKOUT),
             "hostname": socket.gethostname(), "cpu_count": os.cpu_count() or 1}
 
 
@@ -143,7 +155,7 @@ def report_dict(*, settings: CompareSettings, config: LlamaConfig, equivalence: 
         "format": "twinflash-compare/1",
         "command": recorded_command(["twinflash", "compare", *argv]),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "passed": equivalence["passed"],
+        "passed": equivalence["passed"] and equivalence.get("fast_path", {"passed": True})["passed"],
         "settings": settings.public(),
         "environment": environment(settings),
         "model": model_section(settings.model, config),

@@ -1,7 +1,8 @@
 """What the report's renderings and plots both read from a report dict (`compare/report/schema.json`): the attention
 implementations in their order, the labels of a point that did not run, the benchmark points in table order, the
 most devices measured, how a context length is written, the number formats (`fmt`: three significant digits, a
-small value never shown as 0.0), and whether the run was a CPU run (which ranks nothing).
+small value never shown as 0.0), how many parameters a gradient table lists, and whether the run was a CPU run
+(which ranks nothing).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 ATTENTIONS = ("ours", "vendor", "reference")
 DASH = "–"
+WORST_PARAMETERS = 10  # parameters listed per gradient comparison, besides every failing one
 STATUS_LABELS = {"oom": "OOM", "error": "ERROR", "timeout": "TIMEOUT", "unsupported": "UNSUPPORTED",
                  "skipped": "SKIPPED", "interrupted": "INTERRUPTED"}
 

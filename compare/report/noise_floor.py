@@ -1,12 +1,15 @@
 """The bf16 noise floor in `twinflash compare`'s report (report.json's equivalence.bf16, made by
 compare/harness/noise_floor.py): its blocks of the report's document model (`blocks`, rendered to Markdown and HTML
-by compare/report/render.py) and its plot (`figure`: every run's loss per step, and each pair's relative difference
-per step; linear axes from 0, so that a spike and the size of a difference read at a glance).
+by compare/report/render.py: the verdict naming any outlier run, the floor and why, the matrix of the six pairs' mean
+differences, the pairs and the runs) and its plot (`figure`: every run's loss per step, and each pair's relative
+difference per step; linear axes from 0, so that a spike and the size of a difference read at a glance; the title
+is the verdict).
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 
 from matplotlib.figure import Figure
 
@@ -14,7 +17,7 @@ from compare.report.fields import STATUS_LABELS, finite, fmt_seq
 
 PLOT = "noise_floor"
 _COLORS = {"torch": "#ee4c2c", "jax": "#1a73e8"}
-_PAIR_STYLES = {"floor": ":", "cross": "-"}
+_PAIR_STYLES = {"floor": ":", "cross": "-", "vendor cross": "-.", "mixed": "--"}
 
 
 def _section(report: dict) -> dict | None:
@@ -23,6 +26,20 @@ def _section(report: dict) -> dict | None:
 
 def _percent(value) -> str:
     return f"{value * 100:.3g} %" if finite(value) else "–" if value is None else str(value)
+
+
+_KINDS = {"floor": "noise floor", "cross": "torch vs JAX", "vendor cross": "torch vs JAX, vendor", "mixed": "mixed"}
+
+
+def _matrix(bf16: dict) -> list[tuple]:
+    """The mean relative difference of every pair of runs, as a matrix (the outliers' rows marked)."""
+    names = [r["name"] for r in bf16["runs"] if any(r["name"] in (p["a"], p["b"]) for p in bf16["pairs"])]
+    if len(names) < 3:
+        return []
+    means = {frozenset((p["a"], p["b"])): p["mean"] for p in bf16["pairs"]}
+    rows = [[f"{a} (outlier)" if a in bf16.get("outliers", []) else a]
+            + ["–" if a == b else _percent(means.get(frozenset((a, b)))) for b in names] for a in names]
+    return [("p", ["Mean relative difference per step of every pair of runs:"]), ("table", ["run", *names], rows)]
 
 
 def blocks(report: dict) -> list[tuple]:
@@ -39,13 +56,16 @@ def blocks(report: dict) -> list[tuple]:
                   f"{opt['min_lr_ratio']:g} × the peak), the same weights and batches. Noise floor: one backend "
                   "trained twice with two correct attention kernels; relative difference per step "
                   "|a − b| / mean(|a|, |b|)."]),
-           ("p", [("b", f"Verdict: {bf16['verdict']}"),
-                  (f" (ratio = mean torch-vs-JAX difference / mean noise floor, the larger floor: "
-                   f"{bf16['floor_pair']}; floors below {_percent(bf16['floor_min'])} count as that). "
-                   if bf16["floor_pair"] else " "), f"Why {bf16['ratio_limit']:g}: {bf16['why']}."])]
+           ("p", [("b", f"Verdict: {bf16['verdict']}"), "."])]
+    if bf16["floor_pair"]:
+        doc.append(("p", [f"Floor: {_percent(bf16['floor'])} ({bf16['floor_pair']}; floors below "
+                          f"{_percent(bf16['floor_min'])} count as that), {bf16['floor_why']}. Ratio = mean "
+                          f"torch-vs-JAX difference / floor; why {bf16['ratio_limit']:g}: {bf16['why']}. Outliers: "
+                          f"{bf16['outlier_why']}."]))
+    doc += _matrix(bf16)
     doc.append(("table", ["pair", "kind", "steps", "max", "mean", "final"],
-                [[p["name"], "noise floor" if p["kind"] == "floor" else "torch vs JAX", str(p["steps"]),
-                  _percent(p["max"]), _percent(p["mean"]), _percent(p["final"])] for p in bf16["pairs"]]))
+                [[p["name"], _KINDS[p["kind"]], str(p["steps"]), _percent(p["max"]), _percent(p["mean"]),
+                  _percent(p["final"])] for p in bf16["pairs"]]))
     doc.append(("table", ["run", "kernel", "status", "first loss", "final loss", "steps", "wall time"],
                 [[r["name"], r["kernel"], STATUS_LABELS.get(r["status"], r["status"].upper()),
                   f"{r['losses'][0]:.4f}" if r["losses"] else "–", f"{r['losses'][-1]:.4f}" if r["losses"] else "–",
@@ -73,12 +93,12 @@ def figure(report: dict) -> Figure | None:
     curves.set(xlabel="step", ylabel="loss", title="bf16 loss per step", xlim=(0, None), ylim=(0, None))
     for pair in bf16["pairs"]:
         ys = [100 * v if math.isfinite(v) else math.nan for v in pair["relative_differences"]]
-        diffs.plot(range(len(ys)), ys, _PAIR_STYLES[pair["kind"]], label=pair["name"])
+        diffs.plot(range(len(ys)), ys, linestyle=_PAIR_STYLES[pair["kind"]], label=pair["name"])
     diffs.set(xlabel="step", ylabel="relative difference (%)", title="Per-step loss difference",
               xlim=(0, None), ylim=(0, None))
     for ax in (curves, diffs):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.suptitle(f"bf16 noise floor: {bf16['verdict']}")
+    fig.suptitle("\n".join(textwrap.wrap(f"bf16 noise floor: {bf16['verdict']}", 150)))
     return fig

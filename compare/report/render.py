@@ -19,11 +19,10 @@ import html
 import math
 import re
 
-from compare.report import noise_floor, precision
-from compare.report.fields import (ATTENTIONS, DASH, STATUS_LABELS, finite, fmt, fmt_seq, fmt_tokens, max_devices,
-                                   on_cpu, sorted_points)
+from compare.report import fastpath, noise_floor, precision
+from compare.report.fields import (ATTENTIONS, DASH, STATUS_LABELS, WORST_PARAMETERS, finite, fmt, fmt_seq, fmt_tokens,
+                                   max_devices, on_cpu, sorted_points)
 
-WORST_PARAMETERS = 10  # parameters listed per comparison, besides every failing one
 _GRAD_CHECK = "gradient max-abs (worst parameter)"
 
 
@@ -48,16 +47,19 @@ def _images(report: dict, *names: str) -> list[tuple]:
 
 def _document(report: dict) -> list[tuple]:
     s, model = report["settings"], report["model"]
+    eq = report["equivalence"]
     failing = [f"{c['name']}: {k['metric']} {fmt(k['value'], 'sig')} > tolerance {fmt(k['tolerance'], 'sig')}"
-               for c in report["equivalence"]["comparisons"] for k in c["checks"] if not k["passed"]]
+               for c in eq["comparisons"] for k in c["checks"] if not k["passed"]]
+    failing += eq.get("failures", []) + eq.get("fast_path", {}).get("failures", [])
     detail = ("; ".join(failing) if failing else "every check within its tolerance"
-              if report["equivalence"]["comparisons"] else "no comparison was run") + "."
+              if eq["comparisons"] else "no comparison was run") + "."
     doc = [("h", 1, f"twinflash compare: {model['name']}, {s['mode']}, {s['dtype']}")]
     if on_cpu(report):
         doc.append(("p", [("b", "CPU run: not a benchmark."), " " + CPU_CAVEAT.format(devices=s["devices"])]))
-    doc += [("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence) — {detail}"]),
+    doc += [("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence and fast path) — {detail}"]),
             ("code", report["command"]), ("p", [f"Created {report['created']}."])]
-    return (doc + _setup(report) + _equivalence(report) + noise_floor.blocks(report) + _benchmark(report)
+    return (doc + _setup(report) + _equivalence(report) + fastpath.blocks(report) + noise_floor.blocks(report)
+            + _benchmark(report)
             + _ablation(report) + precision.blocks(report) + _peers(report) + _jobs(report) + _flops_and_traces(report))
 
 
@@ -77,7 +79,7 @@ def _setup(report: dict) -> list[tuple]:
             ["devices", ", ".join(f"{n} × {name}" if n > 1 else name for name, n in groups.items()) or DASH],
             ["driver", env["driver"] or DASH], ["python", env["python"]]]
     rows += [[lib, version or DASH] for lib, version in env["libraries"].items()]
-    rows += [["git commit", env["git_commit"] or DASH], ["host", f"{env['hostname']} ({env['cpu_count']} CPUs)"],
+    rows += [["git commit", env["git_commit"] or "unknown (the checkout is no git repository)"], ["host", f"{env['hostname']} ({env['cpu_count']} CPUs)"],
              ["model", (f"{m['name']}: {fmt(m['num_params'], 'count')} parameters, {m['layers']} layers, hidden "
                         f"{m['hidden']}, {m['heads']} heads ({m['kv_heads']} KV), head_dim {m['head_dim']}, "
                         f"vocab {m['vocab']}")],
@@ -279,9 +281,14 @@ _MARKDOWN = {
 }
 
 
+def markdown(blocks: list[tuple]) -> str:
+    """Blocks of the document model as GitHub-flavoured Markdown."""
+    return "\n\n".join(_MARKDOWN[kind](*rest) for kind, *rest in blocks) + "\n"
+
+
 def render_markdown(report: dict) -> str:
     """report.md: the whole report as GitHub-flavoured Markdown, images linked relatively (plots/*.png)."""
-    return "\n\n".join(_MARKDOWN[kind](*rest) for kind, *rest in _document(report)) + "\n"
+    return markdown(_document(report))
 
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#222}
