@@ -49,14 +49,12 @@ CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -64,7 +62,7 @@ from .flash_forward import LOG2E, index_div, index_rem, output_struct, pad_axis
 from .flash_hopper_config import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, DQ_CHUNK, PRODUCER_REGISTERS, HopperConfig,
                                   KernelScratch, backward_lengths, backward_stages, check_smem, dkdv_scratch,
                                   dq_scratch)
-from .flash_hopper_forward import (copy_in, interpret_params, iota, layout, matmul_nt, produce, query_tile, stream_kv,
+from .flash_hopper_forward import (copy_in, iota, launch, layout, matmul_nt, produce, query_tile, stream_kv,
                                    warpgroup_rows)
 
 # jax 0.10's plgpu.load takes an index argument that 0.11 dropped.
@@ -346,38 +344,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
                   batch=batch, kv_head=index_div(head, group), block_kv=block_kv, steps=tile_steps, stages=stages)
 
 
-def _launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, interpret: bool, name: str):
-    """A Mosaic GPU kernel over a named grid with named scratch buffers (allocated collectively for all
-    warpgroups; a None entry reaches the kernel as None). `pl.kernel` with a `plgpu.Mesh` rather than
-    `plgpu.kernel`, whose batching wrapper does not take the mutable Refs of the one-kernel form's dQ."""
-    names = [name for name, value in scratch.items() if value is not None]
-
-    def entry(*refs):
-        def body(*smem):
-            kernel(*refs, **({name: None for name in scratch} | dict(zip(names, smem))))
-        pl.run_scoped(body, *(scratch[name] for name in names), collective_axes="wg")
-
-    mesh = plgpu.Mesh(grid=tuple(grid.values()), grid_names=tuple(grid), num_threads=COMPUTE_WARPGROUPS + 1,
-                      thread_name="wg", kernel_name=name)
-    # As plgpu.kernel does: inside jax.shard_map the kernel's varying-axes check cannot see through the Refs.
-    with _unchecked_vma():
-        results = pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True),
-                            interpret=interpret_params(interpret) or False, name=name)(*inputs)
-    # ...and the unchecked call drops the varying axes `out_type` declares, which a custom_vjp's backward must
-    # return (the ring's allgather variant hands dQ straight back): declared again here
-    return jax.tree.map(_declared_varying, results, out_type)
-
-
-def _declared_varying(result: jax.Array, declared: jax.ShapeDtypeStruct) -> jax.Array:
-    missing = tuple(sorted(declared.manual_axis_type.varying - jax.typeof(result).manual_axis_type.varying))
-    return jax.lax.pcast(result, missing, to="varying") if missing else result
-
-
-def _unchecked_vma():
-    check_vma = getattr(jax_config, "_check_vma", None)  # a private switch: absent, there is nothing to turn off
-    return check_vma(False) if check_vma is not None else contextlib.nullcontext()
-
-
 def _summed_dq_slices(dq_slices, *, causal: bool, keys_per_cta: int, block_q: int, offset: int):
     """INTERPRET: dQ from the per-CTA slices [K/V tiles, B, Sq, H, D]; a causal CTA never writes the query
     blocks before the first one that sees its keys, so those are masked out (not assumed zero)."""
@@ -434,9 +400,9 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
                      stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
                      overlap=config.bwd_overlap, private_dq=private_dq, interpret=interpret)
 
-    results = _launch(
+    results = launch(
         dkdv_kernel, dkdv_smem.buffers, dkdv_out, dict(kv_heads=kv_heads, kv_tile=kv_tiles, batch=batch), dkdv_inputs,
-        interpret=interpret, name="twinflash_hopper_backward_dkdv" + ("_dq" if one_kernel else ""))
+        warpgroups=wgs, interpret=interpret, name="twinflash_hopper_backward_dkdv" + ("_dq" if one_kernel else ""))
     if one_kernel and interpret:
         dq_slices, dk, dv = results
         dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=block_kv * (1 if private_dq else wgs),
@@ -457,10 +423,10 @@ def _dq_call(inputs, smem: KernelScratch, *, causal: bool, scale: float, config:
     block_q, block_kv, wgs = config.dq_block_q, config.dq_block_kv, COMPUTE_WARPGROUPS
     num_kv = inputs[1].shape[1] // block_kv
     num_tiles = q_len // (wgs * block_q)
-    return _launch(
+    return launch(
         functools.partial(_dq_kernel, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
                           stages=stages, group=group, offset=offset, seq_k=seq_k, num_kv=num_kv,
                           num_tiles=num_tiles, overlap=config.bwd_overlap, interpret=interpret),
         smem.buffers, output_struct(dq_shape, jnp.float32, *inputs),
-        dict(heads=heads, q_tile=num_tiles, batch=batch), inputs, interpret=interpret,
+        dict(heads=heads, q_tile=num_tiles, batch=batch), inputs, warpgroups=wgs, interpret=interpret,
         name="twinflash_hopper_backward_dq")

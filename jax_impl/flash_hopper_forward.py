@@ -33,11 +33,13 @@ roles and the turn, step ranges, masks, softmax, epilogue stores -- is the same 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -333,6 +335,46 @@ def produce(load, consumed, *, begin, end, stages: int):
             plgpu.barrier_wait(barrier.at[index_rem(step - begin, stages)])
 
 
+def launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, warpgroups: int, interpret: bool, name: str,
+           compiler_params=None):
+    """Every Mosaic kernel's launch: `kernel(*refs, **scratch refs)` over a named `grid` of CTAs of `warpgroups`
+    compute warpgroups and one TMA producer, with named scratch buffers (allocated collectively for all
+    warpgroups; a None entry reaches the kernel as None). `pl.kernel` with a `plgpu.Mesh` rather than
+    `plgpu.kernel`, whose batching wrapper does not take the mutable Refs of the one-kernel backward's dQ.
+
+    Inside `jax.shard_map` the kernel's varying-axes check cannot see through the Refs, so the call runs unchecked
+    (as `plgpu.kernel` runs it), and the unchecked call returns its outputs typed as INVARIANT over the mesh axes
+    (the same value on every device). They are declared varying again over the axes `out_type` names (the
+    inputs'): an output typed invariant makes JAX's autodiff treat its per-device use as an implicit broadcast,
+    whose transpose is a psum, so the ring's backward received the cotangent summed over the devices (issue 32:
+    gradients off by up to 11 on 2 GPUs while out and lse were right)."""
+    names = [name for name, value in scratch.items() if value is not None]
+
+    def entry(*refs):
+        def body(*smem):
+            kernel(*refs, **({name: None for name in scratch} | dict(zip(names, smem))))
+        pl.run_scoped(body, *(scratch[name] for name in names), collective_axes="wg")
+
+    mesh = plgpu.Mesh(grid=tuple(grid.values()), grid_names=tuple(grid), num_threads=warpgroups + 1,
+                      thread_name="wg", kernel_name=name)
+    with _unchecked_vma():
+        results = pl.kernel(entry, out_type=out_type, mesh=mesh,
+                            compiler_params=compiler_params or plgpu.CompilerParams(approx_math=True),
+                            interpret=interpret_params(interpret) or False, name=name)(*inputs)
+    return jax.tree.map(declared_varying, results, out_type)
+
+
+def declared_varying(result: jax.Array, declared: jax.ShapeDtypeStruct) -> jax.Array:
+    """`result` typed as varying over every mesh axis `declared` varies over (a no-op outside shard_map)."""
+    missing = tuple(sorted(declared.manual_axis_type.varying - jax.typeof(result).manual_axis_type.varying))
+    return jax.lax.pcast(result, missing, to="varying") if missing else result
+
+
+def _unchecked_vma():
+    check_vma = getattr(jax_config, "_check_vma", None)  # a private switch: absent, there is nothing to turn off
+    return check_vma(False) if check_vma is not None else contextlib.nullcontext()
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "out_dtype", "config", "interpret"))
 def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale: float, out_dtype,
                    config: HopperConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
@@ -357,29 +399,20 @@ def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
     q = pad_axis(q, 1, q_len)
     k, v = pad_axis(k, 1, k_len), pad_axis(v, 1, k_len)
 
-    def body(q_ref, k_ref, v_ref, out_ref, lse_ref, **smem):
-        smem.setdefault("o_smem2", smem["q_smem2"])
-        _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, **smem, causal=causal,
+    def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, o_smem2, q_smem2, **smem):
+        _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2=q_smem2,
+                        o_smem2=q_smem2 if o_smem2 is None else o_smem2, **smem, causal=causal,
                         scale_log2=softmax_scale * LOG2E, block_q=block_q, block_kv=block_kv, stages=stages,
                         group=heads // kv_heads, offset=seq_k - seq_q, seq_k=seq_k, num_kv=num_kv,
                         num_tiles=num_tiles, heads=heads, warpgroups=warpgroups, num_items=num_items,
                         interpret=interpret)
 
-    def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
-        names = [name for name, value in scratch.items() if value is not None]
-        pl.run_scoped(lambda *refs: body(q_ref, k_ref, v_ref, out_ref, lse_ref, **dict(zip(names, refs))),
-                      *(scratch[name] for name in names), collective_axes="wg")
-
-    out, lse = plgpu.kernel(
-        entry,
-        out_type=(output_struct((batch, q_len, heads, head_dim), out_dtype, *inputs),
-                  output_struct((batch, heads, q_len), jnp.float32, *inputs)),
-        grid=(heads, num_tiles, batch) if num_items is None else (min(num_items, sm_count(interpret)),),
-        grid_names=("heads", "q_tile", "batch") if num_items is None else ("cta",),
-        num_threads=warpgroups + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=kernel_smem.reduction_bytes),
-        interpret=interpret_params(interpret),
-        kernel_name="twinflash_hopper_forward",
-    )(q, k, v)
+    out, lse = launch(
+        kernel, scratch,
+        (output_struct((batch, q_len, heads, head_dim), out_dtype, *inputs),
+         output_struct((batch, heads, q_len), jnp.float32, *inputs)),
+        dict(heads=heads, q_tile=num_tiles, batch=batch) if num_items is None else
+        dict(cta=min(num_items, sm_count(interpret))),
+        (q, k, v), warpgroups=warpgroups, interpret=interpret, name="twinflash_hopper_forward",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=kernel_smem.reduction_bytes))
     return out[:, :seq_q], lse[:, :, :seq_q]

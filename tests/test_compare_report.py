@@ -12,10 +12,11 @@ import json
 import re
 from pathlib import Path
 
-import jsonschema
 import matplotlib.image
 import numpy as np
 import pytest
+
+jsonschema = pytest.importorskip("jsonschema")  # a twinflash dependency the GPU image lacks: CPU tests only
 
 from compare.harness import jobs as J
 from compare.harness.plan import CompareSettings

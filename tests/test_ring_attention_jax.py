@@ -1,8 +1,8 @@
 """JAX ring attention (`jax_impl/ring_attention.py`) against single-device attention on identical inputs: out, lse,
 dq, dk, dv for both layouts, both variants, causal and not, MHA and GQA, rings of 1, 2 and 4 emulated host devices
 (conftest requests 4), a 2-D (fsdp x sp) mesh, the model's `attention_fn` use inside a user's shard_map, refused
-lengths and arguments, negative controls, and the per-pair Pallas kernels (interpreted on CPU; real sizes on 4 GPUs
-under the `gpu` marker).
+lengths and arguments, negative controls, and the per-pair Pallas kernels (interpreted on CPU; real sizes on 2 and 4
+GPUs under the `gpu` marker).
 
 The cases the torch twin runs too, their inputs and tolerances (with their reasons) are tests/ring_twins.py's: fp32
 with the reference pair backend against autodiff of single-device float32 attention, bf16 with the Pallas pair
@@ -299,24 +299,39 @@ def test_mosaic_kernels_trace_under_the_ring_vjp_in_both_variants(variant):
 # Real sizes on 4 GPUs
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["ring", "allgather"])
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_four_gpu_ring_bf16_meets_the_flash_rule(layout, variant):
-    """Llama-8B-like heads (32 query, 8 KV, dim 128) over 4096 tokens on 4 GPUs. The exact answer is the fp32
-    reference at full matmul precision (float64 does not fit a GPU at this size; its error is ~1e-6, far below
-    bf16's ~1e-2)."""
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if len(gpus) < 4:
-        pytest.skip("needs 4 GPUs visible to JAX")
-    q, k, v, dout = _inputs(1, 4096, 32, 8, 128, dtype=jnp.bfloat16, seed=7)
-    got = _ring_results(q, k, v, dout, _mesh((4, "sp"), devices=gpus), layout=layout, variant=variant,
-                        backend="pallas")
-    naive = _single_device_results(q, k, v, dout, True)
+# (devices, head dim, layout, variant): both variants at both Mosaic head dims on 2 and 4 GPUs (issue 32's shapes),
+# the contiguous layout once per device count
+GPU_RING_CASES = [(world, dim, "zigzag", variant) for world in (2, 4) for dim in (64, 128)
+                  for variant in ("ring", "allgather")] + [(world, 128, "contiguous", "ring") for world in (2, 4)]
+
+
+@functools.lru_cache(maxsize=2)
+def _gpu_references(head_dim: int):
+    """Inputs, the naive bf16 attention's results and the exact answer of the GPU ring cases at this head dim. The
+    exact answer is the fp32 reference at full matmul precision (float64 does not fit a GPU at this size; its
+    error is ~1e-6, far below bf16's ~1e-2)."""
+    q, k, v, dout = _inputs(1, 8192, 32, 8, head_dim, dtype=jnp.bfloat16, seed=7)
+    naive = _named(_single_device_results(q, k, v, dout, True))
     with jax.default_matmul_precision("highest"):
         exact = _single_device_results(*(x.astype(jnp.float32) for x in (q, k, v, dout)), True)
-    exact = {name: np.asarray(x, np.float64) for name, x in _named(exact).items()}
-    assert_flash_rule(_named(got), _named(naive), exact)
+    return (q, k, v, dout), naive, {name: np.asarray(x, np.float64) for name, x in _named(exact).items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,head_dim,layout,variant", GPU_RING_CASES)
+def test_gpu_ring_bf16_meets_the_flash_rule(world, head_dim, layout, variant):
+    """Llama-8B-like heads (32 query, 8 KV) over 8192 tokens, the default backend (the Mosaic kernels on sm90),
+    inside jax.shard_map on 2 and 4 GPUs; prints each result's max error beside the naive bf16 attention's."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < world:
+        pytest.skip(f"needs {world} GPUs visible to JAX")
+    (q, k, v, dout), naive, exact = _gpu_references(head_dim)
+    got = _named(_ring_results(q, k, v, dout, _mesh((world, "sp"), devices=gpus), layout=layout, variant=variant,
+                               backend="pallas"))
+    errors = {name: float(np.max(np.abs(np.asarray(got[name], np.float64) - exact[name]))) for name in NAMES}
+    naive_errors = {name: float(np.max(np.abs(np.asarray(naive[name], np.float64) - exact[name]))) for name in NAMES}
+    print(f"ring-errors P={world} D={head_dim} {layout} {variant}: ours {errors} naive {naive_errors}")
+    assert_flash_rule(got, naive, exact)
 
 
 def test_off_diagonal_blocks_run_as_equal_squares():
