@@ -3,6 +3,10 @@
 thread of its own, and their collectives meet in a `LockstepRing`. Used where the kernels cannot run inside a
 multi-device `shard_map`: Pallas's Mosaic GPU interpreter sat idle for 15 minutes in one at P=2 on the CPU.
 
+It needs what tests/conftest.py sets up: several emulated host devices (with one, the interpreter's nested
+callbacks wait forever) and inline dispatch of one-device computations (with asynchronous dispatch, a kernel still
+running its callbacks and the next rank's dispatch deadlocked).
+
 The threads take turns: exactly one runs JAX at a time, until it reaches a collective; it then deposits its
 operand, waits for every pending computation (`jax.effects_barrier`: the interpreted kernels are ordered IO
 effects), and passes the turn to the next rank. When the last rank has deposited, every rank's result of that
@@ -13,6 +17,7 @@ order; one that does not (or raises) aborts the others instead of leaving them w
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import jax
@@ -71,9 +76,10 @@ class LockstepRing:
         return jax.lax.slice_in_dim(total, self.index * part, (self.index + 1) * part, axis=axis)
 
 
-def run_ranks(world: int, rank_fn: Callable[[LockstepRing], object]) -> list:
-    """`rank_fn(ring)` for every rank of a lockstep ring of `world` ranks, each in its own thread; their results in
-    rank order. An exception in any rank is raised here (the others are released)."""
+def run_ranks(world: int, rank_fn: Callable[[LockstepRing], object], *, timeout_s: float = 1500.0) -> list:
+    """`rank_fn(ring)` for every rank of a lockstep ring of `world` ranks, each in its own (daemon) thread; their
+    results in rank order. An exception in any rank is raised here (the others are released); ranks still running
+    after `timeout_s` raise TimeoutError rather than hang the test run."""
     turns = _Turns(world)
     results: list = [None] * world
     errors: list[BaseException] = []
@@ -96,11 +102,15 @@ def run_ranks(world: int, rank_fn: Callable[[LockstepRing], object]) -> list:
                 turns.failed = turns.failed or err
                 turns.cond.notify_all()
 
-    threads = [threading.Thread(target=run, args=(rank,), name=f"lockstep-rank-{rank}") for rank in range(world)]
+    threads = [threading.Thread(target=run, args=(rank,), name=f"lockstep-rank-{rank}", daemon=True)
+               for rank in range(world)]
+    deadline = time.monotonic() + timeout_s
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    if any(thread.is_alive() for thread in threads):
+        raise TimeoutError(f"lockstep ring: ranks still running after {timeout_s:.0f} s")
     if errors:
         raise errors[0]
     return results

@@ -330,6 +330,9 @@ def test_the_git_commit_is_the_checkouts_own_or_unknown(tmp_path):
     checkout.mkdir()
     assert checkout_commit(tmp_path) == outer
     assert checkout_commit(checkout) is None
+    (tmp_path / "tracked.txt").write_text("a")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "tracked.txt"], check=True)
+    assert checkout_commit(tmp_path) == f"{outer} + uncommitted changes"  # a newer tree under an older .git
     report = make_report()
     report["environment"]["git_commit"] = None
     assert "| git commit | unknown" in render_markdown(report)

@@ -1,7 +1,8 @@
 """The communication under the PyTorch ring attention: neighbour exchange, all-gather and reduce-scatter over a
 torch.distributed process group, issued on side CUDA streams so that it overlaps the attention compute.
-`torch_impl/ring_attention.py` is the only user; the JAX twin, `jax_impl/ring_attention.py`, needs no such module
-(`jax.lax.ppermute` / `all_gather` / `psum_scatter` are scheduled by XLA).
+`torch_impl/ring_attention.py` is the only user. Twin of `jax_impl/ring_comm.py` (the same `Ring` with `exchange`,
+`all_gather`, `reduce_scatter` and `local_copies`; there XLA schedules `jax.lax.ppermute` / `all_gather` /
+`psum_scatter`, so each returns its result instead of a `Pending`).
 
 Every operation is split into issue (`Ring.exchange`, `Ring.all_gather`, `Ring.reduce_scatter`) and `Pending.wait()`,
 so a caller can issue the next step's transfer, compute the current step, and only then wait.

@@ -26,7 +26,7 @@ run="$OUT/compare-$model"
 mkdir -p "$OUT"
 { nvidia-smi; python3 -c "import sys, torch, triton, jax; print(sys.version); print('torch', torch.__version__,
 'triton', triton.__version__, 'jax', jax.__version__, 'gpus', torch.cuda.device_count())"
-  echo "commit $(git rev-parse HEAD 2>/dev/null || echo 'unknown: the device copy has no git')"; } > "$OUT/env.txt" 2>&1
+  echo "commit $(git describe --always --abbrev=40 --dirty=' + uncommitted changes' 2>/dev/null || echo 'unknown: the device copy has no git')"; } > "$OUT/env.txt" 2>&1
 began=$(date +%s)
 timeout -k 10 "${COMPARE_TIMEOUT_S:-570}" python3 -m compare.cli compare --model "$model" "$@" --out "$run" \
     > "$OUT/compare.log" 2>&1

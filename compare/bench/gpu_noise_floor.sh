@@ -25,7 +25,7 @@ echo "exit $status after $(( $(date +%s) - began )) s" >> "$OUT/compare.log"
 tail -n 25 "$OUT/compare.log"
 
 gpus=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | paste -sd ';')
-commit=$(git rev-parse HEAD 2>/dev/null || echo "unknown: fill in the commit sent")
+commit=$(git describe --always --abbrev=40 --dirty=' + uncommitted changes' 2>/dev/null || echo "unknown: fill in the commit sent")
 python3 - "$OUT" "${command[*]}" "$gpus" "$commit" "$status" <<'PY'
 import json, pathlib, sys
 out, command, gpu, commit, status = pathlib.Path(sys.argv[1]), *sys.argv[2:]

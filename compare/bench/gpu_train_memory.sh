@@ -107,7 +107,7 @@ plan) plan "${2:?seq lens}" ;;
 esac
 
 gpus=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | paste -sd ';')
-commit=$(git rev-parse HEAD 2>/dev/null || echo "unknown: fill in the commit sent")
+commit=$(git describe --always --abbrev=40 --dirty=' + uncommitted changes' 2>/dev/null || echo "unknown: fill in the commit sent")
 python3 - "$runs" "$OUT/summary.json" "$*" "$gpus" "$commit" "$SECONDS" <<'PY'
 import json, pathlib, sys
 runs, out, args, gpu, commit, seconds = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), *sys.argv[3:]

@@ -88,7 +88,7 @@ fi
 [[ ",$stages," == *,compare,* ]] && two_node_compare
 
 gpus=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | paste -sd ';')
-commit=$(git rev-parse HEAD 2>/dev/null || echo "unknown: fill in the commit sent")
+commit=$(git describe --always --abbrev=40 --dirty=' + uncommitted changes' 2>/dev/null || echo "unknown: fill in the commit sent")
 python3 - "$runs" "$OUT/summary.json" "$backends" "$gpus" "$commit" "$(( SECONDS - began ))" "$stages" <<'PY'
 import json, pathlib, sys
 runs, out, backends, gpu, commit, wall, stages = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), *sys.argv[3:]

@@ -117,12 +117,16 @@ CHECKOUT = Path(__file__).resolve().parents[2]  # the twinflash checkout this mo
 
 
 def checkout_commit(root: Path) -> str | None:
-    """The commit checked out in `root` when `root` is the top of a git work tree (a clone or a worktree); None
-    otherwise: a checkout without its own .git would show the commit of a repository above it."""
+    """The commit checked out in `root` when `root` is the top of a git work tree (a clone or a worktree), with
+    " + uncommitted changes" when tracked files differ from it (a copy of a newer tree under an older .git, as a
+    device machine's copy can be, would otherwise pass for that commit); None otherwise: a checkout without its own
+    .git would show the commit of a repository above it."""
     top = _command_output(["git", "rev-parse", "--show-toplevel"], cwd=root)
     if top is None or Path(top).resolve() != root.resolve():
         return None
-    return _command_output(["git", "rev-parse", "HEAD"], cwd=root)
+    head = _command_output(["git", "rev-parse", "HEAD"], cwd=root)
+    changed = _command_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
+    return f"{head} + uncommitted changes" if head and changed else head
 
 
 def environment(settings: CompareSettings) -> dict:
