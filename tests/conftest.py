@@ -1,5 +1,4 @@
-"""Test-wide set-up: emulated devices (and inline dispatch) for JAX, Triton's interpreter without CUDA, and the `gpu`
-marker's skip.
+"""Test-wide set-up: emulated devices for JAX, Triton's interpreter without CUDA, and the `gpu` marker's skip.
 
 JAX reads XLA_FLAGS once, when it first initialises its backend, so the 4 emulated host devices that the ring and
 mesh tests need are requested here, before any test module imports jax. Likewise TRITON_INTERPRET is chosen here,
@@ -9,10 +8,6 @@ before anything imports triton, the way the `twinflash` CLI chooses it; the work
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-# One-device CPU computations run inline rather than dispatched asynchronously: the lockstep ring
-# (tests/ring_lockstep.py) drives the Mosaic GPU interpreter from several Python threads, and with asynchronous
-# dispatch an interpreted kernel still running its callbacks and the next dispatch deadlocked (seen under pytest).
-os.environ.setdefault("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest  # noqa: E402
