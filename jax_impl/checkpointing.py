@@ -36,9 +36,9 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from jax_impl.model import unstack_layers
+from jax_impl.parallel import on_host
 from weights import CheckpointError, ConvertedCheckpoint, LlamaConfig, RandomWeights
 from weights.checkpoint_integrity import read_manifest, write_manifest
 from weights.training import export_trained_tensors
@@ -129,14 +129,7 @@ def export_trained_weights(params: dict[str, jax.Array], config: LlamaConfig, co
     """Writes the float32 master weights (gathered to the host) as a converted checkpoint into
     `converted` and as a Hugging Face checkpoint into `hf`. The HF files that a converted source kept (tokenizer,
     generation config) come along; its config.json does not, since it may declare another dtype."""
-    tensors = unstack_layers({name: np.asarray(_gathered(value), dtype=np.float32)
+    tensors = unstack_layers({name: np.asarray(on_host(value), dtype=np.float32)
                               for name, value in params.items()})
     if jax.process_index() == 0:  # the one writer of a run spanning processes
         export_trained_tensors(tensors, config, converted, hf, source)
-
-
-def _gathered(value: jax.Array) -> np.ndarray:
-    """The whole of a global array on the host; collective when other processes hold some of it."""
-    if value.is_fully_addressable:
-        return jax.device_get(value)
-    return multihost_utils.process_allgather(value, tiled=True)

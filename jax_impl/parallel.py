@@ -45,6 +45,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl.attention import AttentionFn
@@ -101,6 +102,14 @@ def activation_sharding(mesh: Mesh, kind: str) -> NamedSharding:
 def put_sharded(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A host array placed on the mesh as one global array, each device receiving only its own slice."""
     return jax.make_array_from_callback(array.shape, sharding, array.__getitem__)
+
+
+def on_host(array: jax.Array) -> np.ndarray:
+    """The whole of a global array on the host, also when other processes of a run spanning nodes hold some of it
+    (then a collective every process must call)."""
+    if array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 def ring_attention_fn(mesh: Mesh, *, backend: str = "pallas", variant: str = "ring") -> AttentionFn:

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from compare.harness.fastpath import TENSORS, attention_inputs
@@ -26,11 +27,11 @@ from compare.harness.jobs import PERTURBATION, Job, SetupClock
 from compare.harness import perturb as P
 from compare.harness.perturb import attention_scaling, weight_scaling
 from jax_impl.model import stack_layers, unstack_layers
-from jax_impl.parallel import make_mesh, ring_attention_fn
+from jax_impl.parallel import make_mesh, on_host, put_sharded, ring_attention_fn
 from jax_impl.train import Training
 from weights import open_weights
 from weights.layout import inverse_order, layout_order
-from weights.parallel import RING_LAYOUT
+from weights.parallel import ACTIVATION_SHARDING, RING_LAYOUT
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -74,8 +75,8 @@ def attention(job: Job, work_dir: Path, devices: list, clock: SetupClock, host_a
     """An "attention" job (module docstring)."""
     settings = job.settings()
     config = open_weights(job.model, job.seed).config
-    fn = ring_attention_fn(make_mesh(settings.mesh, devices), backend=job.attention_backend,
-                           variant=settings.ring_variant)
+    mesh = make_mesh(settings.mesh, devices)
+    fn = ring_attention_fn(mesh, backend=job.attention_backend, variant=settings.ring_variant)
     scaling = attention_scaling(job.perturb)
     if scaling is not None:
         fn = ScaledAttention(*scaling)(fn)
@@ -88,9 +89,12 @@ def attention(job: Job, work_dir: Path, devices: list, clock: SetupClock, host_a
         out, backward = jax.vjp(fn, q, k, v)
         return (out, *backward(dout))
 
-    results = run(*(jnp.asarray(inputs[name][:, order], jnp.bfloat16) for name in ("q", "k", "v", "dout")))
+    # global arrays on the mesh, split as the model's activations are (a run spanning nodes holds no whole array)
+    sharding = NamedSharding(mesh, PartitionSpec(*ACTIVATION_SHARDING["hidden"][:2], None, None))
+    results = run(*(put_sharded(inputs[name][:, order].astype(jnp.bfloat16), sharding)
+                    for name in ("q", "k", "v", "dout")))
     # C order: an index along axis 1 of a batch over 1 leaves strided arrays, which safetensors writes scrambled
-    arrays = {name: np.ascontiguousarray(np.asarray(value.astype(jnp.float32))[:, inverse_order(order)])
+    arrays = {name: np.ascontiguousarray(on_host(value.astype(jnp.float32))[:, inverse_order(order)])
               for name, value in zip(TENSORS, results)}
     save_file(arrays, str(work_dir / f"{job.id}.safetensors"))
     return {"status": "ok", "setup": clock.result()}

@@ -47,7 +47,7 @@ from compare.harness.jobs import (Job, Phases, SetupClock, bench_units, exposed_
                                   mark_progress, mark_started, read_job_file, timed_steps, union_seconds, write_result)
 from compare.nodes import Nodes
 from jax_impl.model import unstack_layers
-from jax_impl.parallel import sharded_batch
+from jax_impl.parallel import on_host, sharded_batch
 from jax_impl.train import (Training, build_training, init_distributed, next_token_loss, peak_memory_bytes,
                             step_scalars, train_step)
 from weights.layout import inverse_order, layout_order
@@ -60,22 +60,17 @@ _loss_and_grads_alone = jax.jit(jax.value_and_grad(next_token_loss), static_argn
 _forward_loss = jax.jit(next_token_loss, static_argnames=("spec",))
 
 
-def _on_host(array: jax.Array) -> np.ndarray:
-    """The whole array, also when it spans the processes of a launch over several nodes (then a collective)."""
-    return np.asarray(array if array.is_fully_addressable else multihost_utils.process_allgather(array, tiled=True))
-
-
-def _unstacked_on_host(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+def _unstackedon_host(params: dict[str, jax.Array]) -> dict[str, np.ndarray]:
     """Every parameter (or gradient) by name on the host: each stacked array copied once, then split into its
     layers' rows there (splitting on the device first would cost a slice op and a copy per layer and name)."""
-    return unstack_layers({name: _on_host(array) for name, array in params.items()})
+    return unstack_layers({name: on_host(array) for name, array in params.items()})
 
 
 def _weight_sums(run: Training) -> dict[str, list[float]]:
     """float64 [sum, sum of squares] of every parameter as loaded, a chunk at a time (the 1B shape's 1.24e9 values
     as one float64 copy and its square took 11 s)."""
     sums = {}
-    for name, param in _unstacked_on_host(run.state["model"]).items():
+    for name, param in _unstackedon_host(run.state["model"]).items():
         total = squares = 0.0
         for chunk in float64_chunks(param):
             total, squares = total + float(chunk.sum()), squares + float(chunk @ chunk)
@@ -114,13 +109,13 @@ def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock, host
             (loss, logits), grads = _loss_and_grads(run.state["model"], tokens, targets, positions, spec=run.spec,
                                                     with_logits=True)
             order = layout_order(job.seq_len, settings.mesh.sp, RING_LAYOUT)
-            arrays["logits"] = np.ascontiguousarray(_on_host(logits)[:, inverse_order(order)])  # safetensors: C order
+            arrays["logits"] = np.ascontiguousarray(on_host(logits)[:, inverse_order(order)])  # safetensors: C order
             del logits  # the device's copy, before the steps need the memory
         else:
             loss, grads = _loss_and_grads_alone(run.state["model"], tokens, targets, positions, spec=run.spec)
         loss = float(loss)
         phases.lap("loss and gradients")
-        arrays.update({f"grad/{name}": g for name, g in _unstacked_on_host(grads).items()})
+        arrays.update({f"grad/{name}": g for name, g in _unstackedon_host(grads).items()})
         del grads
         phases.lap("gather to host")
         curve = _train_steps(run, batches, range(settings.steps)) if whole and job.mode == "train" else []
