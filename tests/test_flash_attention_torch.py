@@ -362,7 +362,7 @@ def test_bad_inputs_raise_value_error(mutate, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(softmax_scale=0.0), "softmax_scale"), (dict(softmax_scale=float("nan")), "softmax_scale"),
-    (dict(backend="cudnn"), "choose one of 'triton', 'reference'"),
+    (dict(backend="cudnn"), "choose one of 'triton', 'triton_portable', 'triton_hopper', 'reference'"),
 ])
 def test_bad_options_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
