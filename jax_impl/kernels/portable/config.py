@@ -24,7 +24,7 @@ class KernelConfig(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class PortableConfig:
-    """Block sizes of the Triton-lowering kernels (the Mosaic kernels' twin is `HopperConfig`). forward and
+    """Block sizes of the portable kernels (the Hopper family's twin is `hopper.config.HopperConfig`). forward and
     backward_dq: a program owns `block_q` query rows and steps over K/V by `block_k`; backward_dkdv: a program
     owns `block_k` key rows and steps over queries by `block_q` (for every query head of its GQA group)."""
     forward: KernelConfig
