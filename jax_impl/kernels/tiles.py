@@ -64,13 +64,6 @@ def output_struct(shape, dtype, *inputs: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=types[0].update(varying=varying))
 
 
-def traced(value: int):
-    """`value` as a traced int32 (Triton folds it back to the constant). Loop bounds go through this: with
-    Python-int bounds fori_loop becomes a scan that carries the kernel's refs, and Pallas's interpreter cannot
-    run that inside `jax.shard_map` (the scan carry fails the varying-mesh-axes check); a while loop it can."""
-    return value + pl.program_id(0) * 0
-
-
 def _int32(value):
     """A Python or numpy int as an int32 constant; traced values as they are (the kernels' indices are int32)."""
     return np.int32(value) if isinstance(value, (int, np.integer)) else value
@@ -86,11 +79,6 @@ def index_div(x, divisor):
 def index_rem(x, divisor):
     """x % divisor on the kernels' int32 indices (`index_div`'s remainder; x >= 0)."""
     return lax.rem(_int32(x), _int32(divisor))
-
-
-def _nonneg_div(x, divisor: int):
-    """x // divisor for a traced int clamped at 0."""
-    return index_div(jnp.maximum(x, 0), divisor)
 
 
 # --- portable kernels --------------------------------------------------------------------------------------
@@ -132,6 +120,18 @@ def causal_visible(q_pos: jax.Array, k_pos: jax.Array, offset: int) -> jax.Array
 def visible(q_pos: jax.Array, k_pos: jax.Array, *, causal: bool, offset: int, seq_k: int) -> jax.Array:
     """Which (query, key) pairs attend: `causal_visible`, or without causality every real (unpadded) key."""
     return causal_visible(q_pos, k_pos, offset) if causal else k_pos < seq_k
+
+
+def traced(value: int):
+    """`value` as a traced int32 (Triton folds it back to the constant). Loop bounds go through this: with
+    Python-int bounds fori_loop becomes a scan that carries the kernel's refs, and Pallas's interpreter cannot
+    run that inside `jax.shard_map` (the scan carry fails the varying-mesh-axes check); a while loop it can."""
+    return value + pl.program_id(0) * 0
+
+
+def _nonneg_div(x, divisor: int):
+    """x // divisor for a traced int clamped at 0."""
+    return index_div(jnp.maximum(x, 0), divisor)
 
 
 def kv_block_range(q_first, block_q: int, block_k: int, *, causal: bool, offset: int, seq_k: int,
