@@ -2,7 +2,7 @@
 Twin of `torch_impl/remat.py`. The modes, what each keeps and why: `weights.parallel.REMAT_MODES`.
 
 `checkpointed_layer` wraps a layer in `jax.checkpoint`, for "save-attention" with a policy that saves the values
-named by `keep_for_backward` (`checkpoint_name`). The attention custom_vjps (`jax_impl/flash_attention.py`,
+named by `keep_for_backward` (`checkpoint_name`). The attention custom_vjps (`jax_impl/kernels/flash_attention.py`,
 `jax_impl/ring_attention.py`) name their forward's out and lse with it; their residuals q, k, v are recomputed
 from the layer input, and XLA drops the attention forward that nothing then needs. Attention written as plain
 autodiff math (`jax_impl/attention.py`) is not named, so with it both modes recompute the same.

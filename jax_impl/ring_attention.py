@@ -49,7 +49,7 @@ needed. The prefix lengths depend on the traced rank, so the calls sit in a `jax
 rank (static shapes in each). Its backward gathers K/V again (instead of keeping P copies alive) and
 `psum_scatter`s float32 dK/dV.
 
-Per-pair work goes to `jax_impl.flash_attention` (`backend="pallas"` kernels, `"reference"` plain math, or
+Per-pair work goes to `jax_impl.kernels.flash_attention` (`backend="pallas"` kernels, `"reference"` plain math, or
 `"cudnn"`). Shapes are static in JAX, so inside `shard_map` every device has the same local shapes and settings:
 the cross-rank mismatch the torch twin checks at run time cannot occur. P = 1 runs the single diagonal step
 without collectives (for either variant).
@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jax_impl.flash_attention import flash_attention_backward, flash_attention_forward, runs_mosaic_kernels
+from jax_impl.kernels.flash_attention import flash_attention_backward, flash_attention_forward, runs_hopper_kernels
 from jax_impl.remat import keep_for_backward
 from jax_impl.ring_comm import Ring, mesh_ring
 from weights.attention import ALL, RingBlock, check_ring_choices, check_ring_shapes, ring_block
@@ -347,7 +347,7 @@ def ring_config(q: jax.Array, *, axis_name: str = "sp", causal: bool = True, lay
     check_ring_choices(layout, variant)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return RingConfig(axis_name, bool(causal), layout, variant, scale, backend, bool(local_copies),
-                      runs_mosaic_kernels(backend, q))
+                      runs_hopper_kernels(backend, q))
 
 
 def shard_for_ring(x: jax.Array, world: int, layout: str, axis: int = 1) -> jax.Array:

@@ -1,6 +1,6 @@
-"""The routes of torch_impl.flash_attention to other kernels (PyTorch's SDPA cuDNN/FA2 ops, the optional flash-attn
-package), checked on CPU against stand-ins with those kernels' exact signatures; the real CUDA ops run in the GPU tests
-of tests/test_flash_attention_torch.py. Tolerance: float32 math on both sides, 1e-4."""
+"""The routes of torch_impl.kernels.flash_attention to other kernels (PyTorch's SDPA cuDNN/FA2 ops, the optional
+flash-attn package), checked on CPU against stand-ins with those kernels' exact signatures; the real CUDA ops run in the
+GPU tests of tests/test_flash_attention_torch.py. Tolerance: float32 math on both sides, 1e-4."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_flash_attention_torch import NAMES, _exact, _good, _inputs
 
-from torch_impl.flash_attention import flash_attention
+from torch_impl.kernels.flash_attention import flash_attention
 
 
 def _cpu_sdpa_stand_ins(seen: list | None = None):
@@ -65,7 +65,7 @@ def _cpu_sdpa_stand_ins(seen: list | None = None):
 @pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_sdpa_adapters_on_cpu_stand_ins(monkeypatch, backend, causal):
-    module = importlib.import_module("torch_impl.flash_attention")  # the package exports the function by that name
+    module = importlib.import_module("torch_impl.kernels.flash_attention")
 
     monkeypatch.setattr(module, "aten", _cpu_sdpa_stand_ins())
     q, k, v, dout = _inputs(2, 24, 24, 4, 2, 32, torch.float32)
@@ -83,7 +83,7 @@ def test_sdpa_adapters_on_cpu_stand_ins(monkeypatch, backend, causal):
 def test_sdpa_adapters_pass_tokens_major_views(monkeypatch, backend):
     """The ops get q, out and dout as views of the callers' memory (no copy; only GQA's repeated K/V heads are
     new), and a bf16 call returns bf16 results, no float32 round trip."""
-    module = importlib.import_module("torch_impl.flash_attention")
+    module = importlib.import_module("torch_impl.kernels.flash_attention")
 
     seen = []
     monkeypatch.setattr(module, "aten", _cpu_sdpa_stand_ins(seen))
@@ -151,7 +151,7 @@ class _CustomOpDef:
 
 @pytest.mark.parametrize("version", ["2.6", "2.7"])
 def test_flash_attn_adapter_on_a_stand_in_package(monkeypatch, version):
-    module = importlib.import_module("torch_impl.flash_attention")  # the package exports the function by that name
+    module = importlib.import_module("torch_impl.kernels.flash_attention")
 
     package = _flash_attn_stand_in(version)
     monkeypatch.setitem(sys.modules, "flash_attn", package)

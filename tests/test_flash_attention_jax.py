@@ -1,4 +1,4 @@
-"""JAX FlashAttention (`jax_impl/flash_attention.py` and its Pallas kernels) against a float64 reference: out,
+"""JAX FlashAttention (`jax_impl/kernels/flash_attention.py` and its Pallas kernels) against a float64 reference: out,
 lse, dq, dk, dv over dtypes, causal/full, MHA/GQA, head dims and odd or unequal lengths; the pair-level contract
 the ring uses (partials merged by lse, backward from the global out/lse); autodiff under jit and shard_map;
 random shapes (hypothesis); configs and validation. On CPU the kernels run in Pallas interpret mode with small
@@ -23,9 +23,11 @@ from hypothesis import given, settings
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_impl.attention import reference_attention, reference_attention_backward, reference_attention_forward
-from jax_impl.flash_attention import BACKENDS, flash_attention, flash_attention_backward, flash_attention_forward
-from jax_impl.flash_forward import INTERPRET_CONFIG, KernelConfig, TritonConfig, default_config
-from jax_impl.flash_hopper_forward import HopperConfig
+from jax_impl.kernels import flash_attention as flash_attention_module
+from jax_impl.kernels.flash_attention import (BACKENDS, flash_attention, flash_attention_backward,
+                                              flash_attention_forward)
+from jax_impl.kernels.hopper.config import HopperConfig
+from jax_impl.kernels.portable.config import INTERPRET_CONFIG, KernelConfig, PortableConfig, default_config
 
 NAMES = twins.NAMES
 # Interpret-mode kernels are tiny loops; XLA's CPU optimisation passes dominate their compile time. (On a GPU
@@ -277,10 +279,10 @@ def _forward_grids(config, q, k, v) -> list[tuple]:
 
 
 def test_config_is_an_argument_and_none_means_the_heuristic():
-    """A TritonConfig reaches the kernels (its block_q sets the forward grid) and computes the same attention; no
+    """A PortableConfig reaches the kernels (its block_q sets the forward grid) and computes the same attention; no
     config means `default_config`; nothing outside the call changes."""
     q, k, v, dout = _inputs(1, 40, 40, 2, 2, 32, jnp.float32, seed=9)
-    custom = TritonConfig(KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1))
+    custom = PortableConfig(KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 4, 1))
     assert default_config(32, jnp.float32, interpret=True) == INTERPRET_CONFIG != custom
     assert _forward_grids(custom, q, k, v) == [(3, 1, 2)]  # 40 query rows in blocks of 16
     assert _forward_grids(None, q, k, v) == _forward_grids(INTERPRET_CONFIG, q, k, v) == [(2, 1, 2)]  # of 32
@@ -290,14 +292,32 @@ def test_config_is_an_argument_and_none_means_the_heuristic():
     _assert_fp32_close(flash, reference)
 
 
-@pytest.mark.parametrize("backend, config, message", [
-    ("pallas", HopperConfig(), "config must be a TritonConfig"),
-    ("pallas_triton", KernelConfig(16, 16, 4, 1), "config must be a TritonConfig, a HopperConfig or None"),
-    ("reference", INTERPRET_CONFIG, "takes none"),
+HOPPER_SHAPED = dict(q=(1, 8, 4, 64), k=(1, 8, 2, 64), dtype=jnp.bfloat16)  # a call the Hopper family serves
+
+
+@pytest.mark.parametrize("backend, config, shape, message", [
+    ("pallas", HopperConfig(), {}, "config is a HopperConfig, the hopper family's, but the portable family serves"),
+    ("pallas_portable", HopperConfig(), HOPPER_SHAPED,
+     "config is a HopperConfig, the hopper family's, but the portable family serves this call"),
+    ("pallas_hopper", INTERPRET_CONFIG, HOPPER_SHAPED,
+     "config is a PortableConfig, the portable family's, but the hopper family serves this call"),
+    ("pallas_portable", KernelConfig(16, 16, 4, 1), {}, "config must be a PortableConfig, a HopperConfig or None"),
+    ("reference", INTERPRET_CONFIG, {}, "takes none"),
 ])
-def test_config_of_the_wrong_kind_is_refused(backend, config, message):
+def test_config_of_the_wrong_kind_is_refused(backend, config, shape, message):
     with pytest.raises(ValueError, match=message):
-        flash_attention(*_arrays(), backend=backend, config=config)
+        flash_attention(*_arrays(**shape), backend=backend, config=config)
+
+
+def test_config_of_the_portable_family_is_refused_where_pallas_picks_the_hopper_family(monkeypatch):
+    """Under the automatic "pallas" the family is the inputs' and the device's (here as on an sm90 GPU): a
+    PortableConfig is then a ValueError naming both families, before anything compiles."""
+    monkeypatch.setattr(flash_attention_module, "_on_hopper", lambda: True)
+    message = "config is a PortableConfig, the portable family's, but the hopper family serves this call"
+    with pytest.raises(ValueError, match=message):
+        flash_attention(*_arrays(**HOPPER_SHAPED), backend="pallas", config=INTERPRET_CONFIG)
+    with pytest.raises(ValueError, match=message):
+        flash_attention_forward(*_arrays(**HOPPER_SHAPED), causal=True, config=INTERPRET_CONFIG)
 
 
 def _arrays(q=(1, 8, 4, 16), k=(1, 8, 2, 16), v=None, dtype=jnp.float32):
@@ -335,7 +355,7 @@ def test_validation_errors_name_the_argument(case):
 
 
 def test_backends_listed_and_cudnn_refused_off_gpu():
-    assert BACKENDS == ("pallas", "pallas_mosaic", "pallas_triton", "reference", "cudnn")
+    assert BACKENDS == ("pallas", "pallas_portable", "pallas_hopper", "reference", "cudnn")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             flash_attention(*_arrays(dtype=jnp.bfloat16), backend="cudnn")

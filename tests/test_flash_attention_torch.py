@@ -1,4 +1,4 @@
-"""Tests of the PyTorch FlashAttention (`torch_impl/flash_attention.py` and its Triton kernels). Twin of
+"""Tests of the PyTorch FlashAttention (`torch_impl/kernels/flash_attention.py` and its Triton kernels). Twin of
 `tests/test_flash_attention_jax.py`: the cases both run, their inputs, the float64 answer and the tolerances
 (with their reasons) are tests/kernel_twins.py's.
 
@@ -26,13 +26,17 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_impl import flash_backward, flash_forward
 from torch_impl.attention import reference_attention
-from torch_impl.flash_attention import BACKENDS, flash_attention, flash_attention_backward, flash_attention_forward
-from torch_impl.flash_backward import DKDV_SHAPES, DQ_SHAPES, dkdv_shared_bytes, dq_shared_bytes
-from torch_impl.flash_forward import (FORWARD_SHAPES, INTERPRETED, KernelConfig, TritonConfig, fitting,
-                                      forward_shared_bytes, round_to)
-from torch_impl.flash_hopper_forward import Config as HopperConfig
+from torch_impl.kernels import flash_attention as flash_attention_module
+from torch_impl.kernels.flash_attention import (BACKENDS, flash_attention, flash_attention_backward,
+                                                flash_attention_forward)
+from torch_impl.kernels.hopper.config import HopperConfig
+from torch_impl.kernels.portable import backward as portable_bwd
+from torch_impl.kernels.portable import config as portable_config
+from torch_impl.kernels.portable import forward as portable_fwd
+from torch_impl.kernels.portable.config import (DKDV_SHAPES, DQ_SHAPES, FORWARD_SHAPES, KernelConfig, PortableConfig,
+                                                dkdv_shared_bytes, dq_shared_bytes, fitting, forward_shared_bytes)
+from torch_impl.kernels.tiles import INTERPRETED, round_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF = (torch.bfloat16, torch.float16)
@@ -120,7 +124,7 @@ def _assert_fp32_close(ours, exact):
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 def test_matches_exact_within_twice_naive_error(dtype, causal, case):
     # Under the interpreter this is the proof that the bf16 path is right: the kernels upcast tiles and round
-    # operands themselves there (flash_forward's docstring), and must still meet the rule.
+    # operands themselves there (kernels/tiles.py's docstring), and must still meet the rule.
     ours, exact = _check_rule(*_case_inputs(case, dtype), causal)
     assert ours["out"].dtype == dtype and ours["lse"].dtype == torch.float32
     twins.assert_unseen_rows_zero(_numpy(ours), _numpy(exact))
@@ -240,7 +244,7 @@ def test_round_to_rounds_to_nearest_even(dtype):
 def test_autotuning_keeps_the_configs_that_fit_in_shared_memory(monkeypatch):
     """The pruning the GPU autotuner runs, here on CPU: the expected sets are what an ahead-of-time compile for
     sm_90 (triton 3.9 and 3.6, bf16) allocated, against the 227 KB an H100/H200 block may use."""
-    monkeypatch.setattr(flash_forward, "_max_shared_memory", lambda device_index: 232448)
+    monkeypatch.setattr(portable_config, "_max_shared_memory", lambda device_index: 232448)
 
     def kept(shared_bytes, shapes, head_dim, dtype=torch.bfloat16, seq_bucket=65536):
         configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
@@ -263,8 +267,8 @@ def test_autotuning_keeps_the_configs_that_fit_in_shared_memory(monkeypatch):
 def _recorded_grids(monkeypatch) -> dict:
     """{kernel: grid} of the portable kernels' launches from now on, whoever launches them (autotuner or config)."""
     grids = {}
-    for name, kernel in (("forward", flash_forward._forward_kernel), ("dkdv", flash_backward._dkdv_kernel),
-                         ("dq", flash_backward._dq_kernel)):
+    for name, kernel in (("forward", portable_fwd._forward_kernel), ("dkdv", portable_bwd._dkdv_kernel),
+                         ("dq", portable_bwd._dq_kernel)):
         def recording(*args, grid, _name=name, _run=kernel.fn.run, **kwargs):
             grids[_name] = grid(kwargs) if callable(grid) else grid
             return _run(*args, grid=grid, **kwargs)
@@ -272,11 +276,11 @@ def _recorded_grids(monkeypatch) -> dict:
     return grids
 
 
-CUSTOM_CONFIG = TritonConfig(KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1), KernelConfig(16, 16, 4, 1))
+CUSTOM_CONFIG = PortableConfig(KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1), KernelConfig(16, 16, 4, 1))
 
 
 def test_config_is_an_argument_and_none_means_the_autotuner(monkeypatch):
-    """A TritonConfig reaches each kernel (its blocks set the grids) and computes the same attention; no config
+    """A PortableConfig reaches each kernel (its blocks set the grids) and computes the same attention; no config
     launches what the autotuner picks (the interpreter's one config: forward and dQ 64 x 32, dK/dV 32 x 64)."""
     q, k, v, dout = _inputs(1, 40, 40, 2, 1, 32, torch.float32, seed=9)
     scale = 1 / math.sqrt(32)
@@ -297,10 +301,14 @@ def test_config_is_an_argument_and_none_means_the_autotuner(monkeypatch):
 
 
 @pytest.mark.parametrize("backend, config, message", [
-    ("triton", KernelConfig(16, 16, 4, 1), "config must be a flash_forward.TritonConfig or None, got KernelConfig"),
-    ("triton_portable", HopperConfig(64, 64, 4, 2), "config must be a flash_forward.TritonConfig or None"),
-    ("reference", CUSTOM_CONFIG, "backend='reference' does not run them"),
-    ("triton_hopper", CUSTOM_CONFIG, "backend='triton_hopper' does not run them"),
+    ("triton", KernelConfig(16, 16, 4, 1), "config must be a PortableConfig, a HopperConfig or None, got KernelConfig"),
+    ("triton_portable", HopperConfig(), "config is a HopperConfig, the hopper family's, but the portable family "
+                                        "serves this call"),
+    ("triton", HopperConfig(), "config is a HopperConfig, the hopper family's, but the portable family serves"),
+    ("reference", CUSTOM_CONFIG, "backend='reference' takes none"),
+    ("triton_hopper", CUSTOM_CONFIG, "config is a PortableConfig, the portable family's, but the hopper family "
+                                     "serves this call"),
+    ("triton_hopper", HopperConfig(backward=CUSTOM_CONFIG), "config.backward must be a HopperBackwardConfig"),
     ("triton", dataclasses.replace(CUSTOM_CONFIG, backward_dq=KernelConfig(24, 16, 4, 1)),
      r"config.backward_dq = KernelConfig\(block_m=24, .*\): blocks must be powers of two"),
     ("triton", dataclasses.replace(CUSTOM_CONFIG, forward=(16, 16, 4, 1)), "config.forward must be a .*KernelConfig"),
@@ -313,6 +321,18 @@ def test_config_of_the_wrong_kind_is_refused(backend, config, message):
     with pytest.raises(ValueError, match=message):
         flash_attention_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=None, backend=backend,
                                  config=config)
+
+
+def test_config_of_the_portable_family_is_refused_where_triton_picks_the_hopper_family(monkeypatch):
+    """Under the automatic "triton" the family is the inputs' (here as on an sm_90 GPU with Triton 3.6): a
+    PortableConfig is then a ValueError naming both families, not a silent switch to the portable kernels."""
+    q, k, v, dout = _good()
+    monkeypatch.setattr(flash_attention_module, "hopper_unsupported", lambda *_: None)
+    message = "config is a PortableConfig, the portable family's, but the hopper family serves this call"
+    with pytest.raises(ValueError, match=message):
+        flash_attention(q, k, v, backend="triton", config=CUSTOM_CONFIG)
+    with pytest.raises(ValueError, match=message):
+        flash_attention_forward(q, k, v, causal=True, softmax_scale=None, config=CUSTOM_CONFIG)
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -342,7 +362,7 @@ def test_bad_inputs_raise_value_error(mutate, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(softmax_scale=0.0), "softmax_scale"), (dict(softmax_scale=float("nan")), "softmax_scale"),
-    (dict(backend="cudnn"), "choose one of 'triton', 'reference'"),
+    (dict(backend="cudnn"), "choose one of 'triton', 'triton_portable', 'triton_hopper', 'reference'"),
 ])
 def test_bad_options_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -435,7 +455,7 @@ def test_cpu_tensors_need_the_interpreter_chosen_before_triton_is_imported(tmp_p
         "    os.environ['TRITON_INTERPRET'] = '1'\n"
         "import torch\n"
         "from torch_impl.attention import reference_attention\n"
-        "from torch_impl.flash_attention import flash_attention\n"
+        "from torch_impl.kernels.flash_attention import flash_attention\n"
         "q, k, v = torch.randn(1, 40, 2, 32), torch.randn(1, 40, 1, 32), torch.randn(1, 40, 1, 32)\n"
         "try:\n"
         "    out = flash_attention(q, k, v)\n"

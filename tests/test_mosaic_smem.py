@@ -1,4 +1,5 @@
-"""Shared memory of the Hopper Mosaic GPU kernels (`jax_impl/flash_hopper_config.py`), on CPU, compiling nothing:
+"""Shared memory of the Hopper family's Mosaic GPU kernels (`jax_impl/kernels/hopper/config.py`), on CPU, compiling
+nothing:
 the accounting against the numbers GPUs reported and against Pallas's own resource estimate of the traced kernels;
 the heuristic's configs fit every kernel of every call the JAX ring makes (P = 1..8, local lengths 256..256k,
 both layouts and variants, causal or not, every head dim, dtype and out dtype, forward and every backward form);
@@ -10,23 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from jax_impl import flash_hopper_config, flash_hopper_forward
-from jax_impl.flash_attention import flash_attention_backward, flash_attention_forward
-from jax_impl.flash_hopper_backward import mosaic_backward
-from jax_impl.flash_hopper_config import (BACKWARD_FORMS, SM90_SMEM_BYTES, HopperConfig, autotune_space,
-                                          default_config, fits, smem_limit, smem_needs)
-from jax_impl.flash_hopper_forward import mosaic_forward
+from jax_impl.kernels import flash_attention as flash_attention_module
+from jax_impl.kernels.flash_attention import flash_attention_backward, flash_attention_forward
+from jax_impl.kernels.hopper import backward as hopper_backward_module
+from jax_impl.kernels.hopper import forward as hopper_forward_module
+from jax_impl.kernels.hopper.backward import hopper_backward
+from jax_impl.kernels.hopper.config import (BACKWARD_FORMS, SM90_SMEM_BYTES, HopperConfig, autotune_space,
+                                            default_config, fits, smem_limit, smem_needs)
+from jax_impl.kernels.hopper.forward import hopper_forward
 from jax_impl.ring_attention import ring_attention
 
-# The package re-exports the function `flash_attention` under the module's name: the module itself.
-flash_attention_module = importlib.import_module("jax_impl.flash_attention")
 BF16, FP16, FP32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
 HEAD_DIMS_AND_DTYPES = [(64, BF16), (64, FP16), (128, BF16), (128, FP16)]
 WORLDS = range(1, 9)
@@ -102,16 +102,15 @@ ESTIMATE_CASES = [
 def test_accounting_equals_pallas_own_estimate(monkeypatch, change, head_dim, causal, out_dtype, seq_q, seq_k):
     """The kernels traced for a GPU (interpret=False; tracing compiles nothing) and Pallas's estimate of their
     scratch agree with `smem_needs` kernel by kernel, over the limit or not (the check is turned off to trace)."""
-    monkeypatch.setattr(flash_hopper_forward, "check_smem", lambda *args, **kwargs: None)
-    monkeypatch.setattr(importlib.import_module("jax_impl.flash_hopper_backward"), "check_smem",
-                        lambda *args, **kwargs: None)
+    monkeypatch.setattr(hopper_forward_module, "check_smem", lambda *args, **kwargs: None)
+    monkeypatch.setattr(hopper_backward_module, "check_smem", lambda *args, **kwargs: None)
     config = HopperConfig(**change)
     q = jax.ShapeDtypeStruct((1, seq_q, 4, head_dim), BF16)
     kv = jax.ShapeDtypeStruct((1, seq_k, 2, head_dim), BF16)
     lse = jax.ShapeDtypeStruct((1, 4, seq_q), FP32)
-    forward = functools.partial(mosaic_forward, causal=causal, softmax_scale=0.1, out_dtype=out_dtype, config=config,
+    forward = functools.partial(hopper_forward, causal=causal, softmax_scale=0.1, out_dtype=out_dtype, config=config,
                                 interpret=False)
-    backward = functools.partial(mosaic_backward, causal=causal, softmax_scale=0.1, config=config, interpret=False)
+    backward = functools.partial(hopper_backward, causal=causal, softmax_scale=0.1, config=config, interpret=False)
     estimated = _pallas_estimates(forward, q, kv, kv) + _pallas_estimates(backward, q, q, kv, kv, q, lse)
     needs = smem_needs(config, head_dim=head_dim, dtype=BF16, out_dtype=out_dtype, causal=causal, seq_q=seq_q,
                        seq_k=seq_k, group=2)
@@ -136,12 +135,12 @@ def _recorded_ring_calls(monkeypatch, world: int, local_len: int, *, causal: boo
         calls.append(("backward", q.shape[1], k.shape[1], causal, None, config))
         return tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
 
-    monkeypatch.setattr(flash_attention_module, "mosaic_forward", forward)
-    monkeypatch.setattr(flash_attention_module, "mosaic_backward", backward)
+    monkeypatch.setattr(flash_attention_module, "hopper_forward", forward)
+    monkeypatch.setattr(flash_attention_module, "hopper_backward", backward)
     mesh = AbstractMesh((world,), ("sp",))
     tokens = PartitionSpec(None, "sp", None, None)
     attend = jax.shard_map(functools.partial(ring_attention, causal=causal, layout=layout, variant=variant,
-                                             backend="pallas_mosaic"),
+                                             backend="pallas_hopper"),
                            mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens)
     q = jax.ShapeDtypeStruct((1, world * local_len, 2, 128), BF16)
     kv = jax.ShapeDtypeStruct((1, world * local_len, 1, 128), BF16)
@@ -233,10 +232,10 @@ def test_a_forced_config_that_does_not_fit_raises_before_compiling():
     with pytest.raises(ValueError, match=r"HopperConfig\(.*full_compute_warpgroups=3.* needs 280688 bytes of "
                                          r"shared memory in the Mosaic forward kernel .*float32 out.* over the "
                                          r"device's 232448"):
-        flash_attention_forward(q, kv, kv, causal=False, out_dtype=jnp.float32, backend="pallas_mosaic", config=three)
+        flash_attention_forward(q, kv, kv, causal=False, out_dtype=jnp.float32, backend="pallas_hopper", config=three)
     lse = jnp.zeros((1, 2, 384), jnp.float32)
     with pytest.raises(ValueError, match=r"bwd_num_stages=3.* needs 297120 bytes .* backward dQ kernel"):
-        flash_attention_backward(q, q, kv, kv, q, lse, causal=True, backend="pallas_mosaic",
+        flash_attention_backward(q, q, kv, kv, q, lse, causal=True, backend="pallas_hopper",
                                  config=HopperConfig(bwd_num_stages=3))
 
 
@@ -272,9 +271,3 @@ def test_the_limit_is_the_devices(monkeypatch):
         default_config(128, limit=smem_limit(interpret=False))
     monkeypatch.setattr(jax, "local_devices", lambda: [object()])
     assert smem_limit(interpret=False) == SM90_SMEM_BYTES
-
-
-def test_module_exports_stay_importable_from_the_forward():
-    """Scripts and tests import the config names from flash_hopper_forward, as before the split."""
-    for name in ("HopperConfig", "autotune_space", "default_config", "supports"):
-        assert getattr(flash_hopper_forward, name) is getattr(flash_hopper_config, name)

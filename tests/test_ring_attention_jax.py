@@ -115,7 +115,7 @@ def test_small_rings_match_single_device(case):
 def test_square_pieces_match_single_device(world, monkeypatch):
     """The off-diagonal blocks as half-by-half squares (`_kernel_pieces`, which the ring takes where the Mosaic
     kernels serve the calls) are exact too: forced here with the reference pair math."""
-    monkeypatch.setattr(importlib.import_module("jax_impl.ring_attention"), "runs_mosaic_kernels",
+    monkeypatch.setattr(importlib.import_module("jax_impl.ring_attention"), "runs_hopper_kernels",
                         lambda backend, q: True)
     q, k, v, dout = _inputs(1, 32, 4, 2, 8, seed=5)
     got = _ring_results(q, k, v, dout, _mesh((world, "sp")), layout="zigzag")
@@ -283,7 +283,7 @@ def test_mosaic_kernels_trace_under_the_ring_vjp_in_both_variants(variant):
     interpreter here would take minutes); the numbers are the GPU tests' and the interpreted pair tests'."""
     mesh = _mesh((2, "sp"))
     spec = PartitionSpec(None, "sp", None, None)
-    attention = jax.shard_map(functools.partial(ring_attention, axis_name="sp", backend="pallas_mosaic",
+    attention = jax.shard_map(functools.partial(ring_attention, axis_name="sp", backend="pallas_hopper",
                                                 variant=variant), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 256, 1, 64), jnp.bfloat16)
@@ -355,10 +355,10 @@ def test_two_device_ring_lowers_six_mosaic_kernels(monkeypatch):
     # compare/results/jax-compile-profile-2026-11-23-h200/). Lowered for CUDA on the CPU with the calls switched
     # from the interpreter to Mosaic GPU: forward, dK/dV and dQ for the diagonal block and for the one off-diagonal
     # square shape, where whole off-diagonal blocks (two shapes) made 9.
-    monkeypatch.setattr(importlib.import_module("jax_impl.flash_attention"), "_interpret", lambda: False)
+    monkeypatch.setattr(importlib.import_module("jax_impl.kernels.flash_attention"), "_interpret", lambda: False)
     mesh = _mesh((2, "sp"))
     spec = PartitionSpec(None, "sp", None, None)
-    attention = jax.shard_map(functools.partial(ring_attention, axis_name="sp", backend="pallas_mosaic"), mesh=mesh,
+    attention = jax.shard_map(functools.partial(ring_attention, axis_name="sp", backend="pallas_hopper"), mesh=mesh,
                               in_specs=(spec, spec, spec), out_specs=spec)
     sharding = jax.sharding.NamedSharding(mesh, spec)
     q = jax.ShapeDtypeStruct((1, 2048, 4, 64), jnp.bfloat16, sharding=sharding)

@@ -105,7 +105,7 @@ def case_sdpa_stand_ins(rank, world, *, case: RingCase, compile_merge: bool):
     call. bf16 partials in bf16 accumulators at P = 2 (`exact_output_dtype`), the merge eager or compiled."""
     from test_flash_attention_adapters import _cpu_sdpa_stand_ins
 
-    flash = importlib.import_module("torch_impl.flash_attention")
+    flash = importlib.import_module("torch_impl.kernels.flash_attention")
     saved = flash.aten, flash._check_backend_limits
     flash.aten, flash._check_backend_limits = _cpu_sdpa_stand_ins(), lambda *args: None
     try:
@@ -386,7 +386,7 @@ def case_ring_vs_one_gpu(rank, world, *, seq, heads, kv_heads, dim, layout, vari
     """Max |ring - one GPU| and max |one GPU| over this rank's positions for out, lse, dq, dk, dv at a real size; the
     one-GPU side is the same kernel on the full sequence. The ring runs `repeats` times back to back without a
     host synchronisation and the last result is checked, so a stream or buffer-reuse race would show."""
-    from torch_impl.flash_attention import flash_attention_backward, flash_attention_forward
+    from torch_impl.kernels.flash_attention import flash_attention_backward, flash_attention_forward
 
     device = torch.device(device, rank) if device == "cuda" else torch.device(device)
     case = RingCase(world, True, layout, variant, heads=heads, kv_heads=kv_heads, batch=1, seq=seq, dim=dim,

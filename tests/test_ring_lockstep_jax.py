@@ -4,7 +4,7 @@ issue 32 (the Mosaic ring's gradients off by up to 11 on 2 GPUs while its out an
 Pallas's Mosaic GPU interpreter cannot run inside a multi-device `jax.shard_map` on the CPU (it sat idle for 15
 minutes at P=2), so each rank's exact schedule (`jax_impl.ring_attention.schedule_forward` / `schedule_backward`:
 the same pieces, LSE slices, merges and accumulations) runs on one device through the lockstep ring of
-tests/ring_lockstep.py, with the interpreted Mosaic kernels (`backend="pallas_mosaic"`), judged by the flash rule
+tests/ring_lockstep.py, with the interpreted Mosaic kernels (`backend="pallas_hopper"`), judged by the flash rule
 against float64 (tests/ring_twins.py, its tolerance's reason stated there). The lockstep run does NOT go through
 `shard_map`, which is where issue 32's bug lived: the Mosaic forward's outputs were typed invariant over the mesh
 axis, so JAX's autodiff summed the output cotangent over the devices (`psum_invariant`, the transpose of the
@@ -26,7 +26,7 @@ from ring_lockstep import ring_results
 from ring_twins import NAMES, RingCase, assert_flash_rule, ids, inputs
 
 from jax_impl.attention import reference_attention
-from jax_impl.flash_attention import flash_attention_backward, flash_attention_forward
+from jax_impl.kernels.flash_attention import flash_attention_backward, flash_attention_forward
 from jax_impl.ring_attention import gather_from_ring, ring_attention, ring_config, shard_for_ring
 
 # Tiny shapes the interpreter runs in about a minute each: D=64 (a Mosaic head dim), GQA 2:1, the smallest local
@@ -60,7 +60,7 @@ def _naive_and_exact(case: RingCase) -> tuple[dict, dict]:
 @pytest.mark.parametrize("case", LOCKSTEP_CASES, ids=ids(LOCKSTEP_CASES))
 def test_mosaic_ring_schedule_meets_the_flash_rule(case):
     naive, exact = _naive_and_exact(case)
-    assert_flash_rule(_lockstep_results(case, "pallas_mosaic"), naive, exact)
+    assert_flash_rule(_lockstep_results(case, "pallas_hopper"), naive, exact)
 
 
 def test_lockstep_rule_fails_a_piece_lse_off_by_one_row_block(monkeypatch):
@@ -91,7 +91,7 @@ Q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
 KV = jax.ShapeDtypeStruct((1, 256, 1, 64), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("backend", ["pallas_mosaic", "pallas_triton", "reference"])
+@pytest.mark.parametrize("backend", ["pallas_hopper", "pallas_portable", "reference"])
 def test_pair_kernels_outputs_vary_over_the_mesh_axis_like_their_inputs(backend):
     varying = {}
 
@@ -129,7 +129,7 @@ def _ring_gradient_primitives(backend: str, variant: str) -> set[str]:
 
 
 @pytest.mark.parametrize("variant", ["ring", "allgather"])
-@pytest.mark.parametrize("backend", ["pallas_mosaic", "pallas_triton"])
+@pytest.mark.parametrize("backend", ["pallas_hopper", "pallas_portable"])
 def test_ring_gradient_sums_no_cotangent_over_the_devices(backend, variant):
     # every collective of the program is the ring's own (ppermute; all_gather and reduce_scatter for allgather)
     assert not {name for name in _ring_gradient_primitives(backend, variant) if "psum" in name}
@@ -138,11 +138,11 @@ def test_ring_gradient_sums_no_cotangent_over_the_devices(backend, variant):
 def test_ring_gradient_check_sees_an_invariant_kernel_output(monkeypatch):
     """Negative control: the Mosaic outputs left typed as the unchecked call types them (issue 32's bug) put a
     psum of the cotangent into the gradient program, which the check above then finds."""
-    monkeypatch.setattr(importlib.import_module("jax_impl.flash_hopper_forward"), "declared_varying",
+    monkeypatch.setattr(importlib.import_module("jax_impl.kernels.tiles"), "declared_varying",
                         lambda result, declared: result)
     jax.clear_caches()  # the kernels' jitted wrappers would otherwise keep their correct traces
     try:
-        assert {name for name in _ring_gradient_primitives("pallas_mosaic", "ring") if "psum" in name}
+        assert {name for name in _ring_gradient_primitives("pallas_hopper", "ring") if "psum" in name}
     finally:
         monkeypatch.undo()
         jax.clear_caches()

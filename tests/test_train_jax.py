@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from compare.commands.train import main as train_main
 from compare.commands.train import training_batches
 from jax_impl import checkpointing
-from jax_impl.flash_attention import flash_attention
+from jax_impl.kernels.flash_attention import flash_attention
 from jax_impl.model import Llama, load_model, parameter_dict, stack_layers, unstack_layers
 from jax_impl.model import next_token_loss as model_next_token_loss
 from jax_impl.memory_plan import step_memory_plan

@@ -31,7 +31,7 @@ import torch
 
 from compare.commands.train import main
 from torch_impl.checkpointing import completed_checkpoints
-from torch_impl.flash_attention import flash_attention
+from torch_impl.kernels.flash_attention import flash_attention
 from torch_impl.model import load_model, next_token_loss
 from torch_impl.train import AdamW, ShardedNextTokenLoss, clip_grad_norm_
 from weights import PRESETS, RandomWeights, write_converted_checkpoint
@@ -271,7 +271,7 @@ def test_remat_changes_nothing_numerically_and_save_attention_does_not_rerun_the
     behind the same autograd Function as the Triton one): "full" reruns each layer's in the backward (the negative
     control), "save-attention" does not; the gradients are the same in all three modes, bit for bit (the same fp32
     operations on CPU, recomputed or not)."""
-    flash_module = sys.modules["torch_impl.flash_attention"]
+    flash_module = sys.modules["torch_impl.kernels.flash_attention"]
     launches, dispatch = [], flash_module._forward
     monkeypatch.setattr(flash_module, "_forward", lambda *args: launches.append(1) or dispatch(*args))
     tokens = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (1, 16)))

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from compare.bench.gluon_sweep import candidates
-from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, GLUON_TRITON_VERSION
+from torch_impl.kernels.tiles import GLUON_AVAILABLE, GLUON_TRITON_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +32,8 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-import torch_impl.flash_forward as ff, torch_impl.flash_backward as fb
-import torch_impl.flash_hopper_forward as hf, torch_impl.flash_hopper_backward as hb
+import torch_impl.kernels.portable.forward as ff, torch_impl.kernels.portable.backward as fb
+import torch_impl.kernels.tiles as tiles
 
 FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
 
@@ -60,17 +60,12 @@ def compile_for_sm90(kernel, constexprs, warps, stages):
                           options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
 portable = dict(HEAD_DIM=128, BLOCK_D=int(sys.argv[1]), EMULATE=False, GROUP=4, DOT_PRECISION="ieee")
-hopper = dict(HEAD_DIM=128, EMULATE=False, GROUP=4)
 for causal in (True, False):
     cases = [
         ("forward", ff._forward_kernel, dict(portable, CAUSAL=causal, BLOCK_M=128, BLOCK_N=64), 8, 3, "mma"),
-        ("delta", fb._delta_kernel, dict(HEAD_DIM=128, BLOCK_D=portable["BLOCK_D"], BLOCK_M=64), 4, 1, None),
+        ("delta", tiles._delta_kernel, dict(HEAD_DIM=128, BLOCK_D=portable["BLOCK_D"], BLOCK_M=64), 4, 1, None),
         ("dkdv", fb._dkdv_kernel, dict(portable, CAUSAL=causal, BLOCK_M=64, BLOCK_N=128), 8, 2, "mma"),
         ("dq", fb._dq_kernel, dict(portable, CAUSAL=causal, BLOCK_M=128, BLOCK_N=64), 8, 2, "mma"),
-        ("hopper forward", hf._hopper_forward_kernel,
-         dict(hopper, CAUSAL=causal, BLOCK_M=128, BLOCK_N=128, WARP_SPECIALIZE=True), 8, 3, "wgmma"),
-        ("hopper backward", hb._hopper_backward_kernel,
-         dict(hopper, CAUSAL=causal, BLOCK_M=64, BLOCK_N=128, TMA_REDUCE=True, DQ_TRANSPOSED=False), 8, 3, "wgmma"),
     ]
     for name, kernel, constexprs, warps, stages, matrix_op in cases:
         ptx = compile_for_sm90(kernel, constexprs, warps, stages)
@@ -120,7 +115,7 @@ def compile_checked(fn, signature, constexprs, options, ops, name):
 """
 
 _COMPILE_GLUON = _GLUON_COMPILE_CHECK + r"""
-import torch_impl.flash_gluon_forward as gf
+import torch_impl.kernels.hopper.forward as gf
 from compare.bench.gluon_sweep import candidates
 
 fn = gf._gluon_forward_kernel
@@ -147,13 +142,14 @@ for head_dim in (128, 64):
 # them all when it cannot prove a pipeline safe, and says so); its registers (ptxas's count, whose spills it
 # reports) and shared memory must fit one sm_90 block.
 _COMPILE_GLUON_BACKWARD = _GLUON_COMPILE_CHECK + r"""
-import torch_impl.flash_gluon_backward as gb
-import torch_impl.flash_gluon_backward_ws as gws
+import torch_impl.kernels.hopper.backward as gb
+import torch_impl.kernels.hopper.backward_ws as gws
+from torch_impl.kernels.hopper.config import HopperBackwardConfig, lockstep_config
 from compare.bench.gluon_sweep import backward_candidates
 
 REDUCTION_OPS = {"tma": "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add",
                  "vector_atomics": "red.relaxed.gpu.global.add.v2.f32"}
-atomics = gb.GluonBackwardConfig(**{**vars(gb.lockstep_config(128)), "dq_reduction": "vector_atomics"})
+atomics = HopperBackwardConfig(**{**vars(lockstep_config(128)), "dq_reduction": "vector_atomics"})
 for head_dim in (128, 64):
     for causal in (True, False):
         for config in backward_candidates(head_dim, causal) + ([atomics] if head_dim == 128 else []):
@@ -190,7 +186,7 @@ def _compile(block_d: int, script: str = _COMPILE) -> subprocess.CompletedProces
 def test_every_triton_kernel_compiles_for_sm90():
     done = _compile(block_d=128)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled ") == 12
+    assert done.stdout.count("compiled ") == 8
 
 
 def test_a_kernel_the_compiler_rejects_fails_the_check():

@@ -4,9 +4,10 @@ Twin of `jax_impl/remat.py`. The modes, what each keeps and why: `weights.parall
 `checkpointed_layer` runs one layer under `torch.utils.checkpoint` (non-reentrant). For "save-attention" it gives
 the checkpoint a pair of contexts (its `context_fn`): while the forward runs, `keep_for_backward` stores what it
 computes; while the backward recomputes that layer, `keep_for_backward` hands the stored tensors back instead of
-computing them. The attention autograd Functions (`torch_impl/flash_attention.py`, `torch_impl/ring_attention.py`)
-wrap their forward work in `keep_for_backward`, the twin of the JAX backend's `checkpoint_name`. Attention written
-as plain autograd math (`torch_impl/attention.py`) is not wrapped, so with it both modes recompute the same.
+computing them. The attention autograd Functions (`torch_impl/kernels/flash_attention.py`,
+`torch_impl/ring_attention.py`) wrap their forward work in `keep_for_backward`, the twin of the JAX backend's
+`checkpoint_name`. Attention written as plain autograd math (`torch_impl/attention.py`) is not wrapped, so with it
+both modes recompute the same.
 """
 
 from __future__ import annotations

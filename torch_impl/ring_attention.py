@@ -18,7 +18,7 @@ Public API:
   shard_for_ring(x, group, layout, dim=1)      this rank's positions of a full sequence (no communication).
   gather_from_ring(x_local, group, layout, dim=1)  all ranks' parts back in position order.
 
-Per-pair work goes to `torch_impl.flash_attention` (`backend="triton"` kernels or `"reference"` plain math).
+Per-pair work goes to `torch_impl.kernels.flash_attention` (`backend="triton"` kernels or `"reference"` plain math).
 
 Variant "ring": at step s rank r holds the K/V block of rank j = (r - s) mod P; the transfer for step s+1 is
 issued before step s's compute and waited for after it. The causal work of each step is the table of
@@ -52,7 +52,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from torch_impl.flash_attention import exact_output_dtype, flash_attention_backward, flash_attention_forward
+from torch_impl.kernels.flash_attention import exact_output_dtype, flash_attention_backward, flash_attention_forward
 from torch_impl.remat import keep_for_backward
 from torch_impl.ring_comm import CommLog, Ring
 from weights.attention import ALL, VARIANTS, check_ring_choices, check_ring_shapes, ring_block, source_of

@@ -33,10 +33,12 @@ from weights.schedule import OptimizerConfig
 TRAIN_FORMAT = "twinflash-train/1"  # the "format" of a training checkpoint's metadata, both backends
 IGNORE_INDEX = -100  # target of a position with no next token (torch's cross_entropy default ignore_index)
 LOGITS_CHUNK_ELEMENTS = 1 << 28  # default loss chunk: 256 Mi float32 logits (1 GiB) per chunk
-# ours first
-ATTENTION_BACKENDS = {"torch": ("triton", "reference", "sdpa_cudnn", "triton_hopper", "triton_portable",
-                                "triton_gluon"),
-                      "jax": ("pallas", "reference", "cudnn", "pallas_mosaic", "pallas_triton")}
+# The attention backends of each framework's kernels (`backend=` of torch_impl.kernels.flash_attention and
+# jax_impl.kernels.flash_attention, which read their lists here), ours first: the default, then one per kernel
+# family (portable, hopper), then the plain-math reference and the vendors' kernels.
+ATTENTION_BACKENDS = {"torch": ("triton", "triton_portable", "triton_hopper", "reference", "sdpa_cudnn",
+                                "sdpa_flash", "flash_attn"),
+                      "jax": ("pallas", "pallas_portable", "pallas_hopper", "reference", "cudnn")}
 
 
 # --- the data ---------------------------------------------------------------------------------------------------

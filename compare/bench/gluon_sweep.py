@@ -1,4 +1,4 @@
-"""Config sweep of the Gluon sm_90 kernels (`torch_impl.flash_gluon_forward`, `torch_impl.flash_gluon_backward`) on
+"""Config sweep of the Hopper family's Gluon sm_90 kernels (`torch_impl.kernels.hopper.forward`, `.backward`) on
 one GPU (`python -m compare.bench.gluon_sweep`), beside the portable Triton kernel and SDPA cuDNN
 in the same process.
 
@@ -21,30 +21,30 @@ from weights.flops import attention_flops
 
 
 def candidates(head_dim: int, causal: bool):
-    """GluonConfigs to time: the default first and the other schedule (ping-pong or not); at D=128 nothing more (3
+    """HopperConfigs to time: the default first and the other schedule (ping-pong or not); at D=128 nothing more (3
     stages or 256-key tiles do not fit shared memory, 64-key tiles ran 537-543 TF/s against 587-591 in
     compare/results/kernels-gluon-2026-11-22-h200); at D=64 the two-consumer shape that was the default until
     compare/results/kernels-gluon-forward-2026-11-23-h200-h13e, and three consumer warpgroups (192 query rows,
     FlashAttention-3's D=64 block) with 2-4 stages (256-key tiles: ptxas serializes the matmuls of two consumers,
     short of registers)."""
-    from torch_impl.flash_gluon_forward import GluonConfig, forward_config, three_consumers
+    from torch_impl.kernels.hopper.config import HopperConfig, forward_config, three_consumers
 
     default = forward_config(head_dim, causal, 0)
-    space = [default, GluonConfig(**{**vars(default), "pingpong": not default.pingpong})]
+    space = [default, HopperConfig(**{**vars(default), "pingpong": not default.pingpong})]
     if head_dim == 64:
-        space += [GluonConfig(num_stages=3, pingpong=False)]
+        space += [HopperConfig(num_stages=3, pingpong=False)]
         space += [three_consumers(num_stages=s, pingpong=False) for s in (2, 3, 4)]
         space += [three_consumers(num_stages=3, pingpong=True)]
     return list(dict.fromkeys(space))
 
 
 def backward_candidates(head_dim: int, causal: bool):
-    """GluonBackwardConfigs to time: the default first, then the best lockstep form (compare/results/
+    """HopperBackwardConfigs to time: the default first, then the best lockstep form (compare/results/
     kernels-gluon-backward-2026-11-23-h200-tuning) and the warp-specialised form (FlashAttention-3's structure)
     around it: D=128, 2 Q/dO stages with two float32 dQ tiles per consumer or 3 stages with one (shared memory
     holds one or the other); D=64, 64-row query blocks (128 rows spill) with 3 or 4 stages, and K and V in
     registers (at D=128 they do not fit)."""
-    from torch_impl.flash_gluon_backward import GluonBackwardConfig, backward_config, lockstep_config
+    from torch_impl.kernels.hopper.config import HopperBackwardConfig, backward_config, lockstep_config
 
     del causal
     if head_dim == 128:
@@ -52,7 +52,7 @@ def backward_candidates(head_dim: int, causal: bool):
     else:
         shapes = [dict(block_m=64, num_stages=s) for s in (3, 4)] + [dict(block_m=64, num_stages=3, kv_in_regs=True)]
     space = [backward_config(head_dim, False, 0), lockstep_config(head_dim)]
-    space += [GluonBackwardConfig(warp_specialize=True, **shape) for shape in shapes]
+    space += [HopperBackwardConfig(warp_specialize=True, **shape) for shape in shapes]
     return list(dict.fromkeys(space))
 
 
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
-    from torch_impl.flash_forward import triton_forward
-    from torch_impl.flash_gluon_forward import gluon_forward
+    from torch_impl.kernels.portable.forward import portable_forward
+    from torch_impl.kernels.hopper.forward import hopper_forward
 
     rows = []
 
@@ -111,22 +111,23 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
                 continue
 
-            want, _ = triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
-            timed("triton_portable", lambda: triton_forward(q, k, v, causal=causal, softmax_scale=scale,
-                                                            out_dtype=q.dtype))
+            want, _ = portable_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
+            timed("triton_portable", lambda: portable_forward(q, k, v, causal=causal, softmax_scale=scale,
+                                                              out_dtype=q.dtype))
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 timed("sdpa_cudnn", lambda: F.scaled_dot_product_attention(
                     *heads_major, is_causal=causal, enable_gqa=args.kv_heads != args.heads))
             for config in candidates(head_dim, causal):
                 try:
-                    got, _ = gluon_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32,
-                                           config=config)
+                    got, _ = hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32,
+                                            config=config)
                     diff = (got - want).abs().max().item()
                 except Exception as err:
-                    record(impl="triton_gluon", **point, config=str(config), error=f"{type(err).__name__}: {err}"[:300])
+                    record(impl="triton_hopper", **point, config=str(config),
+                           error=f"{type(err).__name__}: {err}"[:300])
                     continue
-                timed("triton_gluon", lambda: gluon_forward(q, k, v, causal=causal, softmax_scale=scale,
-                                                            out_dtype=q.dtype, config=config),
+                timed("triton_hopper", lambda: hopper_forward(q, k, v, causal=causal, softmax_scale=scale,
+                                                             out_dtype=q.dtype, config=config),
                       config=str(config), max_abs_diff=diff)
             torch.cuda.empty_cache()
 
@@ -146,13 +147,13 @@ def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale):
     float32 ones compared with the portable kernel's."""
     import torch
 
-    from torch_impl.flash_backward import triton_backward
-    from torch_impl.flash_gluon_backward import gluon_backward
-    from torch_impl.flash_gluon_forward import gluon_forward
+    from torch_impl.kernels.portable.backward import portable_backward
+    from torch_impl.kernels.hopper.backward import hopper_backward
+    from torch_impl.kernels.hopper.forward import hopper_forward
 
-    out, lse = gluon_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=q.dtype)
-    want = triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=torch.float32)
-    timed("triton_portable", lambda: triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+    out, lse = hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=q.dtype)
+    want = portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=torch.float32)
+    timed("triton_portable", lambda: portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
                                                      grad_dtype=q.dtype))
     if k.shape[2] == q.shape[2]:
         cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
@@ -164,14 +165,14 @@ def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale):
             scale=scale))
     for config in backward_candidates(q.shape[-1], causal):
         try:
-            got = gluon_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                                 grad_dtype=torch.float32, config=config)
+            got = hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                  grad_dtype=torch.float32, config=config)
             diff = max((g - w).abs().max().item() for g, w in zip(got, want))
         except Exception as err:
-            record(impl="triton_gluon", **point, config=str(config), error=f"{type(err).__name__}: {err}"[:300])
+            record(impl="triton_hopper", **point, config=str(config), error=f"{type(err).__name__}: {err}"[:300])
             continue
-        timed("triton_gluon", lambda: gluon_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                                                     grad_dtype=q.dtype, config=config),
+        timed("triton_hopper", lambda: hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                                      grad_dtype=q.dtype, config=config),
               config=str(config), max_abs_diff=diff)
 
 

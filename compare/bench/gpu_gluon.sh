@@ -10,28 +10,29 @@
 #                   H=Hkv=32, D $SWEEP_HEAD_DIMS (128,64), $SWEEP_CAUSAL (both): configs beside the portable
 #                   kernel and cuDNN
 #   bench   ($BENCH_S, 160 s)  twinflash bench kernels --parts torch at $SEQ_LENS (16k,64k), Hkv 32/8, $CAUSAL (both),
-#                   D=$HEAD_DIM (128; a list like 128,64 runs one D after the other), backend "triton" (Gluon forward
-#                   + the backward TRITON_PICKS_GLUON_BACKWARD picks), cuDNN and FA2, plus the forced paths in
-#                   $TRITON_PATHS (none; triton_gluon: the Gluon kernels both ways)
-#   tests   ($TESTS_S, 80 s)  the gpu tests of $TEST_FILES (tests/test_flash_gluon_torch.py; contract against fp64,
+#                   D=$HEAD_DIM (128; a list like 128,64 runs one D after the other), backend "triton" (the Gluon
+#                   kernels both ways where they run the call), cuDNN and FA2, plus the forced paths in
+#                   $TRITON_PATHS (none; triton_hopper: the Gluon kernels both ways)
+#   tests   ($TESTS_S, 80 s)  the gpu tests of $TEST_FILES (tests/test_kernels_hopper_torch.py; contract against fp64,
 #                   portable, cuDNN), those matching $TESTS_K when set
 # Everything lands in $OUT (default ./out): one log and JSON per stage; the stage summary is printed last.
 # The Gluon backward's config sweep (issue 13, first of the tuning runs; about 320 s at most):
 #   SWEEP_DIRECTION=backward SWEEP_S=250 timeout 325 bash compare/bench/gpu_gluon.sh smoke,sweep
 # and its second run (the non-causal walks' stagger, the contract tests, the bench at D=128; about 325 s):
 #   SWEEP_DIRECTION=backward SWEEP_HEAD_DIMS=128 SWEEP_CAUSAL=full SWEEP_S=45 TESTS_S=105 BENCH_S=150 HEAD_DIM=128 \
-#   TRITON_PATHS=triton_gluon TEST_FILES="tests/test_flash_gluon_backward_torch.py tests/test_flash_gluon_torch.py" \
+#   TRITON_PATHS=triton_hopper \
+#   TEST_FILES="tests/test_kernels_hopper_backward_torch.py tests/test_kernels_hopper_torch.py" \
 #   TESTS_K="backward or ring or cudnn" timeout 325 bash compare/bench/gpu_gluon.sh smoke,sweep,tests,bench
 # The warp-specialised backward's sweep with every config's contract against the portable backward (about 210 s):
-#   SWEEP_DIRECTION=backward SWEEP_S=190 TESTS_S=95 TEST_FILES=tests/test_flash_gluon_backward_torch.py \
+#   SWEEP_DIRECTION=backward SWEEP_S=190 TESTS_S=95 TEST_FILES=tests/test_kernels_hopper_backward_torch.py \
 #   TESTS_K=external timeout 325 bash compare/bench/gpu_gluon.sh smoke,sweep,tests
 # and its tests and bench at both head dims (the bench about 130 s; give the tests more than 55 s):
-#   SEQ_LENS=16k,64k HEAD_DIM=128,64 BENCH_S=240 TESTS_S=55 TEST_FILES="tests/test_flash_gluon_backward_torch.py \
-#   tests/test_flash_gluon_torch.py" TESTS_K="(backward or ring) and not external" timeout 326 \
+#   SEQ_LENS=16k,64k HEAD_DIM=128,64 BENCH_S=240 TESTS_S=55 TEST_FILES="tests/test_kernels_hopper_backward_torch.py \
+#   tests/test_kernels_hopper_torch.py" TESTS_K="(backward or ring) and not external" timeout 326 \
 #   bash compare/bench/gpu_gluon.sh smoke,tests,bench
 # The Gluon backward's run (issue 13; about 410 s at most):
-#   SWEEP_DIRECTION=backward SWEEP_S=50 TESTS_S=120 BENCH_S=180 HEAD_DIM=128,64 TRITON_PATHS=triton_gluon \
-#   TEST_FILES="tests/test_flash_gluon_backward_torch.py tests/test_flash_gluon_torch.py" \
+#   SWEEP_DIRECTION=backward SWEEP_S=50 TESTS_S=120 BENCH_S=180 HEAD_DIM=128,64 TRITON_PATHS=triton_hopper \
+#   TEST_FILES="tests/test_kernels_hopper_backward_torch.py tests/test_kernels_hopper_torch.py" \
 #   TESTS_K="backward or ring or cudnn" timeout 418 bash compare/bench/gpu_gluon.sh smoke,sweep,tests,bench
 # The forward's three-consumer (D=64) run: its sweep, then the contract tests and the issue-13 matrix (about 220 s
 # each; compare/results/kernels-gluon-forward-2026-11-23-h200-h13e):
@@ -45,7 +46,7 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 STAGES=",${1:-smoke,sweep,bench,tests},"
 HEAD_DIM=${HEAD_DIM:-128} SEQ_LENS=${SEQ_LENS:-16k,64k} CAUSAL=${CAUSAL:-both} TRITON_PATHS=${TRITON_PATHS:-}
-SWEEP_DIRECTION=${SWEEP_DIRECTION:-forward} TEST_FILES=${TEST_FILES:-tests/test_flash_gluon_torch.py}
+SWEEP_DIRECTION=${SWEEP_DIRECTION:-forward} TEST_FILES=${TEST_FILES:-tests/test_kernels_hopper_torch.py}
 SWEEP_HEAD_DIMS=${SWEEP_HEAD_DIMS:-128,64} SWEEP_CAUSAL=${SWEEP_CAUSAL:-both}
 summary=()
 
@@ -66,23 +67,23 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a timeout, log to $OUT/
 
 smoke='
 import torch
-from torch_impl.flash_backward import triton_backward
-from torch_impl.flash_forward import triton_forward
-from torch_impl.flash_gluon_backward import gluon_backward
-from torch_impl.flash_gluon_forward import gluon_forward
+from torch_impl.kernels.portable.backward import portable_backward
+from torch_impl.kernels.portable.forward import portable_forward
+from torch_impl.kernels.hopper.backward import hopper_backward
+from torch_impl.kernels.hopper.forward import hopper_forward
 torch.manual_seed(0)
 q, dout = (torch.randn(2, 1000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 k, v = (torch.randn(2, 1300, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 worst = worst_grad = 0.0
 for causal in (True, False):
-    want, want_lse = triton_forward(q, k, v, causal=causal, softmax_scale=0.1, out_dtype=torch.float32)
-    got, got_lse = gluon_forward(q, k, v, causal=causal, softmax_scale=0.1, out_dtype=torch.float32)
+    want, want_lse = portable_forward(q, k, v, causal=causal, softmax_scale=0.1, out_dtype=torch.float32)
+    got, got_lse = hopper_forward(q, k, v, causal=causal, softmax_scale=0.1, out_dtype=torch.float32)
     torch.cuda.synchronize()
     diffs = ((got - want).abs().max().item(), (got_lse - want_lse).abs().max().item())
     print("causal", causal, "max |out diff|, |lse diff|", diffs, flush=True)
     worst = max(worst, diffs[0])
     grads = [f(dout, q, k, v, got, got_lse, causal=causal, softmax_scale=0.1, grad_dtype=torch.float32)
-             for f in (triton_backward, gluon_backward)]
+             for f in (portable_backward, hopper_backward)]
     torch.cuda.synchronize()
     # relative to the largest gradient: both round P and dS to bf16, against differently summed scores
     rel = [((g - w).abs().max() / w.abs().max()).item() for w, g in zip(*grads)]

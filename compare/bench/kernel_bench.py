@@ -2,17 +2,17 @@
 
 Measured, bf16, batch 1, H=32 (defaults), for each S (--seq-lens), causal and not, Hkv in --kv-heads, D in --head-dim
 (128 by default; e.g. 128,64), every implementation of the parts or those --impls names:
-  torch part  triton      ours, `torch_impl.flash_attention.flash_attention` on [B, S, H, D] (GQA native)
+  torch part  triton      ours, `torch_impl.kernels.flash_attention.flash_attention` on [B, S, H, D] (GQA native)
               sdpa_flash  torch SDPA, FlashAttention-2 backend   } F.scaled_dot_product_attention on [B, H, S, D]
               sdpa_cudnn  torch SDPA, cuDNN backend              } under sdpa_kernel(...), enable_gqa for GQA
                           (a backend that refuses GQA is timed on K/V repeated beforehand, with a note)
-              triton_hopper, triton_portable, triton_gluon  with --triton-paths: each of our Triton paths forced (the
-                          backends of those names), beside "triton", which picks among them
-  jax part    pallas      ours, `jax_impl.flash_attention.flash_attention` on [B, S, H, D] (default backend)
-              pallas_mosaic  ours forced to the Hopper Mosaic GPU kernels (backend="pallas_mosaic")
-              pallas_mosaic_one_kernel  the same with the one-kernel (FA3) backward (HopperConfig(bwd_form=
+              triton_portable, triton_hopper  with --triton-paths: each of our kernel families forced (the
+                          backends of those names), beside "triton", which picks between them
+  jax part    pallas      ours, `jax_impl.kernels.flash_attention.flash_attention` on [B, S, H, D] (default backend)
+              pallas_hopper  ours forced to the Hopper Mosaic GPU kernels (backend="pallas_hopper")
+              pallas_hopper_one_kernel  the same with the one-kernel (FA3) backward (HopperConfig(bwd_form=
                           "one_kernel")); measured only when --impls names it
-              pallas_triton  ours forced to the Triton-lowering kernels (backend="pallas_triton"); measured only
+              pallas_portable  ours forced to the Triton-lowering kernels (backend="pallas_portable"); measured only
                           when --impls names it
               jax_cudnn   jax.nn.dot_product_attention(implementation="cudnn") (GQA native)
               pallas_mha  JAX's shipped Pallas kernel, jax.experimental.pallas.ops.gpu.attention.mha
@@ -55,14 +55,14 @@ from weights import BadInputError
 from weights.flops import attention_flops
 
 IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"),
-         "jax": ("pallas", "pallas_mosaic", "jax_cudnn", "pallas_mha", "tokamax")}
-TRITON_PATHS = ("triton_hopper", "triton_portable", "triton_gluon")  # measured only when --triton-paths names them
-EXTRA_IMPLS = {"jax": ("pallas_mosaic_one_kernel", "pallas_triton")}  # measured only when --impls names them
+         "jax": ("pallas", "pallas_hopper", "jax_cudnn", "pallas_mha", "tokamax")}
+TRITON_PATHS = ("triton_portable", "triton_hopper")  # measured only when --triton-paths names them
+EXTRA_IMPLS = {"jax": ("pallas_hopper_one_kernel", "pallas_portable")}  # measured only when --impls names them
 KNOWN_IMPLS = tuple(i for part in IMPLS for i in (*IMPLS[part], *EXTRA_IMPLS.get(part, ())))
 RATIOS = (("ours/FA2", "triton", "sdpa_flash"), ("ours/cuDNN", "triton", "sdpa_cudnn"),
           ("pallas/mha", "pallas", "pallas_mha"), ("pallas/jax-cuDNN", "pallas", "jax_cudnn"),
-          ("mosaic/jax-cuDNN", "pallas_mosaic", "jax_cudnn"), ("mosaic/tokamax", "pallas_mosaic", "tokamax"),
-          ("mosaic/one-kernel", "pallas_mosaic", "pallas_mosaic_one_kernel"))
+          ("mosaic/jax-cuDNN", "pallas_hopper", "jax_cudnn"), ("mosaic/tokamax", "pallas_hopper", "tokamax"),
+          ("mosaic/one-kernel", "pallas_hopper", "pallas_hopper_one_kernel"))
 PEERS_INSTALL = 'pip install -e ".[peers]"'
 
 
@@ -199,7 +199,7 @@ def _torch_part(args) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
-    from torch_impl.flash_attention import flash_attention
+    from torch_impl.kernels.flash_attention import flash_attention
 
     _emit({"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                     "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
@@ -265,20 +265,20 @@ def _jax_part(args) -> None:
     repeats = args.jax_repeats or (5 if args.quick else 20)
     impls, import_errors = {}, {}
     try:
-        from jax_impl.flash_attention import flash_attention
-        from jax_impl.flash_hopper_forward import HopperConfig
+        from jax_impl.kernels.flash_attention import flash_attention
+        from jax_impl.kernels.hopper.config import HopperConfig
 
         impls["pallas"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal)
-        impls["pallas_mosaic"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
-                                                                         backend="pallas_mosaic")
-        impls["pallas_triton"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
-                                                                         backend="pallas_triton")
+        impls["pallas_hopper"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
+                                                                         backend="pallas_hopper")
+        impls["pallas_portable"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
+                                                                           backend="pallas_portable")
         one_kernel = HopperConfig(bwd_form="one_kernel")
-        impls["pallas_mosaic_one_kernel"] = lambda q, k, v, causal: flash_attention(
-            q, k, v, causal=causal, backend="pallas_mosaic", config=one_kernel)
+        impls["pallas_hopper_one_kernel"] = lambda q, k, v, causal: flash_attention(
+            q, k, v, causal=causal, backend="pallas_hopper", config=one_kernel)
     except Exception as err:
         error = f"import: {type(err).__name__}: {err}"[:300]
-        import_errors.update(pallas=error, pallas_mosaic=error, pallas_mosaic_one_kernel=error, pallas_triton=error)
+        import_errors.update(pallas=error, pallas_hopper=error, pallas_hopper_one_kernel=error, pallas_portable=error)
     impls["jax_cudnn"] = lambda q, k, v, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                               implementation="cudnn")
     try:

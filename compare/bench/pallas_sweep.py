@@ -1,7 +1,7 @@
 """Block-size sweep of the JAX Pallas FlashAttention kernels on one GPU (`python -m compare.bench.pallas_sweep`).
 
---family triton (default), the Triton-lowering kernels: for each head dim (--head-dims) it times, bf16,
-B x S x H (Hkv) as given, causal and/or full:
+--family portable (default), the portable family (Pallas's Triton lowering): for each head dim (--head-dims) it
+times, bf16, B x S x H (Hkv) as given, causal and/or full:
   fwd   the forward kernel over FORWARD_CANDIDATES;
   dkdv  the backward (both kernels) over DKDV_CANDIDATES, the dQ kernel held at its table default;
   dq    the backward over DQ_CANDIDATES, the dK/dV kernel held at the best dkdv found;
@@ -10,12 +10,12 @@ the best configs. A config that fails to compile (shared memory, registers) is r
 config's result is checked against the first one's (max_abs_diff), so a fast wrong config stands out.
 Timing: block_until_ready, median of --repeats after two warm-up calls. TFLOP/s from
 `weights.flops.attention_flops` (backward = 2.5 forwards). Prints one JSON object per line and a summary with
-ready-to-paste `jax_impl.flash_forward.GPU_CONFIGS` entries; writes all rows to --out. Every config reaches the
-kernels as an argument (`config=`), so each timed function is its own trace.
+ready-to-paste `jax_impl.kernels.portable.config.GPU_CONFIGS` entries; writes all rows to --out. Every config
+reaches the kernels as an argument (`config=`), so each timed function is its own trace.
 
---family mosaic, the Hopper Mosaic GPU kernels: for each head dim and causal setting, every `HopperConfig` of
-`jax_impl.flash_hopper_forward.autotune_space(D)` (the heuristic's default first) through
-`flash_attention(backend="pallas_mosaic", config=...)`: fwd+bwd, and fwd once per distinct forward block
+--family hopper, the Hopper family (Mosaic GPU kernels): for each head dim and causal setting, every `HopperConfig` of
+`jax_impl.kernels.hopper.config.autotune_space(D)` (the heuristic's default first) through
+`flash_attention(backend="pallas_hopper", config=...)`: fwd+bwd, and fwd once per distinct forward block
 sizes, timed as `bench kernels` times them, beside JAX cuDNN on the same inputs. Outputs and gradients are
 compared with the default config's (max_abs_diff); a config that fails to compile is an error row. --budget-s
 (per point) stops starting new candidates once spent (their rows say so), so a sweep fits a time-limited call.
@@ -60,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--causal", choices=("causal", "full", "both"), default="causal")
     parser.add_argument("--kernels", default="fwd,dkdv,dq", help="subset of fwd,dkdv,dq")
     parser.add_argument("--quick", action="store_true", help="5 candidates per kernel instead of the full grid")
-    parser.add_argument("--family", choices=("triton", "mosaic"), default="triton",
-                        help="which Pallas kernel family to sweep (mosaic: sm90 only)")
+    parser.add_argument("--family", choices=("portable", "hopper"), default="portable",
+                        help="which Pallas kernel family to sweep (hopper: sm90 only)")
     parser.add_argument("--budget-s", type=float,
-                        help="mosaic: start no candidate after this many seconds into a point")
+                        help="hopper: start no candidate after this many seconds into a point")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("compare/results/pallas_sweep.json"))
     return parser
@@ -80,9 +80,11 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_impl.flash_attention import flash_attention
-    from jax_impl.flash_backward import pallas_backward
-    from jax_impl.flash_forward import GPU_CONFIGS, KernelConfig, TritonConfig, padded_head_dim, pallas_forward
+    from jax_impl.kernels.flash_attention import flash_attention
+    from jax_impl.kernels.portable.backward import portable_backward
+    from jax_impl.kernels.portable.config import GPU_CONFIGS, KernelConfig, PortableConfig
+    from jax_impl.kernels.portable.forward import portable_forward
+    from jax_impl.kernels.tiles import padded_head_dim
 
     b, s, h, hkv = args.batch, args.seq_len, args.heads, args.kv_heads
     keys = jax.random.split(jax.random.key(0), 4)
@@ -91,7 +93,7 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
     scale = head_dim ** -0.5
     fwd_flops = attention_flops(b, h, s, s, head_dim, causal, backward=False)
     default = GPU_CONFIGS[padded_head_dim(head_dim)]
-    out, lse = jax.jit(functools.partial(pallas_forward, causal=causal, softmax_scale=scale,
+    out, lse = jax.jit(functools.partial(portable_forward, causal=causal, softmax_scale=scale,
                                          out_dtype=jnp.dtype(jnp.bfloat16), config=default.forward,
                                          interpret=False))(q, k, v)
     point = dict(S=s, batch=b, heads=h, kv_heads=hkv, head_dim=head_dim, causal=causal)
@@ -99,11 +101,11 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
 
     def run(kernel: str, config: KernelConfig):
         if kernel == "fwd":
-            fn = functools.partial(pallas_forward, causal=causal, softmax_scale=scale,
+            fn = functools.partial(portable_forward, causal=causal, softmax_scale=scale,
                                    out_dtype=jnp.dtype(jnp.bfloat16), config=config, interpret=False)
             return jax.jit(fn), (q, k, v), fwd_flops
         dkdv, dq = (config, default.backward_dq) if kernel == "dkdv" else (best["dkdv"], config)
-        fn = functools.partial(pallas_backward, causal=causal, softmax_scale=scale, dkdv_config=dkdv, dq_config=dq,
+        fn = functools.partial(portable_backward, causal=causal, softmax_scale=scale, dkdv_config=dkdv, dq_config=dq,
                                interpret=False)
         return jax.jit(fn), (dout, q, k, v, out, lse), 2.5 * fwd_flops
 
@@ -127,9 +129,9 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
         if timed:
             best[kernel] = min(timed)[1]
 
-    tuned = TritonConfig(best["fwd"], best["dkdv"], best["dq"])
+    tuned = PortableConfig(best["fwd"], best["dkdv"], best["dq"])
     for label, config in (("table", default), ("best", tuned)):
-        attention = functools.partial(flash_attention, causal=causal, backend="pallas_triton", config=config)
+        attention = functools.partial(flash_attention, causal=causal, backend="pallas_portable", config=config)
 
         def loss(q, k, v, dout):  # dout an argument: closed over, XLA would fold it at compile time
             return jnp.sum(attention(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
@@ -143,15 +145,15 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
     return rows
 
 
-def sweep_mosaic_point(args, head_dim: int, causal: bool) -> list[dict]:
-    """Every Mosaic candidate of `autotune_space(head_dim)` and JAX cuDNN at one point; returns the rows."""
+def sweep_hopper_point(args, head_dim: int, causal: bool) -> list[dict]:
+    """Every Hopper (Mosaic) candidate of `autotune_space(head_dim)` and JAX cuDNN at one point; returns the rows."""
     deadline = time.monotonic() + (args.budget_s if args.budget_s is not None else math.inf)
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_impl.flash_attention import flash_attention
-    from jax_impl.flash_hopper_forward import autotune_space
+    from jax_impl.kernels.flash_attention import flash_attention
+    from jax_impl.kernels.hopper.config import autotune_space
 
     b, s, h, hkv = args.batch, args.seq_len, args.heads, args.kv_heads
     keys = jax.random.split(jax.random.key(0), 4)
@@ -180,11 +182,11 @@ def sweep_mosaic_point(args, head_dim: int, causal: bool) -> list[dict]:
         row["error"] = f"{type(err).__name__}: {err}"[:300]
     rows, first, forward_rows = [_emit(row)], None, {}
     for config in autotune_space(head_dim):
-        row = dict(point, impl="pallas_mosaic", config=dataclasses.asdict(config))
+        row = dict(point, impl="pallas_hopper", config=dataclasses.asdict(config))
         if time.monotonic() > deadline:
             rows.append(_emit(row | {"error": "skipped: --budget-s spent"}))
             continue
-        attend = functools.partial(flash_attention, causal=causal, backend="pallas_mosaic", config=config)
+        attend = functools.partial(flash_attention, causal=causal, backend="pallas_hopper", config=config)
         try:
             result = timed(attend)
             first = first or result["results"]
@@ -196,7 +198,7 @@ def sweep_mosaic_point(args, head_dim: int, causal: bool) -> list[dict]:
         except Exception as err:  # a config that does not compile or run is a result, not a crash
             row["error"] = f"{type(err).__name__}: {err}"[:300]
         rows.append(_emit(row))
-    timed_rows = [r for r in rows if r["impl"] == "pallas_mosaic" and "fwdbwd_ms" in r]
+    timed_rows = [r for r in rows if r["impl"] == "pallas_hopper" and "fwdbwd_ms" in r]
     if timed_rows:
         best = min(timed_rows, key=lambda r: r["fwdbwd_ms"])
         print(f"# D={head_dim} causal={causal}: best fwd+bwd {best['fwdbwd_tflops']:.0f} TF/s with {best['config']}; "
@@ -212,9 +214,9 @@ def main(argv=None) -> int:
         raise SystemExit("pallas_sweep needs jax with a GPU backend (the kernels are timed compiled, not interpreted)")
     print(json.dumps({"meta": {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}}), flush=True)
     causals = {"causal": (True,), "full": (False,), "both": (True, False)}[args.causal]
-    if args.family == "mosaic":
+    if args.family == "hopper":
         rows = [row for head_dim in args.head_dims for causal in causals
-                for row in sweep_mosaic_point(args, head_dim, causal)]
+                for row in sweep_hopper_point(args, head_dim, causal)]
     else:
         rows = [row for head_dim in args.head_dims for causal in causals for row in sweep_point(args, head_dim, causal)]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -127,7 +127,7 @@ def _random(shape, device, seed):
 
 def _flash_one_gpu(task, plan, device, world, timing):
     """Our flash kernel (pair forward + backward) on the full sequence, every rank on its own GPU."""
-    from torch_impl.flash_attention import flash_attention_backward, flash_attention_forward
+    from torch_impl.kernels.flash_attention import flash_attention_backward, flash_attention_forward
 
     b, s, h, hkv, d = task["batch"], task["seq_len"], task["heads"], task["kv_heads"], task["head_dim"]
     q, dout = _random((b, s, h, d), device, 1), _random((b, s, h, d), device, 2)
@@ -270,7 +270,7 @@ def jax_measure(task, plan, devices, mesh):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jax_impl.flash_attention import flash_attention
+    from jax_impl.kernels.flash_attention import flash_attention
     from jax_impl.ring_attention import ring_attention
 
     b, s, h, hkv, d = task["batch"], task["seq_len"], task["heads"], task["kv_heads"], task["head_dim"]

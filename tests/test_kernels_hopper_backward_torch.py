@@ -1,5 +1,5 @@
-"""Tests of the Gluon sm_90 backward (`torch_impl/flash_gluon_backward.py`; backend "triton_gluon", and "triton" when
-`flash_attention.TRITON_PICKS_GLUON_BACKWARD` is on).
+"""Tests of the Hopper family's backward (`torch_impl/kernels/hopper/backward.py` and `backward_ws.py`, Gluon sm_90;
+backend "triton_hopper", and "triton" where the Hopper family serves the call).
 
 Gluon has no interpreter: on CPU only the refusal is tested here (tests/test_triton_compile.py compiles the kernel
 for sm_90 where the installed Triton is the one it is written for). The `gpu` tests hold it to the flash rule of
@@ -19,12 +19,13 @@ import pytest
 import torch
 from test_flash_attention_torch import _exact, _inputs, _naive, _numpy, _ours, _rule_violations
 
-from torch_impl.flash_attention import flash_attention_backward
-from torch_impl.flash_backward import row_delta, triton_backward
-from torch_impl.flash_forward import triton_forward
 from compare.bench.gluon_sweep import backward_candidates
-from torch_impl.flash_gluon_backward import GluonBackwardConfig, gluon_backward, lockstep_config
-from torch_impl.flash_gluon_forward import GLUON_AVAILABLE
+from torch_impl.kernels.flash_attention import flash_attention_backward
+from torch_impl.kernels.hopper.backward import hopper_backward
+from torch_impl.kernels.hopper.config import HopperBackwardConfig, lockstep_config
+from torch_impl.kernels.portable.backward import portable_backward
+from torch_impl.kernels.portable.forward import portable_forward
+from torch_impl.kernels.tiles import GLUON_AVAILABLE, row_delta
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
@@ -32,12 +33,12 @@ needs_gluon_gpu = pytest.mark.skipif(not (ON_HOPPER and GLUON_AVAILABLE),
                                      reason="needs an sm_90 GPU and the Triton release the Gluon kernel is written for")
 
 
-def test_forced_gluon_backward_refuses_what_it_cannot_run():
+def test_forced_hopper_backward_refuses_what_it_cannot_run():
     q, k, v, dout = (torch.randn(1, 16, 2, 32, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
     lse = torch.zeros(1, 2, 16, device=DEVICE)
-    expected = "head dims" if ON_HOPPER and GLUON_AVAILABLE else "triton_gluon"
+    expected = "head dims" if ON_HOPPER and GLUON_AVAILABLE else "triton_hopper"
     with pytest.raises(ValueError, match=expected):  # D = 32 (and on CPU: no interpreter for Gluon)
-        flash_attention_backward(dout, q, k, v, q, lse, causal=True, softmax_scale=None, backend="triton_gluon")
+        flash_attention_backward(dout, q, k, v, q, lse, causal=True, softmax_scale=None, backend="triton_hopper")
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
@@ -45,7 +46,7 @@ def test_forced_gluon_backward_refuses_what_it_cannot_run():
 def _pair_backward_errors(backward, q, k, v, dout, causal, scale, **kwargs):
     """Max |error| of dq, dk, dv (float32) against float64, from the portable forward's float32 out/lse given as
     the external ones (a ring's global out/lse)."""
-    out, lse = triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
+    out, lse = portable_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
     grads = backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=torch.float32, **kwargs)
     assert all(g.dtype == torch.float32 for g in grads)
     exact = _exact(q, k, v, dout, causal, scale)
@@ -53,27 +54,27 @@ def _pair_backward_errors(backward, q, k, v, dout, causal, scale, **kwargs):
 
 
 def _beyond_portable(q, k, v, dout, causal, scale, **kwargs):
-    """{name: (gluon error, portable error)} breaking gluon error <= 2x portable error + KERNEL_ATOL: both
+    """{name: (hopper error, portable error)} breaking hopper error <= 2x portable error + KERNEL_ATOL: both
     round P and dS to the input dtype for their matmuls, so neither is the more exact by more than that."""
-    ours = _pair_backward_errors(gluon_backward, q, k, v, dout, causal, scale, **kwargs)
-    portable = _pair_backward_errors(triton_backward, q, k, v, dout, causal, scale)
+    ours = _pair_backward_errors(hopper_backward, q, k, v, dout, causal, scale, **kwargs)
+    portable = _pair_backward_errors(portable_backward, q, k, v, dout, causal, scale)
     return {n: (ours[n], portable[n]) for n in ours if not ours[n] <= 2 * portable[n] + twins.KERNEL_ATOL}
 
 
 # Every config the sweep times, per head dim (the default first): the lockstep form and the warp-specialised one
 # (64- and 128-row query blocks, 2 to 4 stages, one or two dQ tiles per consumer), and dQ by vector atomics.
 CONFIGS = [(head_dim, config) for head_dim in (128, 64) for config in backward_candidates(head_dim, False)]
-CONFIGS.append((128, GluonBackwardConfig(**{**vars(lockstep_config(128)), "dq_reduction": "vector_atomics"})))
+CONFIGS.append((128, HopperBackwardConfig(**{**vars(lockstep_config(128)), "dq_reduction": "vector_atomics"})))
 
 
 @pytest.mark.gpu
 @needs_gluon_gpu
 @pytest.mark.parametrize("head_dim, config", CONFIGS, ids=lambda x: str(x))
-def test_gpu_gluon_backward_from_external_out_lse_against_portable(head_dim, config):
+def test_gpu_hopper_backward_from_external_out_lse_against_portable(head_dim, config):
     q, k, v, dout = _inputs(2, 1000, 1300, 8, 2, head_dim, torch.bfloat16, device="cuda")
     for causal in (True, False):
         beyond = _beyond_portable(q, k, v, dout, causal, 0.1, config=config)
-        assert not beyond, f"(gluon, portable) errors beyond 2x: {beyond}"
+        assert not beyond, f"(hopper, portable) errors beyond 2x: {beyond}"
 
 
 @pytest.mark.gpu
@@ -82,7 +83,7 @@ def test_gpu_wrong_delta_breaks_the_check():
     """Negative control: delta shifted by 0.5 (dS = P (dP - delta)) breaks dq and dk but not dv, so the checks
     above can fail."""
     q, k, v, dout = _inputs(1, 700, 900, 8, 2, 128, torch.bfloat16, device="cuda")
-    out, lse = triton_forward(q, k, v, causal=True, softmax_scale=0.1, out_dtype=torch.float32)
+    out, lse = portable_forward(q, k, v, causal=True, softmax_scale=0.1, out_dtype=torch.float32)
     beyond = _beyond_portable(q, k, v, dout, True, 0.1, delta=row_delta(out, dout) + 0.5)
     assert set(beyond) == {"dq", "dk"}, beyond
 
@@ -101,23 +102,23 @@ def _case_id(case):
 @needs_gluon_gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gpu_gluon_backward_matches_exact_within_twice_naive_error(causal, case):
+def test_gpu_hopper_backward_matches_exact_within_twice_naive_error(causal, case):
     q, k, v, dout = _inputs(*case, torch.bfloat16, device="cuda")
     scale = 1 / math.sqrt(q.shape[-1])
     exact = _exact(q, k, v, dout, causal, scale)
-    ours = _ours(q, k, v, dout, causal, scale, backend="triton_gluon")
+    ours = _ours(q, k, v, dout, causal, scale, backend="triton_hopper")
     violations = _rule_violations(ours, _naive(q, k, v, dout, causal, scale), exact)
-    assert not violations, f"(triton_gluon, naive) errors beyond the rule: {violations}"
+    assert not violations, f"(triton_hopper, naive) errors beyond the rule: {violations}"
     twins.assert_unseen_rows_zero(_numpy(ours), _numpy(exact))
 
 
 @pytest.mark.gpu
 @needs_gluon_gpu
 @pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[3]], ids=_case_id)
-def test_gpu_gluon_backward_float16(case):
+def test_gpu_hopper_backward_float16(case):
     q, k, v, dout = _inputs(*case, torch.float16, device="cuda")
     scale = 1 / math.sqrt(q.shape[-1])
     for causal in (True, False):
-        ours = _ours(q, k, v, dout, causal, scale, backend="triton_gluon")
+        ours = _ours(q, k, v, dout, causal, scale, backend="triton_hopper")
         violations = _rule_violations(ours, _naive(q, k, v, dout, causal, scale), _exact(q, k, v, dout, causal, scale))
-        assert not violations, f"(triton_gluon fp16, naive) errors beyond the rule: {violations}"
+        assert not violations, f"(triton_hopper fp16, naive) errors beyond the rule: {violations}"

@@ -1,9 +1,10 @@
-"""Hopper (sm_90) FlashAttention forward written in Gluon (`triton.experimental.gluon`, Triton 3.6): the FA3
-structure that Triton's `tl` language cannot express. The public API is `torch_impl.flash_attention`, backend
-"triton_gluon" (forced) or "triton" (picked on sm_90 where `gluon_unsupported` is None: see
-`flash_attention._forward_path`). Same contract as the portable forward (`flash_forward.py`): out [B, Sq, H, D] in
-any float dtype, lse [B, H, Sq] float32, GQA read in place, any lengths, bottom-right causal alignment, a row that
-sees no key gets out 0 and lse -inf.
+"""The Hopper family's forward: a FlashAttention forward for sm_90 written in Gluon (`triton.experimental.gluon`,
+Triton 3.6), the FA3 structure that Triton's `tl` language cannot express. The public API is
+`torch_impl.kernels.flash_attention`, backend "triton_hopper" (forced) or "triton" (picked on sm_90 where
+`config.hopper_unsupported` is None: see `flash_attention._uses_hopper`); launch shapes in `config.py`. Same
+contract as the portable forward (`kernels/portable/forward.py`): out [B, Sq, H, D] in any float dtype, lse
+[B, H, Sq] float32, GQA read in place, any lengths, bottom-right causal alignment, a row that sees no key gets out 0
+and lse -inf.
 
 One program owns 64 query rows per consumer (128 with two, 192 with three as FlashAttention-3 runs D=64) of one
 (batch, head) and runs its partitions under `gl.warp_specialize`:
@@ -20,83 +21,27 @@ every row sees in full (no mask), and the causal diagonal / key tail (masked). C
 longest first. Tensor descriptors are made on the device per (batch, head) slice, so rows past a sequence's end
 read as zero; the output goes out with plain masked stores, since a ring asks for float32 partial outputs.
 
-Torch only, no JAX twin: JAX's sm_90 forward is the Pallas Mosaic GPU kernel (`jax_impl/flash_hopper_forward.py`).
+Twin of `jax_impl/kernels/hopper/forward.py` (the family's JAX forward, a Pallas Mosaic GPU kernel of its own design).
 Gluon has no interpreter: CPU CI compiles this kernel for sm_90 (tests/test_triton_compile.py) where the installed
 Triton is the one it is written for, and GPU tests hold it to the portable kernel and cuDNN.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
 import triton
 
-from torch_impl.flash_forward import INTERPRETED, LN2, LOG2E, seq_bucket
-from torch_impl.flash_hopper_forward import HOPPER_DTYPES, HOPPER_HEAD_DIMS, hopper_unsupported, \
-    set_descriptor_allocator
+from torch_impl.kernels.hopper.config import HopperConfig, forward_config
+from torch_impl.kernels.tiles import GLUON_AVAILABLE, LN2, LOG2E, gluon_jit, seq_bucket, set_descriptor_allocator
 
-# Gluon's API changes between Triton releases; this kernel is written and checked against this one.
-GLUON_TRITON_VERSION = "3.6"
-GLUON_AVAILABLE = triton.__version__.startswith(GLUON_TRITON_VERSION + ".")
 if GLUON_AVAILABLE:
-    from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    jit = gluon.jit
-else:  # the kernels below are then never compiled or launched; `gluon_unsupported` says why
-    def jit(fn):
-        return fn
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma tile height; the query block is `consumers` of them
 
 
-@dataclasses.dataclass(frozen=True)
-class GluonConfig:
-    """Launch shape of the Gluon forward: `consumers` warpgroups of 64 query rows (2 or 3), `block_n` keys per step,
-    `num_stages` K/V tiles in flight, `pingpong` whether the consumers take turns issuing their matmuls, and the
-    register split (`consumer_regs` for each worker consumer, `producer_regs` for the TMA warp's warpgroup; the
-    default consumer gets what `max_regs` a thread over the whole block leaves)."""
-    consumers: int = 2
-    block_n: int = 128
-    num_stages: int = 2
-    pingpong: bool = True
-    max_regs: int = 168
-    consumer_regs: int = 232
-    producer_regs: int = 40
-
-
-def three_consumers(**shape) -> GluonConfig:
-    """A 192-row GluonConfig: 512 threads (three consumer warpgroups, the producer warp padded to a fourth) at 128
-    registers each over the block; the consumers get 160, the producer's warpgroup 32 (FlashAttention-3's split)."""
-    return GluonConfig(consumers=3, max_regs=128, consumer_regs=160, producer_regs=32, **shape)
-
-
-def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the Gluon forward cannot run these (validated) inputs, or None when it can."""
-    if INTERPRETED:
-        return "has no interpreter (Gluon kernels only compile for a GPU)"
-    if not GLUON_AVAILABLE:
-        return (f"is written for Triton {GLUON_TRITON_VERSION} (Gluon's API changes between releases), "
-                f"got {triton.__version__}")
-    return hopper_unsupported(q, k, v)
-
-
-def forward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonConfig:
-    """The launch shape for a call class, as measured on H200. D=128 (compare/results/kernels-gluon-2026-11-22-h200/
-    gluon-sweep.json, 16k): two consumers, 128-key tiles, 2 stages (3 do not fit shared memory; 64-key tiles ran
-    537-543 TF/s against 587-591 causal); ping-pong and not tie (587 / 591 causal, 609 / 606 full). D=64
-    (compare/results/kernels-gluon-forward-2026-11-23-h200-h13e/1-sweep, 16k and 64k): three consumers (192-row
-    blocks) ran 465-515 TF/s against two consumers' 425-455; 2 stages causal (485 / 512 against 3 stages' 474 /
-    497), 3 full (513 / 510 against 2 stages' 502 / 515)."""
-    del seq_bucket
-    if head_dim == 128:
-        return GluonConfig(num_stages=2, pingpong=True)
-    return three_consumers(num_stages=2 if causal else 3, pingpong=False)
-
-
-@jit
+@gluon_jit
 def _load_partition(args):
     (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready, v_empty, turns,
      row0, n_tiles, seq_q, seq_k, qk_scale, o_base, stride_os, lse_base) = args
@@ -119,7 +64,7 @@ def _load_partition(args):
         tma.async_copy_global_to_shared(v_desc, [j * block_n, 0], v_ready.index(slot), v_bufs.index(slot))
 
 
-@jit
+@gluon_jit
 def _take_turn(turns, consumer: gl.constexpr, step, PINGPONG: gl.constexpr):
     """Wait until the consumer before this one in the ring has issued its matmuls of this step (consumer 0: the
     last consumer, of the previous step; consumer 0 starts)."""
@@ -127,14 +72,14 @@ def _take_turn(turns, consumer: gl.constexpr, step, PINGPONG: gl.constexpr):
         mbarrier.wait(turns.index(consumer), (step & 1) ^ (1 if consumer == 0 else 0))
 
 
-@jit
+@gluon_jit
 def _pass_turn(turns, consumer: gl.constexpr, PINGPONG: gl.constexpr):
     consumers: gl.constexpr = turns.type.shape[0]
     if PINGPONG:
         mbarrier.arrive(turns.index((consumer + 1) % consumers), count=1)
 
 
-@jit
+@gluon_jit
 def _softmax_step(s, l_i, m_i, start_n, rows, seq_k, diagonal, qk_scale,
                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
     """One key tile's online-softmax update from raw scores `s`: (p, alpha, l_i, m_i), m_i in log2 units."""
@@ -157,7 +102,7 @@ def _softmax_step(s, l_i, m_i, start_n, rows, seq_k, diagonal, qk_scale,
     return p, alpha, l_i, m_new
 
 
-@jit
+@gluon_jit
 def _key_steps(acc, l_i, m_i, p, q_buf, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turns, rows,
                first, last, seq_k, diagonal, qk_scale, consumer: gl.constexpr, MASKED: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
@@ -188,7 +133,7 @@ def _key_steps(acc, l_i, m_i, p, q_buf, k_bufs, v_bufs, k_ready, k_empty, v_read
     return acc, l_i, m_i, p
 
 
-@jit
+@gluon_jit
 def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready, v_empty, turns,
      row0, n_tiles, seq_q, seq_k, qk_scale, o_base, stride_os, lse_base) = args
@@ -256,27 +201,27 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.co
     gl.store(lse_base + rows, lse, mask=rows < seq_q)
 
 
-@jit
+@gluon_jit
 def _consumer0(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     _consume(args, 0, CAUSAL, PINGPONG)
 
 
-@jit
+@gluon_jit
 def _consumer1(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     _consume(args, 1, CAUSAL, PINGPONG)
 
 
-@jit
+@gluon_jit
 def _consumer2(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     _consume(args, 2, CAUSAL, PINGPONG)
 
 
-@jit
+@gluon_jit
 def _producer(args, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     _load_partition(args)
 
 
-@jit
+@gluon_jit
 def _gluon_forward_kernel(Q, K, V, Out, Lse,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
@@ -352,9 +297,9 @@ def shared_layouts(dtype: torch.dtype, head_dim: int, block_n: int):
             gl.NVMMASharedLayout.get_default_for([block_n, head_dim], element))
 
 
-def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
-                  out_dtype: torch.dtype, config: GluonConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the Gluon forward on validated, supported inputs (`gluon_unsupported` is None):
+def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
+                   out_dtype: torch.dtype, config: HopperConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the Gluon forward on validated, supported inputs (`hopper_unsupported` is None):
     (out [B, Sq, H, D] in out_dtype, lse [B, H, Sq] float32)."""
     batch, seq_q, n_heads, head_dim = q.shape
     seq_k, n_kv_heads = k.shape[1], k.shape[2]

@@ -1,6 +1,6 @@
-"""FlashAttention for JAX: public API, validation, backend dispatch and autodiff. Twin of
-`torch_impl/flash_attention.py`; the kernels, and the block-size configs with their heuristics, live in
-`flash_forward.py` / `flash_backward.py` (`TritonConfig`) and `flash_hopper_*.py` (`HopperConfig`).
+"""FlashAttention for JAX: public API, validation, backend dispatch, the check of `config=` and autodiff. Twin of
+`torch_impl/kernels/flash_attention.py`; the kernels, and the block-size configs with their heuristics, live in
+`kernels/portable/` (`PortableConfig`) and `kernels/hopper/` (`HopperConfig`).
 
 Two levels:
   - `flash_attention(q, k, v, ...)`: drop-in attention (an `AttentionFn` with the defaults), differentiable
@@ -10,13 +10,13 @@ Two levels:
     partials merge without rounding, the backward takes the globally merged out/lse and returns fp32
     gradients that sum over pairs to the full ones.
 
-Backends (`backend=`):
-  - "pallas" (default): our Pallas kernels: the Triton-lowering kernels (`flash_forward.py` /
-    `flash_backward.py`; on CPU in Pallas interpret mode). On a Hopper GPU (sm90), bf16/fp16 at the head dims
-    of MOSAIC_DEFAULT_HEAD_DIMS get the Mosaic GPU kernels (`flash_hopper_forward.py` /
-    `flash_hopper_backward.py`) instead, and a Hopper call they cannot serve warns once and falls back.
-  - "pallas_mosaic" / "pallas_triton": force one of the two. "pallas_mosaic" needs an sm90 GPU, or runs under
-    Pallas's Mosaic GPU interpreter on CPU (tests), and raises where its dtype/head dim is not served.
+Backends (`backend=`, `weights.training.ATTENTION_BACKENDS["jax"]`):
+  - "pallas" (default): our Pallas kernels: the portable family (`kernels/portable/`: Pallas's Triton lowering; on
+    CPU in Pallas interpret mode). On a Hopper GPU (sm90), bf16/fp16 at the head dims of HOPPER_DEFAULT_HEAD_DIMS
+    get the Hopper family (`kernels/hopper/`: Mosaic GPU kernels) instead, and a Hopper call they cannot serve warns
+    once and falls back.
+  - "pallas_hopper" / "pallas_portable": force one of the two families. "pallas_hopper" needs an sm90 GPU, or runs
+    under Pallas's Mosaic GPU interpreter on CPU (tests), and raises where its dtype/head dim is not served.
   - "reference": the plain-math fp32 functions of `jax_impl.attention`.
   - "cudnn" (GPU only, bf16/fp16, head dim a multiple of 8 up to 256, causal only with Sq == Sk since cuDNN's
     causal mask is top-left aligned): cuDNN's fused attention through jax's cuDNN module. Its forward with
@@ -28,10 +28,10 @@ Backends (`backend=`):
     the input dtype and returns bf16/fp16 outputs and gradients, so fp32 out/gradients requested by the
     pair contract are exact casts of half-precision results (the ring accumulates them with that rounding).
 
-Block sizes (`config=`, every entry point): those of the Pallas kernel family serving the call, a `TritonConfig`
-or a `HopperConfig` (the other family's is a ValueError, and so is any config for "reference" and "cudnn"); None
-picks the family's heuristic (`flash_forward.default_config`, `flash_hopper_config.default_config`: for the
-Mosaic kernels by head dim, dtype and the forward's out dtype, among the configs that fit the device's shared
+Block sizes (`config=`, every entry point): those of the Pallas kernel family serving the call, a `PortableConfig`
+or a `HopperConfig` (the other family's is a ValueError naming both, and so is any config for "reference" and
+"cudnn"); None picks the family's heuristic (`portable.config.default_config`, `hopper.config.default_config`: for
+the Mosaic kernels by head dim, dtype and the forward's out dtype, among the configs that fit the device's shared
 memory). A `HopperConfig` some kernel of which does not fit is a ValueError naming it and the bytes, before anything
 compiles. They travel only as this argument: the module holds no state that a call could change.
 
@@ -53,22 +53,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import flash_forward, flash_hopper_config
-from .attention import reference_attention_backward, reference_attention_forward
-from .flash_backward import pallas_backward
-from .flash_forward import TritonConfig, pallas_forward
-from .flash_hopper_backward import mosaic_backward
-from .flash_hopper_config import HopperConfig, smem_limit, supports
-from .flash_hopper_forward import mosaic_forward
-from .remat import keep_for_backward
+from jax_impl.attention import reference_attention_backward, reference_attention_forward
+from jax_impl.kernels.hopper.backward import hopper_backward
+from jax_impl.kernels.hopper import config as hopper_config
+from jax_impl.kernels.hopper.config import HopperConfig, hopper_unsupported, smem_limit
+from jax_impl.kernels.hopper.forward import hopper_forward
+from jax_impl.kernels.portable.backward import portable_backward
+from jax_impl.kernels.portable import config as portable_config
+from jax_impl.kernels.portable.config import PortableConfig
+from jax_impl.kernels.portable.forward import portable_forward
+from jax_impl.remat import keep_for_backward
 from weights.attention import check_attention_shapes
+from weights.training import ATTENTION_BACKENDS
 
-BACKENDS = ("pallas", "pallas_mosaic", "pallas_triton", "reference", "cudnn")
-# Head dims at which "pallas" takes the Mosaic kernels on sm90, as measured on an H200 (compare/results/README.md;
-# the GPU tests of tests/test_flash_hopper_jax.py passed there): at D=128 forward+backward 14-25 % above the
+BACKENDS = ATTENTION_BACKENDS["jax"]
+# Head dims at which "pallas" takes the Hopper kernels on sm90, as measured on an H200 (compare/results/README.md;
+# the GPU tests of tests/test_kernels_hopper_jax.py passed there): at D=128 forward+backward 14-25 % above the
 # Triton lowering (2026-11-22); at D=64, 16k, 392-410 TF/s (2026-11-23) against the Triton lowering's 345 with
 # its retuned blocks (2026-11-21, non-causal, Hkv=8, where Mosaic runs 410).
-MOSAIC_DEFAULT_HEAD_DIMS = (64, 128)
+HOPPER_DEFAULT_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_HEAD_DIM = 256
 
@@ -83,48 +86,51 @@ def _on_hopper() -> bool:
     return jax.default_backend() == "gpu" and getattr(device, "compute_capability", None) == "9.0"
 
 
-def _uses_mosaic(backend: str, q) -> bool:
-    """Which Pallas kernel family serves this call: True for Mosaic GPU, False for the Triton lowering."""
-    if backend == "pallas_triton":
+def _uses_hopper(backend: str, q) -> bool:
+    """Which Pallas kernel family serves this call: True for the Hopper family (Mosaic GPU), False for the portable
+    one (Triton lowering)."""
+    if backend == "pallas_portable":
         return False
-    unsupported = supports(q, q.shape[3])
-    if backend == "pallas_mosaic":
+    unsupported = hopper_unsupported(q, q.shape[3])
+    if backend == "pallas_hopper":
         if jax.default_backend() == "gpu" and not _on_hopper():
-            raise ValueError(f"backend='pallas_mosaic' needs a Hopper (sm90) GPU; this one is "
+            raise ValueError(f"backend='pallas_hopper' needs a Hopper (sm90) GPU; this one is "
                              f"{getattr(jax.devices()[0], 'compute_capability', '?')}")
         if unsupported:
-            raise ValueError(f"backend='pallas_mosaic' does not serve {unsupported}; use 'pallas' or 'pallas_triton'")
+            raise ValueError(f"backend='pallas_hopper' does not serve {unsupported}; use 'pallas' or "
+                             f"'pallas_portable'")
         return True
     if not _on_hopper():
         return False
     if unsupported:
-        if jnp.dtype(q.dtype) != jnp.float32:  # fp32 is a correctness path: Triton, no warning
-            warnings.warn(f"flash_attention: the Hopper Mosaic kernels do not serve {unsupported}; using the "
-                          f"Triton-lowering kernels", stacklevel=3)
+        if jnp.dtype(q.dtype) != jnp.float32:  # fp32 is a correctness path: portable, no warning
+            warnings.warn(f"flash_attention: the Hopper kernels do not serve {unsupported}; using the portable "
+                          f"kernels", stacklevel=3)
         return False
-    return q.shape[3] in MOSAIC_DEFAULT_HEAD_DIMS
+    return q.shape[3] in HOPPER_DEFAULT_HEAD_DIMS
 
 
-def runs_mosaic_kernels(backend: str, q) -> bool:
-    """Whether the Pallas Mosaic GPU kernels serve `backend`'s calls on inputs like q (the ring then runs its
-    blocks in as few kernel shapes as it can: `ring_attention._kernel_pieces`)."""
-    return backend in ("pallas", "pallas_mosaic") and _uses_mosaic(backend, q)
+def runs_hopper_kernels(backend: str, q) -> bool:
+    """Whether the Hopper family (Mosaic GPU kernels) serves `backend`'s calls on inputs like q (the ring then runs
+    its blocks in as few kernel shapes as it can: `ring_attention._kernel_pieces`)."""
+    return backend in ("pallas", "pallas_hopper") and _uses_hopper(backend, q)
 
 
-def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None) -> TritonConfig | HopperConfig:
-    """The config of the Pallas kernel family serving this call (a `HopperConfig` for Mosaic, else a
-    `TritonConfig`): `config` if given, else the family's heuristic for q's head dim and dtype, and for Mosaic the
-    forward's out dtype (None: q's; the ring's fp32 partials take more shared memory) and the device's shared
-    memory."""
-    mosaic = _uses_mosaic(backend, q)
+def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None) -> PortableConfig | HopperConfig:
+    """The config of the Pallas kernel family serving this call (a `HopperConfig` for the Hopper family, else a
+    `PortableConfig`): `config` if given, else the family's heuristic for q's head dim and dtype, and for the Hopper
+    family the forward's out dtype (None: q's; the ring's fp32 partials take more shared memory) and the device's
+    shared memory."""
+    uses_hopper = _uses_hopper(backend, q)
     if config is None:
-        return (flash_hopper_config.default_config(q.shape[3], dtype=q.dtype, out_dtype=out_dtype,
-                                                   limit=smem_limit(interpret)) if mosaic
-                else flash_forward.default_config(q.shape[3], q.dtype, interpret=interpret))
-    family = HopperConfig if mosaic else TritonConfig
-    if not isinstance(config, family):
-        raise ValueError(f"config must be a {family.__name__}: the {'Mosaic' if mosaic else 'Triton-lowering'} "
-                         f"kernels serve this call (backend={backend!r}); got {type(config).__name__}")
+        return (hopper_config.default_config(q.shape[3], dtype=q.dtype, out_dtype=out_dtype,
+                                             limit=smem_limit(interpret)) if uses_hopper
+                else portable_config.default_config(q.shape[3], q.dtype, interpret=interpret))
+    serving, other = (HopperConfig, "portable") if uses_hopper else (PortableConfig, "hopper")
+    if not isinstance(config, serving):
+        family = "hopper" if uses_hopper else "portable"
+        raise ValueError(f"config is a {type(config).__name__}, the {other} family's, but the {family} family serves "
+                         f"this call (backend={backend!r}); pass a {serving.__name__} or None")
     return config
 
 
@@ -133,8 +139,8 @@ def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None) 
 def _check_backend(backend: str, config=None) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if config is not None and not isinstance(config, (TritonConfig, HopperConfig)):
-        raise ValueError(f"config must be a TritonConfig, a HopperConfig or None, got {type(config).__name__}")
+    if config is not None and not isinstance(config, (PortableConfig, HopperConfig)):
+        raise ValueError(f"config must be a PortableConfig, a HopperConfig or None, got {type(config).__name__}")
     if config is not None and not backend.startswith("pallas"):
         raise ValueError(f"config sets Pallas kernel block sizes; backend={backend!r} takes none")
 
@@ -232,7 +238,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
 # --- pair-level API ---------------------------------------------------------------------------------------------
 
 def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale=None,
-                            out_dtype=None, backend: str = "pallas", config: TritonConfig | HopperConfig | None = None
+                            out_dtype=None, backend: str = "pallas", config: PortableConfig | HopperConfig | None = None
                             ) -> tuple[jax.Array, jax.Array]:
     """One attention pair's forward: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq] float32).
     `softmax_scale=None` means 1/sqrt(D). Not differentiable itself: pair it with `flash_attention_backward`.
@@ -249,15 +255,15 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal:
     interpret = _interpret()
     config = _pallas_config(backend, q, config, interpret=interpret, out_dtype=out_dtype)
     if isinstance(config, HopperConfig):
-        return mosaic_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config,
+        return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config,
                               interpret=interpret)
-    return pallas_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config.forward,
-                         interpret=interpret)
+    return portable_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config.forward,
+                            interpret=interpret)
 
 
 def flash_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
                              lse: jax.Array, *, causal: bool, softmax_scale=None, backend: str = "pallas",
-                             config: TritonConfig | HopperConfig | None = None
+                             config: PortableConfig | HopperConfig | None = None
                              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One attention pair's backward: (dq, dk, dv) in float32, shaped like q, k, v (dk/dv per KV head).
 
@@ -277,10 +283,10 @@ def flash_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax
     interpret = _interpret()
     config = _pallas_config(backend, q, config, interpret=interpret)
     if isinstance(config, HopperConfig):
-        return mosaic_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, config=config,
+        return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, config=config,
                                interpret=interpret)
-    return pallas_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                          dkdv_config=config.backward_dkdv, dq_config=config.backward_dq, interpret=interpret)
+    return portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                             dkdv_config=config.backward_dkdv, dq_config=config.backward_dq, interpret=interpret)
 
 
 # --- differentiable API -----------------------------------------------------------------------------------------
@@ -310,7 +316,7 @@ _attention_with_lse.defvjp(_attention_fwd, _attention_bwd)
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, softmax_scale=None,
                     return_lse: bool = False, backend: str = "pallas",
-                    config: TritonConfig | HopperConfig | None = None):
+                    config: PortableConfig | HopperConfig | None = None):
     """FlashAttention: out [B, Sq, H, D] in q's dtype (and lse [B, H, Sq] float32 with return_lse=True).
 
     q [B, Sq, H, D], k/v [B, Sk, Hkv, D] with H a multiple of Hkv (GQA, K/V not repeated); bf16, fp16 or

@@ -1,5 +1,6 @@
-"""Triton FlashAttention backward kernels (FA2 algorithm, no atomics). Twin of `jax_impl/flash_backward.py`.
-Import it through `torch_impl.flash_attention` (see `flash_forward` for why).
+"""The portable family's backward: Triton (`tl`) FlashAttention backward kernels (FA2 algorithm, no atomics).
+Twin of `jax_impl/kernels/portable/backward.py`. The public API is `torch_impl.kernels.flash_attention`; the tile
+helpers and the delta kernel are in `kernels/tiles.py`, the launch configs and autotune spaces in `config.py`.
 
 Three launches, all of them deterministic:
   delta:  delta = rowsum(dout * out) per query row, float32 [B, H, Sq], from the `out` it is given, so a ring
@@ -20,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_impl.flash_forward import (INTERPRETED, LOG2E, TritonConfig, autotuned, dot_precision, key_range,
-                                      key_scores, key_tile_pointers, launch, load_tile, query_block_program,
-                                      round_to, seq_bucket, store_tile, visible_keys)
+from torch_impl.kernels.portable.config import (DKDV_SHAPES, DQ_SHAPES, PortableConfig, autotuned,
+                                                dkdv_shared_bytes, dq_shared_bytes, launch)
+from torch_impl.kernels.tiles import (INTERPRETED, LOG2E, dot_precision, key_range, key_scores, key_tile_pointers,
+                                      load_tile, query_block_program, round_to, row_delta, seq_bucket, store_tile,
+                                      visible_keys)
 
 
 @triton.jit
@@ -44,24 +47,6 @@ def key_block_program(n_kv_heads, BLOCK_N: tl.constexpr):
     the start are seen by the most queries: the natural order launches them first."""
     pid_bh = tl.program_id(1)
     return pid_bh // n_kv_heads, pid_bh % n_kv_heads, tl.program_id(0) * BLOCK_N
-
-
-@triton.jit
-def _delta_kernel(Out, DOut, Delta, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
-                  n_heads, seq_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // n_heads
-    head = pid_bh % n_heads
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
-    o_ptrs = (Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-              + rows.to(tl.int64)[:, None] * stride_os + offs_d[None, :])
-    do_ptrs = (DOut + batch.to(tl.int64) * stride_db + head.to(tl.int64) * stride_dh
-               + rows.to(tl.int64)[:, None] * stride_ds + offs_d[None, :])
-    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Delta + pid_bh.to(tl.int64) * seq_q + rows, tl.sum(o * do, 1), mask=rows < seq_q)
 
 
 @triton.jit
@@ -89,17 +74,6 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(round_to(ds_t, q_base.dtype.element_ty, EMULATE), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
-
-
-# (BLOCK_M queries, BLOCK_N resident keys, warps, stages). dk and dv alone take 128 registers a thread at D=128,
-# so the query block stays small; 64 x 128 spills a little at D=128 but may still win on bandwidth; the last one
-# is for D=256 (which spills whatever the tiles).
-DKDV_SHAPES = [(32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 3),
-               (16, 64, 8, 2)]
-
-
-def dkdv_shared_bytes(block_m, block_n, stages, row_bytes):
-    return (2 * block_n + stages * 2 * block_m) * row_bytes  # K and V resident; Q and dO streamed
 
 
 @autotuned(DKDV_SHAPES, (32, 64), dkdv_shared_bytes)
@@ -182,14 +156,6 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs
     return dq
 
 
-DQ_SHAPES = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4),
-             (128, 128, 8, 2)]
-
-
-def dq_shared_bytes(block_m, block_n, stages, row_bytes):
-    return (2 * block_m + stages * 2 * block_n) * row_bytes  # Q and dO resident; K and V streamed
-
-
 @autotuned(DQ_SHAPES, (64, 32), dq_shared_bytes)
 @triton.jit
 def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
@@ -230,21 +196,9 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
     store_tile(dq_ptrs, dq * softmax_scale, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, EMULATE)
 
 
-def row_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """delta = rowsum(dout * out), float32 [B, H, Sq], for inputs [B, Sq, H, D] with a contiguous last dim."""
-    batch, seq_q, n_heads, head_dim = out.shape
-    delta = torch.empty((batch, n_heads, seq_q), dtype=torch.float32, device=out.device)
-    delta_block = 32 if INTERPRETED else 64
-    _delta_kernel[(triton.cdiv(seq_q, delta_block), batch * n_heads)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-        dout.stride(2), n_heads, seq_q, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=delta_block)
-    return delta
-
-
-def triton_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype,
-                    config: TritonConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def portable_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype,
+                      config: PortableConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on validated inputs: (dq, dk, dv) in grad_dtype; autotuned, or with the
     backward entries of `config` when given."""
     batch, seq_q, n_heads, head_dim = q.shape

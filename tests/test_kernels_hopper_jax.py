@@ -1,5 +1,5 @@
-"""The Hopper Mosaic GPU kernels (`jax_impl/flash_hopper_forward.py`, `flash_hopper_backward.py`) through the
-public API (`backend="pallas_mosaic"`): out, lse, dq, dk, dv against float64 under the flash-attention rule,
+"""The Hopper family's Mosaic GPU kernels (`jax_impl/kernels/hopper/forward.py`, `backward.py`) through the
+public API (`backend="pallas_hopper"`): out, lse, dq, dk, dv against float64 under the flash-attention rule,
 the ring's pair contract (partials merged by lse, backward from the global out/lse), dispatch and config.
 
 On CPU the kernels EXECUTE under Pallas's Mosaic GPU interpreter (TMA copies, barriers, warpgroup roles and
@@ -25,8 +25,8 @@ from test_flash_attention_jax import (_float64_attention, _flash_and_naive, _fla
                                       _ring_step_by_pairs, _with_grads)
 
 from jax_impl.attention import reference_attention
-from jax_impl.flash_attention import BACKENDS, flash_attention, flash_attention_forward
-from jax_impl.flash_hopper_forward import HopperConfig, autotune_space, default_config, supports
+from jax_impl.kernels.flash_attention import BACKENDS, flash_attention, flash_attention_forward
+from jax_impl.kernels.hopper.config import HopperConfig, autotune_space, default_config, hopper_unsupported
 
 on_hopper = pytest.mark.skipif(
     jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
@@ -47,7 +47,7 @@ INTERPRET_CASES = [(77, 141, 3, 1, 64, True, "two_kernel"), (141, 77, 2, 1, 64, 
                               in INTERPRET_CASES])
 def test_mosaic_flash_rule_against_float64(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form):
     q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16)
-    flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_mosaic",
+    flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_hopper",
                                     config=HopperConfig(bwd_form=bwd_form))
     exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
     assert flash[0].dtype == jnp.bfloat16 and flash[1].dtype == jnp.float32
@@ -73,7 +73,7 @@ FORWARD_FORMS = [(77, 141, 3, 1, True, dict(compute_warpgroups=3), jnp.bfloat16)
 def test_mosaic_forward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, causal, change, out_dtype):
     q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, 64, jnp.bfloat16)
     exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / 8)
-    out, lse = flash_attention_forward(q, k, v, causal=causal, out_dtype=out_dtype, backend="pallas_mosaic",
+    out, lse = flash_attention_forward(q, k, v, causal=causal, out_dtype=out_dtype, backend="pallas_hopper",
                                        config=HopperConfig(**change))
     naive = reference_attention(q, k, v, causal=causal, return_lse=True)
     assert out.dtype == out_dtype
@@ -88,7 +88,7 @@ def test_mosaic_keys_padded_past_the_dq_step_meet_the_rule():
     whole dQ step no row sees, which the non-causal step range must leave out (before it did, the step was
     streamed but never consumed and the interpreted kernel waited forever)."""
     q, k, v, dout = _inputs(1, 100, 192, 2, 2, 64, jnp.bfloat16)
-    flash, naive = _flash_and_naive(q, k, v, dout, causal=False, backend="pallas_mosaic",
+    flash, naive = _flash_and_naive(q, k, v, dout, causal=False, backend="pallas_hopper",
                                     config=HopperConfig(dq_block_kv=64))
     assert not _flash_rule_violations(flash, naive, _float64_attention(q, k, v, dout, causal=False, scale=1 / 8))
 
@@ -96,21 +96,21 @@ def test_mosaic_keys_padded_past_the_dq_step_meet_the_rule():
 def test_mosaic_negative_control_fails_the_rule():
     """The rule has teeth for this kernel too: k and v swapped violates it."""
     q, k, v, dout = _inputs(1, 70, 90, 2, 2, 64, jnp.float16)
-    flash = _with_grads(lambda q, k, v: flash_attention(q, v, k, return_lse=True, backend="pallas_mosaic"),
+    flash = _with_grads(lambda q, k, v: flash_attention(q, v, k, return_lse=True, backend="pallas_hopper"),
                         q, k, v, dout)
     naive = _with_grads(functools.partial(reference_attention, return_lse=True), q, k, v, dout)
     assert _flash_rule_violations(flash, naive, _float64_attention(q, k, v, dout, causal=True, scale=1 / 8))
 
 
-def test_backend_names_and_forced_mosaic_errors():
-    assert {"pallas", "pallas_mosaic", "pallas_triton"} <= set(BACKENDS)
+def test_backend_names_and_forced_hopper_errors():
+    assert {"pallas", "pallas_hopper", "pallas_portable"} <= set(BACKENDS)
     q, k, v, _ = _inputs(1, 8, 8, 2, 2, 96, jnp.bfloat16)
     with pytest.raises(ValueError, match="head_dim 96"):
-        flash_attention_forward(q, k, v, causal=True, backend="pallas_mosaic")
+        flash_attention_forward(q, k, v, causal=True, backend="pallas_hopper")
     q32, k32, v32, _ = _inputs(1, 8, 8, 2, 2, 64, jnp.float32)
     with pytest.raises(ValueError, match="dtype float32"):
-        flash_attention_forward(q32, k32, v32, causal=True, backend="pallas_mosaic")
-    assert supports(q32[..., :64].astype(jnp.bfloat16), 64) is None
+        flash_attention_forward(q32, k32, v32, causal=True, backend="pallas_hopper")
+    assert hopper_unsupported(q32[..., :64].astype(jnp.bfloat16), 64) is None
 
 
 def test_config_rejects_blocks_wgmma_cannot_tile():
@@ -155,7 +155,7 @@ GPU_CASES = [(1024, 1024, 8, 2, 128, True), (1000, 1000, 4, 4, 128, False), (777
 def test_gpu_mosaic_triton_and_cudnn_meet_the_rule(dtype, seq_q, seq_k, heads, kv_heads, head_dim, causal):
     q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, dtype, seed=7)
     exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
-    backends = ["pallas", "pallas_mosaic", "pallas_triton"] + (["cudnn"] if not causal or seq_q == seq_k else [])
+    backends = ["pallas", "pallas_hopper", "pallas_portable"] + (["cudnn"] if not causal or seq_q == seq_k else [])
     for backend in backends:
         flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend=backend)
         assert not _flash_rule_violations(flash, naive, exact), backend
@@ -168,7 +168,7 @@ def test_gpu_mosaic_triton_and_cudnn_meet_the_rule(dtype, seq_q, seq_k, heads, k
 def test_gpu_mosaic_backward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form):
     q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16, seed=7)
     exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
-    flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_mosaic",
+    flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_hopper",
                                     config=HopperConfig(bwd_form=bwd_form))
     assert not _flash_rule_violations(flash, naive, exact)
 
@@ -183,14 +183,14 @@ def test_gpu_ring_pairs_with_external_lse_meet_the_rule(head_dim):
     q, dout = q_all[:, 1024:], dout_all[:, 1024:]  # the second half of a causal sequence against all its keys
     exact = _float64_attention(q, k, v, dout, causal=True, scale=1 / math.sqrt(head_dim))
     naive = _with_grads(functools.partial(reference_attention, causal=True, return_lse=True), q, k, v, dout)
-    for backend in ("pallas_mosaic", "pallas_triton", "cudnn"):
+    for backend in ("pallas_hopper", "pallas_portable", "cudnn"):
         by_pairs = _jit(functools.partial(_ring_step_by_pairs, backend=backend))(q, k, v, dout)
         assert not _flash_rule_violations(by_pairs, naive, exact), backend
 
 
 # Compiled forward forms (Sq, Sk, H, Hkv, D, causal, config changes, out dtype), as FORWARD_FORMS on CPU; None: no
 # config, the heuristic's, here the call issue 32 saw fail to compile (the ring's fp32 partials of full attention at
-# D=128, which three compute warpgroups cannot fit: jax_impl/flash_hopper_config.default_config).
+# D=128, which three compute warpgroups cannot fit: jax_impl/kernels/hopper/config.default_config).
 GPU_FORWARD_FORMS = [(777, 2048, 6, 2, 64, True, dict(compute_warpgroups=3), jnp.bfloat16),
                      (2048, 777, 4, 1, 64, True, dict(compute_warpgroups=3), jnp.bfloat16),
                      (1536, 1536, 4, 4, 64, False, dict(full_compute_warpgroups=3, persistent=True), jnp.float32),
@@ -208,7 +208,7 @@ def test_gpu_mosaic_forward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, h
     exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
     config = None if change is None else HopperConfig(**change)
     out, lse = _jit(functools.partial(flash_attention_forward, causal=causal, out_dtype=out_dtype,
-                                      backend="pallas_mosaic", config=config))(q, k, v)
+                                      backend="pallas_hopper", config=config))(q, k, v)
     naive = _jit(functools.partial(reference_attention, causal=causal, return_lse=True))(q, k, v)
     # the forward alone: the gradients are the exact answer's own, so only out and lse can break the rule
     assert not _flash_rule_violations((out, lse, *exact[2:]), (*naive, *exact[2:]), exact)

@@ -1,7 +1,7 @@
-"""Launch configs of the Hopper (sm90) Mosaic GPU kernels (`flash_hopper_forward.py`, `flash_hopper_backward.py`)
-and what follows from a config before anything compiles: `HopperConfig` and its checks, the heuristic
-(`default_config`) and the sweep's candidates (`autotune_space`), the register split between warpgroups, which
-calls the kernels serve (`supports`), and each kernel's shared memory.
+"""Launch configs of the Hopper family (the sm90 Mosaic GPU kernels: `forward.py`, `backward.py`) and what follows
+from a config before anything compiles: `HopperConfig` and its checks, the heuristic (`default_config`) and the
+sweep's candidates (`autotune_space`), the register split between warpgroups, which calls the kernels serve
+(`hopper_unsupported`), and each kernel's shared memory. Twin of `torch_impl/kernels/hopper/config.py`.
 
 Shared memory is computed, not found out at launch. The kernels take their scratch buffers and barriers from
 `forward_scratch`, `dkdv_scratch` and `dq_scratch` here, so the accounting (`KernelScratch.smem_bytes`) reads the
@@ -26,7 +26,7 @@ at several configs, Pallas's own estimate traced on CPU (tests/test_mosaic_smem.
 `smem_limit` is the device's limit as Mosaic GPU reads it; `check_smem` turns a call over it into one ValueError
 naming the config and the bytes, before compiling and under the interpreter alike; `smem_needs` gives every
 kernel's bytes for a call, which `default_config` and `autotune_space` choose by.
-No torch twin: Triton sizes its own shared memory and its autotuner prunes what does not fit.
+The torch twin has no such accounting: Triton sizes its own shared memory.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .flash_forward import round_up
+from jax_impl.kernels.tiles import round_up
 
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -77,10 +77,10 @@ class HopperConfig:
     a warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
     owns `dq_block_q` query rows and steps over keys by `dq_block_kv`; both through `bwd_num_stages` slots.
     `bwd_overlap`: the backward issues its independent wgmmas together and awaits each only where its result is
-    read (False: each is awaited when issued; see `flash_hopper_backward._gradient_step`). `bwd_form`:
+    read (False: each is awaited when issued; see `backward._gradient_step`). `bwd_form`:
     "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in
     fp32 by TMA reduce-add) or "one_kernel_private" (the same, each warpgroup adding its own keys' dQ share);
-    see flash_hopper_backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
+    see backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
     causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at D=128 with `bwd_overlap`,
     485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64: 381)."""
     block_q: int = 64
@@ -125,7 +125,7 @@ class HopperConfig:
                 self.persistent)
 
 
-def supports(q, head_dim: int) -> str | None:
+def hopper_unsupported(q, head_dim: int) -> str | None:
     """None when the Mosaic kernels serve this call, else the reason they do not."""
     if jnp.dtype(q.dtype) not in DTYPES:
         return f"dtype {q.dtype} (Mosaic kernels take bfloat16/float16)"
@@ -284,7 +284,7 @@ def check_smem(config: HopperConfig, scratch: KernelScratch, call: str, *, inter
     if needed > limit:
         raise ValueError(f"{config} needs {needed} bytes of shared memory in the Mosaic {scratch.kernel} kernel "
                          f"({call}), over the device's {limit}: use smaller blocks, fewer stages or fewer "
-                         f"compute warpgroups (jax_impl.flash_hopper_config.smem_needs computes them), or "
+                         f"compute warpgroups (jax_impl.kernels.hopper.config.smem_needs computes them), or "
                          f"config=None for the heuristic")
 
 

@@ -1,5 +1,6 @@
-"""FlashAttention backward as two Pallas kernels (FlashAttention-2 split), fp32 gradients. Twin of
-`torch_impl/flash_backward.py`.
+"""The portable family's backward: FlashAttention backward as two Pallas kernels (FlashAttention-2 split), fp32
+gradients. Twin of `torch_impl/kernels/portable/backward.py`. The public API is `jax_impl.kernels.flash_attention`;
+the helpers it shares with the forward are in `kernels/tiles.py`, its launch configs in `config.py`.
 
 Inputs are the pair contract's: dout, q, k, v and the (possibly globally merged) out and lse. Plain JAX
 first computes, in fp32, delta = rowsum(dout * out) and lse in the exp2 domain (rows whose lse is -inf, and
@@ -16,6 +17,7 @@ this pair's share of the global softmax, so per-pair gradients sum to the full o
 The softmax scale multiplies dQ and dK once at the end instead of every dS tile.
 """
 
+
 from __future__ import annotations
 
 import functools
@@ -27,9 +29,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .flash_forward import (LOG2E, KernelConfig, causal_visible, dot_precision, fit_block, has_masked_blocks,
-                            index_div, index_rem, kv_block_range, matmul, matmul_nt, output_struct, pad_axis,
-                            padded_head_dim, program_q_block, q_block_range, query_grid_maps, round_up, visible)
+from jax_impl.kernels.portable.config import KernelConfig
+from jax_impl.kernels.tiles import (LOG2E, causal_visible, dot_precision, fit_block, has_masked_blocks, index_div,
+                                    index_rem, kv_block_range, matmul, matmul_nt, output_struct, pad_axis,
+                                    padded_head_dim, program_q_block, q_block_range, query_grid_maps, round_up,
+                                    visible)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dk_ref, dv_ref, *, causal: bool, scale: float,
@@ -105,9 +109,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, *, ca
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "dkdv_config", "dq_config", "interpret"))
-def pallas_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, *,
-                   causal: bool, softmax_scale: float, dkdv_config: KernelConfig, dq_config: KernelConfig,
-                   interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def portable_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, *,
+                      causal: bool, softmax_scale: float, dkdv_config: KernelConfig, dq_config: KernelConfig,
+                      interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pallas backward on validated inputs: (dq, dk, dv) in float32, shaped like q, k, v."""
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]

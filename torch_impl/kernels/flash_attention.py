@@ -1,34 +1,31 @@
 """FlashAttention for PyTorch: the public, differentiable `flash_attention`, the pair-level forward/backward the
-ring attention calls, and the dispatch to the interchangeable kernel backends. Twin of
-`jax_impl/flash_attention.py` (same names, same contract).
+ring attention calls, the dispatch to the interchangeable kernel backends and the check of `config=`. Twin of
+`jax_impl/kernels/flash_attention.py` (same names, same contract).
 
-Backends (`backend=`):
-  "triton"      ours, the default: per direction the fastest of our Triton paths that runs the call, as measured
-                on H200 (`_forward_path`, `_backward_path`); GQA native, any lengths, head dims 32/64/96/128/256,
-                bf16/fp16/fp32.
-  "triton_gluon"     forces the Gluon sm_90 kernels both ways (Triton 3.6, head dims 64/128, bf16/fp16): the forward
-                (`flash_gluon_forward.py`: warp-specialised TMA producer, two ping-pong consumer warpgroups at
-                D=128, three at D=64) and the one-kernel backward (`flash_gluon_backward.py`: K/V resident, five
-                async wgmma per query block, dQ by TMA reduce-add; warp-specialised like FlashAttention-3's,
-                `flash_gluon_backward_ws.py`); "triton" picks both on sm_90 where they run the call.
-  "triton_hopper"    forces the sm_90 path both ways (`flash_hopper_forward.py`, `flash_hopper_backward.py`: TMA
-                descriptors, one FA3-style backward kernel); head dims 64/128, bf16/fp16.
-  "triton_portable"  forces the portable `tl` kernels (`flash_forward.py`, `flash_backward.py`), which the CPU
-                interpreter and non-Hopper GPUs run.
-  "reference"   the plain-math functions of `torch_impl.attention` (float32 math).
-  "sdpa_cudnn"  torch's cuDNN attention ops, "sdpa_flash" torch's FlashAttention-2 ops (CUDA only, bf16/fp16;
-                K/V repeated for GQA and dk/dv summed back; causal only with Sq == Sk, since those ops align
-                the causal mask top-left).
-  "flash_attn"  the optional flash-attn 2.x package (`pip install 'twinflash[flash-attn]'`).
+Backends (`backend=`, `weights.training.ATTENTION_BACKENDS["torch"]`):
+  "triton"           ours, the default: the Hopper family where it runs the call (`_uses_hopper`), else the portable
+                     one; GQA native, any lengths, head dims 32/64/96/128/256, bf16/fp16/fp32.
+  "triton_hopper"    forces the Hopper family both ways (`kernels/hopper/`: Gluon sm_90 kernels, Triton 3.6, head
+                     dims 64/128, bf16/fp16): the forward (warp-specialised TMA producer, two ping-pong consumer
+                     warpgroups at D=128, three at D=64) and the one-kernel backward (K/V resident, five async wgmma
+                     per query block, dQ by TMA reduce-add; warp-specialised like FlashAttention-3's).
+  "triton_portable"  forces the portable family (`kernels/portable/`: `tl` kernels), which the CPU interpreter and
+                     non-Hopper GPUs run.
+  "reference"        the plain-math functions of `torch_impl.attention` (float32 math).
+  "sdpa_cudnn"       torch's cuDNN attention ops, "sdpa_flash" torch's FlashAttention-2 ops (CUDA only, bf16/fp16;
+                     K/V repeated for GQA and dk/dv summed back; causal only with Sq == Sk, since those ops align
+                     the causal mask top-left).
+  "flash_attn"       the optional flash-attn 2.x package (`pip install 'twinflash[flash-attn]'`).
 
-Without CUDA, Triton's interpreter runs the "triton" kernels on CPU when TRITON_INTERPRET=1 was set before anything
+Without CUDA, Triton's interpreter runs the portable kernels on CPU when TRITON_INTERPRET=1 was set before anything
 imported triton: the `twinflash` CLI and tests/conftest.py set it when there is no CUDA GPU; otherwise a call with
-CPU tensors raises one line naming that fix (`flash_forward.interpreter_problem`).
+CPU tensors raises one line naming that fix (`tiles.interpreter_problem`).
 
-Block sizes (`config=`, every entry point): None lets the portable kernels' autotuner pick from its space; a
-`TritonConfig` (`flash_forward.py`: one `KernelConfig` per kernel) launches them with its values instead, under
-the interpreter too. A config of another kind, or with a backend other than the portable kernels, is a
-ValueError. (The Hopper kernels take their own `Config` per direction: `hopper_forward`, `hopper_backward`.)
+Launch shapes (`config=`, every entry point): those of the kernel family serving the call, a `PortableConfig`
+(`kernels/portable/config.py`: one `KernelConfig` per kernel) or a `HopperConfig` (`kernels/hopper/config.py`: the
+forward's shape and, in its `backward` field, the backward's); the other family's is a ValueError naming both, and
+so is any config for the vendor and reference backends. None lets the family pick: the portable kernels' autotuner
+from its space, the Hopper kernels' shapes measured fastest per call class.
 """
 
 from __future__ import annotations
@@ -40,28 +37,24 @@ import math
 import torch
 
 from torch_impl.attention import reference_attention_backward, reference_attention_forward
-from torch_impl.flash_backward import triton_backward
-from torch_impl.flash_forward import KernelConfig, TritonConfig, interpreter_problem, triton_forward
-from torch_impl.flash_gluon_backward import gluon_backward
-from torch_impl.flash_gluon_forward import gluon_forward, gluon_unsupported
-from torch_impl.flash_hopper_backward import hopper_backward
-from torch_impl.flash_hopper_forward import hopper_forward, hopper_unsupported
+from torch_impl.kernels.hopper.backward import hopper_backward
+from torch_impl.kernels.hopper.config import HopperBackwardConfig, HopperConfig, hopper_unsupported
+from torch_impl.kernels.hopper.forward import hopper_forward
+from torch_impl.kernels.portable.backward import portable_backward
+from torch_impl.kernels.portable.config import KernelConfig, PortableConfig
+from torch_impl.kernels.portable.forward import portable_forward
+from torch_impl.kernels.tiles import interpreter_problem
 from torch_impl.remat import keep_for_backward
 from weights.attention import check_attention_shapes
+from weights.training import ATTENTION_BACKENDS
 
 aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
 
-BACKENDS = ("triton", "reference", "sdpa_cudnn", "sdpa_flash", "flash_attn", "triton_hopper", "triton_portable",
-            "triton_gluon")
-_TRITON_BACKENDS = ("triton", "triton_hopper", "triton_portable", "triton_gluon")
+BACKENDS = ATTENTION_BACKENDS["torch"]
+_TRITON_BACKENDS = ("triton", "triton_portable", "triton_hopper")
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
-# Whether backend "triton" runs the Gluon backward where it runs the inputs (else the portable one). On since it ran
-# faster than the portable backward at every point measured on H200; its warp-specialised form, the default since,
-# 520-540 TF/s credited against 377-395 at D=128, 426-429 against 332-337 at D=64 at 16k (compare/results/
-# kernels-gluon-backward-2026-11-23-h200-h13d; the lockstep form: kernels-gluon-backward-2026-11-23-h200-tuning).
-TRITON_PICKS_GLUON_BACKWARD = True
 _FLASH_ATTN_MISSING = "backend 'flash_attn' needs the optional flash-attn package: pip install 'twinflash[flash-attn]'"
 
 
@@ -71,7 +64,6 @@ def _validate(q, k, v, *, causal, softmax_scale, backend, config) -> float:
     """Check shapes, dtypes, devices, the config and the backend's own limits; return the softmax scale to use."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}")
-    _check_config(config, backend)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -82,27 +74,39 @@ def _validate(q, k, v, *, causal, softmax_scale, backend, config) -> float:
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     check_attention_shapes(q.shape, k.shape, v.shape)
-    head_dim, seq_k = q.shape[3], k.shape[1]
+    head_dim = q.shape[3]
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    _check_config(config, backend, q, k, v)
     _check_backend_limits(backend, q, (k, v), causal)
     return scale
 
 
-def _check_config(config, backend) -> None:
+def _check_config(config, backend, q, k, v) -> None:
+    """A config must be the one of the kernel family that serves the call (`_uses_hopper`)."""
     if config is None:
         return
-    if not isinstance(config, TritonConfig):
-        raise ValueError(f"config must be a flash_forward.TritonConfig or None, got {type(config).__name__}")
-    if backend not in ("triton", "triton_portable"):  # a config means the portable kernels, both ways
-        raise ValueError(f"config sets the portable Triton kernels' blocks; backend={backend!r} does not run them")
+    if backend not in _TRITON_BACKENDS:
+        raise ValueError(f"config sets our Triton kernels' launch shapes; backend={backend!r} takes none")
+    if not isinstance(config, (PortableConfig, HopperConfig)):
+        raise ValueError(f"config must be a PortableConfig, a HopperConfig or None, got {type(config).__name__}")
+    serving, other = (HopperConfig, "portable") if _uses_hopper(backend, q, k, v) else (PortableConfig, "hopper")
+    if not isinstance(config, serving):
+        family = "hopper" if serving is HopperConfig else "portable"
+        raise ValueError(f"config is a {type(config).__name__}, the {other} family's, but the {family} family serves "
+                         f"this call (backend={backend!r}); pass a {serving.__name__} or None")
+    if isinstance(config, HopperConfig):
+        if config.backward is not None and not isinstance(config.backward, HopperBackwardConfig):
+            raise ValueError(f"config.backward must be a HopperBackwardConfig or None, got "
+                             f"{type(config.backward).__name__}")
+        return
     for field in dataclasses.fields(config):
         name, entry = field.name, getattr(config, field.name)
         if not isinstance(entry, KernelConfig):
-            raise ValueError(f"config.{name} must be a flash_forward.KernelConfig, got {type(entry).__name__}")
+            raise ValueError(f"config.{name} must be a KernelConfig, got {type(entry).__name__}")
         block_m, block_n, num_warps, num_stages = entry
         if not all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n, num_warps * 16)) or num_stages < 1:
             raise ValueError(f"config.{name} = {entry}: blocks must be powers of two >= 16, num_warps a power of "
@@ -119,8 +123,6 @@ def _check_backend_limits(backend, q, k_v, causal) -> None:
             raise ValueError(f"backend {backend!r} got CPU tensors but {problem}")
     if backend == "triton_hopper" and (reason := hopper_unsupported(q, *k_v)):
         raise ValueError(f"backend 'triton_hopper' {reason}; backend 'triton' falls back to the portable kernels")
-    if backend == "triton_gluon" and (reason := gluon_unsupported(q, *k_v)):
-        raise ValueError(f"backend 'triton_gluon' {reason}; backend 'triton' falls back to the portable kernels")
     if backend in ("sdpa_cudnn", "sdpa_flash", "flash_attn"):
         if backend == "flash_attn":
             _flash_attn_interface()
@@ -244,38 +246,24 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _forward_path(backend, q, k, v, config) -> str:
-    """The forward kernels a Triton backend runs: the forced ones, or for "triton" the Gluon forward where it runs
-    the inputs (sm_90, Triton 3.6, D 64/128, 16-bit) and no portable `config` was given, else the portable one.
-    The tl Hopper forward is never picked: on H200 it ties the portable one at D=128 and trails at D=64
-    (compare/results/kernels-2026-11-22-h200-i13-hopper-*.json)."""
-    if backend != "triton":
-        return backend
-    return "triton_gluon" if config is None and gluon_unsupported(q, k, v) is None else "triton_portable"
-
-
-def _backward_path(backend, q, k, v, config) -> str:
-    """The backward kernels a Triton backend runs: the forced ones (the tl one-kernel Hopper backward only then: it
-    trails the portable two-kernel form on H200, ~310-345 TF/s against ~400), or for "triton" the Gluon backward
-    when TRITON_PICKS_GLUON_BACKWARD is on and it runs the inputs with no portable `config`, else the portable
-    ones."""
-    if backend in ("triton_hopper", "triton_gluon", "triton_portable"):
-        return backend
-    if TRITON_PICKS_GLUON_BACKWARD and config is None and gluon_unsupported(q, k, v) is None:
-        return "triton_gluon"
-    return "triton_portable"
+def _uses_hopper(backend, q, k, v) -> bool:
+    """Which kernel family serves a Triton backend's call, both directions: the forced one, or for "triton" the
+    Hopper kernels where they run the inputs (sm_90, Triton 3.6, D 64/128, 16-bit), else the portable ones. On H200
+    the Hopper forward ran 587-609 TF/s at D=128, 16k (compare/results/kernels-gluon-2026-11-22-h200), its
+    warp-specialised backward 520-540 TF/s against the portable one's 377-395 at D=128, 426-429 against 332-337 at
+    D=64 (compare/results/kernels-gluon-backward-2026-11-23-h200-h13d)."""
+    if backend == "triton":
+        return hopper_unsupported(q, k, v) is None
+    return backend == "triton_hopper"
 
 
 def _forward(q, k, v, causal, scale, out_dtype, backend, config):
     if backend in _TRITON_BACKENDS:
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        path = _forward_path(backend, q, k, v, config)
-        if path == "triton_gluon":
-            return gluon_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
-        if path == "triton_hopper":
-            return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
-        return triton_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype,
-                              config=None if config is None else config.forward)
+        if _uses_hopper(backend, q, k, v):
+            return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config)
+        return portable_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype,
+                                config=None if config is None else config.forward)
     if backend == "reference":
         return reference_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
     if backend == "flash_attn":
@@ -287,13 +275,11 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, config, grad_dtyp
     if backend in _TRITON_BACKENDS:
         # dout joins q, k, v as a tensor-core operand, so it takes their dtype.
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout.to(q.dtype), q, k, v, out))
-        path = _backward_path(backend, q, k, v, config)
-        if path == "triton_gluon":
-            return gluon_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
-        if path == "triton_hopper":
-            return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype)
-        return triton_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype,
-                               config=config)
+        if _uses_hopper(backend, q, k, v):
+            return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype,
+                                   config=None if config is None else config.backward)
+        return portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype,
+                                 config=config)
     if backend == "reference":
         grads = reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
     elif backend == "flash_attn":
@@ -324,7 +310,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     softmax_scale: float | None = None, return_lse: bool = False, backend: str = "triton",
-                    config: TritonConfig | None = None):
+                    config: PortableConfig | HopperConfig | None = None):
     """Differentiable attention softmax(q k^T * scale) v, memory linear in the sequence length.
 
     q [B, Sq, H, D]; k, v [B, Sk, Hkv, D] with H a multiple of Hkv (grouped-query attention: query head h
@@ -332,8 +318,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     lse [B, H, Sq], float32 natural-log log-sum-exp of the scaled scores (no gradient flows through lse).
     `softmax_scale` defaults to 1/sqrt(D). `causal=True` with Sq != Sk aligns the LAST query with the LAST
     key (bottom-right, like flash-attn 2.1+): query i sees key j iff j <= i + Sk - Sq; a query that sees no
-    key (only possible when Sq > Sk) gets output 0, lse -inf and zero gradients. `config`: the portable
-    kernels' block sizes, None to autotune (module doc).
+    key (only possible when Sq > Sk) gets output 0, lse -inf and zero gradients. `config`: the launch shapes of
+    the kernel family serving the call, None for the family's own choice (module doc).
     """
     scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config)
     out, lse = _FlashAttentionFunction.apply(q, k, v, bool(causal), scale, backend, config)
@@ -349,7 +335,7 @@ def exact_output_dtype(backend: str, dtype: torch.dtype) -> torch.dtype:
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                             softmax_scale: float | None, out_dtype: torch.dtype | None = None,
-                            backend: str = "triton", config: TritonConfig | None = None
+                            backend: str = "triton", config: PortableConfig | HopperConfig | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pair-level forward, not differentiable: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq]
     float32). A ring asks for float32 `out` so partial outputs merge by lse without rounding. `config` as for
@@ -363,7 +349,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
 
 def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float | None,
-                             backend: str = "triton", config: TritonConfig | None = None
+                             backend: str = "triton", config: PortableConfig | HopperConfig | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pair-level backward: (dq, dk, dv), float32, so a ring can accumulate them across steps.
 

@@ -1,9 +1,8 @@
 """The warp-specialised form of the Gluon (sm_90) FlashAttention backward (FlashAttention-3's structure), and the
-tile walk both forms share. The public API is `flash_gluon_backward.gluon_backward`, which launches this kernel
-when its config says `warp_specialize` (see `flash_gluon_backward.py` for the math and the contract, the same
-here).
+tile walk both forms share. The public API is `backward.hopper_backward`, which launches this kernel when its
+config says `warp_specialize` (see `backward.py` for the math and the contract, the same here).
 
-Where the lockstep form (`flash_gluon_backward._gluon_backward_kernel`) runs two warpgroups that issue their own
+Where the lockstep form (`backward._gluon_backward_kernel`) runs two warpgroups that issue their own
 loads and meet at a CTA-wide barrier every step, here one program (`block_n` = 128 keys of one batch and KV head)
 forks into four partitions (`gl.warp_specialize`):
   - two consumer warpgroups (the default partition and a worker), each owning 64 of the keys: its K/V rows, its dK
@@ -28,8 +27,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from torch_impl.flash_forward import LOG2E
-from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, jit
+from torch_impl.kernels.tiles import GLUON_AVAILABLE, LOG2E, gluon_jit
 
 if GLUON_AVAILABLE:
     from triton._C.libtriton import ir as triton_ir
@@ -45,7 +43,7 @@ else:
 KEYS_PER_CONSUMER = tl.constexpr(64)
 
 
-@jit
+@gluon_jit
 def input_descriptors(Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_kb, stride_ks, stride_kh,
                       stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, batch, kv_head, n_heads, seq_q, seq_k,
                       seq_pad, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -67,7 +65,7 @@ def input_descriptors(Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_k
     return k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc
 
 
-@jit
+@gluon_jit
 def key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL: gl.constexpr, STAGGER: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """(walk, n_steps, full_block) of the key block at `col0`: the query blocks it meets, [first_block, n_blocks)
@@ -92,7 +90,7 @@ def key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL: gl.constexpr, STA
     return (first_block, blocks_per_head, kv_head * group, rotation), n_steps, full_block
 
 
-@jit
+@gluon_jit
 def step_tile(step, walk):
     """(query head, query block) of step `step` of a program's walk (first_block, blocks_per_head, first_head,
     rotation): the group's heads one after the other, each one's blocks [first_block, first_block +
@@ -101,7 +99,7 @@ def step_tile(step, walk):
     return first_head + step // blocks_per_head, first_block + (step % blocks_per_head + rotation) % blocks_per_head
 
 
-@jit
+@gluon_jit
 def issue_tile_loads(descs, bufs, ready, step, n_steps, walk, seq_pad):
     """Start the TMA loads of step `step`'s tiles (Q, dO: [block_m, D]; lse2, delta: [block_m]) into their ring
     slot (nothing past the last step)."""
@@ -132,7 +130,7 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
                                               src.handle)
 
 
-@jit
+@gluon_jit
 def _loader(args):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
@@ -146,7 +144,7 @@ def _loader(args):
         issue_tile_loads(descs, bufs, ready, step, n_steps, walk, seq_pad)
 
 
-@jit
+@gluon_jit
 def _dq_writer(args):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
@@ -165,7 +163,7 @@ def _dq_writer(args):
             mbarrier.arrive(dq_empty.index(2 * buffer + c), count=1)
 
 
-@jit
+@gluon_jit
 def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
@@ -253,19 +251,19 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.
     gl.store(dv_ptrs, dv.to(dv_base.dtype.element_ty), mask=in_bounds)
 
 
-@jit
+@gluon_jit
 def _consumer0(args, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
     _consume(args, 0, CAUSAL, KV_IN_REGS)
 
 
-@jit
+@gluon_jit
 def _consumer1(args, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
     _consume(args, 1, CAUSAL, KV_IN_REGS)
 
 
 def _kernel_decorator():
     if not GLUON_AVAILABLE:
-        return jit
+        return gluon_jit
     from triton.experimental import gluon
     return gluon.jit(do_not_specialize=("n_kv_heads", "group", "seq_q", "seq_k"))
 

@@ -1,8 +1,9 @@
-"""FlashAttention backward for Hopper (sm90) as Pallas Mosaic GPU kernels, fp32 gradients. Twin of
-`torch_impl/flash_hopper_backward.py`; the config and the kernels' scratch (with its shared-memory check) come
-from `flash_hopper_config.py`, the producer loop, step ranges and interpreter switch from `flash_hopper_forward.py`.
+"""The Hopper family's backward: FlashAttention backward for sm90 as Pallas Mosaic GPU kernels, fp32 gradients.
+Twin of `torch_impl/kernels/hopper/backward.py` (the family's torch backward, a Gluon kernel of its own design); the
+config and the kernels' scratch (with its shared-memory check) come from `config.py`, the producer loop, step ranges,
+launch and interpreter switch from `kernels/tiles.py`.
 
-Same contract as `flash_backward.pallas_backward`: dout, q, k, v and a (possibly globally merged) out/lse;
+Same contract as `portable.backward.portable_backward`: dout, q, k, v and a (possibly globally merged) out/lse;
 returns fp32 dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D]. Plain JAX first forms, in fp32, delta = rowsum(dout *
 out) and lse in the exp2 domain (rows with lse -inf and padded rows get +inf, so their P is exactly 0).
 
@@ -58,12 +59,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .flash_forward import LOG2E, index_div, index_rem, output_struct, pad_axis
-from .flash_hopper_config import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, DQ_CHUNK, PRODUCER_REGISTERS, HopperConfig,
-                                  KernelScratch, backward_lengths, backward_stages, check_smem, dkdv_scratch,
-                                  dq_scratch)
-from .flash_hopper_forward import (copy_in, iota, launch, layout, matmul_nt, produce, query_tile, stream_kv,
-                                   warpgroup_rows)
+from jax_impl.kernels.hopper.config import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, DQ_CHUNK, PRODUCER_REGISTERS,
+                                            HopperConfig, KernelScratch, backward_lengths, backward_stages, check_smem,
+                                            dkdv_scratch, dq_scratch)
+from jax_impl.kernels.tiles import (LOG2E, copy_in, index_div, index_rem, iota, launch, layout, output_struct,
+                                    pad_axis, produce, query_tile, stream_blocks, warpgroup_rows, wgmma_nt)
 
 # jax 0.10's plgpu.load takes an index argument that 0.11 dropped.
 _LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
@@ -71,7 +71,7 @@ _LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
 
 def _load_stats(ref, kind, *, interpret: bool):
     """A row-statistics vector (lse or delta) from shared memory in register layout `kind`."""
-    if interpret:  # INTERPRET: layouts are Mosaic compiler hints (see flash_hopper_forward.layout)
+    if interpret:  # INTERPRET: layouts are Mosaic compiler hints (see tiles.layout)
         return ref[...]
     return plgpu.load(ref, (), layout=kind) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=kind)
 
@@ -93,7 +93,7 @@ def _store_fp32(results, out_smem, out_refs):
 def _matmul_tn_sum(pairs, *, interpret: bool):
     """sum of a^T @ b in fp32 over (a, b) shared-memory tile pairs (wgmmas reading a transposed, one
     accumulator)."""
-    if interpret:  # INTERPRET: plain dots (see flash_hopper_forward's docstring)
+    if interpret:  # INTERPRET: plain dots (see tiles.py)
         return sum(lax.dot_general(a[...], b[...], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
                    for a, b in pairs)
 
@@ -116,11 +116,11 @@ def _gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, probs_acc, ds
     its result is read (S while dP runs, dP while P rhs runs), so the tensor cores have the next wgmma queued
     while the warpgroup computes P or dS; without it, every wgmma is awaited as soon as it is issued."""
     accs = tuple(pair[0] for pair in (probs_acc, dscores_acc) if pair is not None)
-    if interpret:  # INTERPRET: plain dots (see flash_hopper_forward's docstring); no asynchrony to express
+    if interpret:  # INTERPRET: plain dots (see tiles.py); no asynchrony to express
         def dot(a, b):
             return jnp.dot(a if isinstance(a, jax.Array) else a[...], b[...], preferred_element_type=jnp.float32)
-        probs = probs_of(matmul_nt(*scores_pair, interpret=True))
-        dprobs = matmul_nt(*dprobs_pair, interpret=True)
+        probs = probs_of(wgmma_nt(*scores_pair, interpret=True))
+        dprobs = wgmma_nt(*dprobs_pair, interpret=True)
         new_probs_acc = None if probs_acc is None else probs_acc[0] + dot(probs.astype(probs_acc[1].dtype),
                                                                             probs_acc[1])
         dscores = dscores_of(probs, dprobs)
@@ -150,6 +150,14 @@ def _gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, probs_acc, ds
         pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
     results = pl.run_state(compute)(tuple(plgpu.ACC.init(acc) for acc in accs))  # awaits every wgmma
     return (results[0] if probs_acc is not None else None), results[-1]
+
+
+def stream_kv(refs, smem, barriers, consumed, *, batch, kv_head, block_kv: int, steps, stages: int):
+    """The TMA warpgroup of a kernel whose compute warpgroups walk K/V blocks [0, steps) of one KV head: block s's
+    K and V (`refs` in global memory) go into slot s % stages of `smem` (`stream_blocks`)."""
+    stream_blocks(refs, smem, barriers, consumed, rows_of=lambda step: (batch, pl.ds(step * block_kv, block_kv),
+                                                                         kv_head),
+                  steps=steps, stages=stages, registers=PRODUCER_REGISTERS)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_ref, dv_ref, k_smem2, v_smem2,
@@ -287,7 +295,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_sme
                offset: int, seq_k: int, num_kv: int, num_tiles: int, overlap: bool, interpret: bool):
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     tile_first, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q,
-                                                  block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv)
+                                                  block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv,
+                                                  warpgroups=COMPUTE_WARPGROUPS)
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -356,10 +365,10 @@ def _summed_dq_slices(dq_slices, *, causal: bool, keys_per_cta: int, block_q: in
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "config", "interpret"))
-def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, *,
+def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, *,
                     causal: bool, softmax_scale: float, config: HopperConfig, interpret: bool
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Mosaic GPU backward on validated inputs (`supports` is None): (dq, dk, dv) in float32."""
+    """Mosaic GPU backward on validated inputs (`hopper_unsupported` is None): (dq, dk, dv) in float32."""
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -402,7 +411,7 @@ def mosaic_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
 
     results = launch(
         dkdv_kernel, dkdv_smem.buffers, dkdv_out, dict(kv_heads=kv_heads, kv_tile=kv_tiles, batch=batch), dkdv_inputs,
-        warpgroups=wgs, interpret=interpret, name="twinflash_hopper_backward_dkdv" + ("_dq" if one_kernel else ""))
+        warpgroups=wgs, interpret=interpret, name="twinflash_backward_dkdv" + ("_dq" if one_kernel else "") + "_hopper")
     if one_kernel and interpret:
         dq_slices, dk, dv = results
         dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=block_kv * (1 if private_dq else wgs),
@@ -429,4 +438,4 @@ def _dq_call(inputs, smem: KernelScratch, *, causal: bool, scale: float, config:
                           num_tiles=num_tiles, overlap=config.bwd_overlap, interpret=interpret),
         smem.buffers, output_struct(dq_shape, jnp.float32, *inputs),
         dict(heads=heads, q_tile=num_tiles, batch=batch), inputs, warpgroups=wgs, interpret=interpret,
-        name="twinflash_hopper_backward_dq")
+        name="twinflash_backward_dq_hopper")

@@ -1,14 +1,14 @@
-"""Hopper (sm_90) FlashAttention backward written in Gluon (`triton.experimental.gluon`, Triton 3.6): one kernel in
-FlashAttention-2/3's form, the twin in structure of the Gluon forward (`flash_gluon_forward.py`). The public API is
-`torch_impl.flash_attention`, backend "triton_gluon" (forced; it also runs the Gluon forward), or "triton" where
-`flash_attention.TRITON_PICKS_GLUON_BACKWARD` is on (`flash_attention._backward_path`).
+"""The Hopper family's backward: a FlashAttention backward for sm_90 written in Gluon (`triton.experimental.gluon`,
+Triton 3.6), one kernel in FlashAttention-2/3's form, the twin in structure of the family's forward (`forward.py`).
+The public API is `torch_impl.kernels.flash_attention`, backend "triton_hopper" (forced) or "triton" (picked with the
+forward: `flash_attention._uses_hopper`); launch shapes in `config.py`.
 
-Why one kernel: the portable backward (`flash_backward.py`) runs two kernels, dK/dV and dQ, 4 + 3 matmuls for the
-5 that the backward's FLOP count credits, and tops out near 390 TF/s on H200. Here one program owns `block_n` keys
-of one (batch, KV head), keeps K and V in shared memory and dK, dV in float32 registers, and walks the query blocks
-of every query head of its group (GQA reads K/V once per KV head, dK/dV come out summed over the group). Each step
-of `block_m` query rows runs the five matmuls as asynchronous `warpgroup_mma`, keys on the rows so that K and V are
-the resident A operands:
+Why one kernel: the portable backward (`kernels/portable/backward.py`) runs two kernels, dK/dV and dQ, 4 + 3 matmuls
+for the 5 that the backward's FLOP count credits, and tops out near 390 TF/s on H200. Here one program owns
+`block_n` keys of one (batch, KV head), keeps K and V in shared memory and dK, dV in float32 registers, and walks
+the query blocks of every query head of its group (GQA reads K/V once per KV head, dK/dV come out summed over the
+group). Each step of `block_m` query rows runs the five matmuls as asynchronous `warpgroup_mma`, keys on the rows so
+that K and V are the resident A operands:
     S^T = K Q^T, then dP^T = V dO^T;  P^T = exp2(S^T - lse) while dP^T is in flight;
     dV += P^T dO and dK += dS^T Q (P^T, dS^T straight from registers);  dQ = dS K from dS^T staged in shared memory,
 added into a float32 dQ accumulator that all programs share (FA3's way, `dq_reduction="tma"`: the block is stored
@@ -16,7 +16,7 @@ to a double-buffered shared tile and added by one asynchronous TMA reduce-add, `
 Triton 3.6 lowers but its Gluon does not name; or by atomic reductions from registers, `red.v2.f32` pairs by inline
 PTX).
 
-Two forms of that step. The default (`warp_specialize`, FlashAttention-3's structure: `flash_gluon_backward_ws.py`)
+Two forms of that step. The default (`warp_specialize`, FlashAttention-3's structure: `backward_ws.py`)
 splits the program into two consumer warpgroups of 64 keys each, a TMA loader warp and a dQ writer warp, the
 registers handed over by setmaxnreg (240 a consumer thread): 520-540 TF/s at D=128 on H200 against 415 / 398 for
 the lockstep form. The lockstep form, here, runs `block_n // 16` warps that issue their own loads: one warpgroup
@@ -39,95 +39,31 @@ Contract as the portable backward: delta = rowsum(dout * out) from the `out` it 
 preprocessing kernel), so a ring passing the global out/lse gets its exact share; P recomputed from the given lse
 (rows with lse -inf and padding rows get P = 0); bottom-right causal alignment; any lengths (descriptor loads read
 rows past the end as zero; dK/dV rows past the end are not stored); gradients in any float dtype, summed in float32.
-Torch only, no JAX twin: JAX's sm_90 backward is the Pallas Mosaic GPU kernel (`jax_impl/flash_hopper_backward.py`).
+Twin of `jax_impl/kernels/hopper/backward.py` (the family's JAX backward: Pallas Mosaic GPU kernels of their own
+design).
 Gluon has no interpreter: CPU CI compiles this kernel for sm_90 (tests/test_triton_compile.py) where the installed
-Triton is the one it is written for, and GPU tests (tests/test_flash_gluon_backward_torch.py) hold it to the
+Triton is the one it is written for, and GPU tests (tests/test_kernels_hopper_backward_torch.py) hold it to the
 portable backward and a float64 oracle.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from torch_impl.flash_backward import row_delta
-from torch_impl.flash_forward import LOG2E
-from torch_impl.flash_gluon_backward_ws import (gluon_backward_ws_kernel, input_descriptors, issue_tile_loads,
-                                                key_block_walk, step_tile, tma_reduce_add)
-from torch_impl.flash_gluon_forward import GLUON_AVAILABLE, jit
-from torch_impl.flash_hopper_forward import set_descriptor_allocator
+from torch_impl.kernels.hopper.backward_ws import (gluon_backward_ws_kernel, input_descriptors, issue_tile_loads,
+                                                   key_block_walk, step_tile, tma_reduce_add)
+from torch_impl.kernels.hopper.config import HopperBackwardConfig, backward_config
+from torch_impl.kernels.tiles import GLUON_AVAILABLE, LOG2E, gluon_jit, row_delta, set_descriptor_allocator
 
 if GLUON_AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
-
-# How a step's dQ block joins the float32 accumulator all programs share: "tma" stores it to shared memory and
-# adds it with one asynchronous TMA reduce-add (it leaves the critical path); "vector_atomics" adds it from
-# registers by 8-byte reductions (inline PTX `red.v2.f32`; Triton 3.6 emits only scalar float32 atomics, which ran
-# 17-35 % slower still on H200: compare/results/kernels-gluon-backward-2026-11-23-h200-tuning).
-DQ_REDUCTIONS = ("tma", "vector_atomics")
-
-
-@dataclasses.dataclass(frozen=True)
-class GluonBackwardConfig:
-    """Launch shape of the Gluon backward: `block_n` resident keys per program (one warpgroup per 64 of them),
-    `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight, `dq_reduction` one
-    of DQ_REDUCTIONS, `dp_first` whether dP^T is issued before the previous step's dQ goes out, `stagger`
-    whether a non-causal program starts its walk over the query blocks where its key block's causal walk would.
-    `warp_specialize` runs the FlashAttention-3 form instead (`flash_gluon_backward_ws.py`: two consumer
-    warpgroups, a loader warp, a dQ writer warp; block_n 128, dQ by TMA reduce-add, `dq_buffers` float32 dQ
-    tiles per consumer, `kv_in_regs` whether each consumer holds its K and V rows in registers (S^T and dP^T as
-    register-A matmuls), registers split by setmaxnreg: `consumer_regs` for the worker consumer, `producer_regs`
-    for the two single warps, the default consumer what `max_regs` leaves; dp_first does not apply)."""
-    block_n: int = 128
-    block_m: int = 64
-    num_stages: int = 2
-    dq_reduction: str = "tma"
-    dp_first: bool = False
-    stagger: bool = True
-    warp_specialize: bool = False
-    dq_buffers: int = 2
-    kv_in_regs: bool = False
-    max_regs: int = 168
-    consumer_regs: int = 240
-    producer_regs: int = 24
-
-    def __post_init__(self):
-        if self.dq_reduction not in DQ_REDUCTIONS:
-            raise ValueError(f"dq_reduction {self.dq_reduction!r} is none of {DQ_REDUCTIONS}")
-        if self.warp_specialize and (self.block_n != 128 or self.dq_reduction != "tma"):
-            raise ValueError("the warp-specialised backward takes block_n 128 and dq_reduction 'tma'")
-
-    @property
-    def num_warps(self) -> int:
-        return 4 if self.warp_specialize else self.block_n // 16
-
-
-def lockstep_config(head_dim: int) -> GluonBackwardConfig:
-    """The best lockstep shape measured on H200 at 16k (compare/results/
-    kernels-gluon-backward-2026-11-23-h200-tuning): dQ by TMA reduce-add (411 / 390 TF/s causal / not at D=128,
-    against 387 / 368 by vector atomics), dP^T issued once dQ is out (issued before, ptxas serializes the wgmma at
-    D=128 for want of registers; at D=64 it ran 3-7 % slower). D=128: 64-row query blocks, 2 stages (K, V, two
-    Q/dO stages, two dS and two float32 dQ tiles take 225 KiB of the 227 an sm_90 block may have). D=64: 128-row
-    query blocks, 2 stages (357 / 368 TF/s, against 350 / 353 for 64 rows and 3 stages)."""
-    return GluonBackwardConfig(block_m=64 if head_dim == 128 else 128, num_stages=2)
-
-
-def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> GluonBackwardConfig:
-    """The launch shape for a call class, as measured on H200 at 16k (compare/results/
-    kernels-gluon-backward-2026-11-23-h200-h13d): the warp-specialised form, 520 / 540 TF/s causal / not at D=128
-    (2 stages and two dQ tiles per consumer; 3 stages and one ran 518 / 537; the lockstep form 415 / 398), 429 / 426
-    at D=64 (64-row query blocks, 3 stages, K and V in registers; in shared memory 407-416; lockstep 358 / 367)."""
-    del causal, seq_bucket
-    if head_dim == 128:
-        return GluonBackwardConfig(warp_specialize=True, num_stages=2, dq_buffers=2)
-    return GluonBackwardConfig(warp_specialize=True, block_m=64, num_stages=3, kv_in_regs=True)
 
 
 # dQ += x for a pair (x0 at p0, x1 at p1) of one thread's dQ values: one 8-byte vector reduction where the pair is
@@ -148,7 +84,7 @@ mov.b32 $1, 0;
 }""")
 
 
-@jit
+@gluon_jit
 def _add_to_dq(dq, dq_base, step, walk, seq_q, stride_dqs):
     """Add step `step`'s dQ block into the float32 accumulator [Sq, H * D] (of this batch) all programs share, by
     8-byte atomic reductions from registers; rows past the end add 0 to the last row instead, so that the pairs'
@@ -165,7 +101,7 @@ def _add_to_dq(dq, dq_base, step, walk, seq_q, stride_dqs):
                               dtype=gl.int32, is_pure=False, pack=2)
 
 
-@jit
+@gluon_jit
 def _dq_out(dq, dq_bufs, dq_base, step, walk, seq_q, stride_dqs, DQ_REDUCTION: gl.constexpr):
     """Step `step`'s dQ block leaves the registers: into its shared buffer for the TMA reduce-add that follows the
     step's barrier, or by atomics."""
@@ -175,7 +111,7 @@ def _dq_out(dq, dq_bufs, dq_base, step, walk, seq_q, stride_dqs, DQ_REDUCTION: g
         _add_to_dq(dq, dq_base, step, walk, seq_q, stride_dqs)
 
 
-@jit
+@gluon_jit
 def _reduce_dq_tile(dq_desc, dq_bufs, step, walk):
     """Issue the TMA reduce-add of step `step`'s staged dQ block (rows past the end are clipped by the TMA unit)."""
     block_m: gl.constexpr = dq_bufs.type.shape[1]
@@ -186,7 +122,7 @@ def _reduce_dq_tile(dq_desc, dq_bufs, step, walk):
 
 # Lengths and head counts are not specialized on (divisible by 16, equal to 1): one compile per head dim, causal
 # setting, config and dtype serves every shape, so the GPU tests' odd lengths run the very kernels the bench times.
-@(gluon.jit(do_not_specialize=("n_kv_heads", "group", "seq_q", "seq_k")) if GLUON_AVAILABLE else jit)
+@(gluon.jit(do_not_specialize=("n_kv_heads", "group", "seq_q", "seq_k")) if GLUON_AVAILABLE else gluon_jit)
 def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
                            stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                            stride_dob, stride_dos, stride_dqb, stride_dqs,
@@ -331,7 +267,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_bounds)
 
 
-def shared_layouts(dtype: torch.dtype, head_dim: int, config: GluonBackwardConfig):
+def shared_layouts(dtype: torch.dtype, head_dim: int, config: HopperBackwardConfig):
     """(Q/dO tile, K/V tile, dS^T tile, row statistics, float32 dQ tile) shared-memory layouts: the widest swizzle
     for each 2D tile, none for the float32 rows. The warp-specialised form stages dQ in halves of D."""
     element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -360,11 +296,11 @@ def _heads_packed(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(3) == 1 and x.stride(2) == x.shape[3] else x.contiguous()
 
 
-def gluon_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype,
-                   config: GluonBackwardConfig | None = None, delta: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the Gluon backward on validated inputs that `gluon_unsupported` accepts: (dq, dk, dv) in grad_dtype.
+def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype,
+                    config: HopperBackwardConfig | None = None, delta: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the Gluon backward on validated inputs that `hopper_unsupported` accepts: (dq, dk, dv) in grad_dtype.
     `delta` (rowsum(dout * out), float32 [B, H, Sq]) replaces the one computed from `out` (tests' negative
     control)."""
     batch, seq_q, n_heads, head_dim = q.shape

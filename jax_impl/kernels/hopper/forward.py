@@ -1,12 +1,13 @@
-"""FlashAttention forward for Hopper (sm90) as a Pallas Mosaic GPU kernel, plus what the Mosaic backward shares
-with it: the GPU interpreter switch, the producer loop and the causal step ranges. The launch config
-(`HopperConfig`, heuristics, autotune space) and each kernel's shared memory live in `flash_hopper_config.py`
-(re-exported here). Twin of `torch_impl/flash_hopper_forward.py`.
+"""The Hopper family's forward: FlashAttention forward for sm90 as a Pallas Mosaic GPU kernel. Twin of
+`torch_impl/kernels/hopper/forward.py` (the family's torch forward, a Gluon kernel of its own design). The public API
+is `jax_impl.kernels.flash_attention`; the launch config (`HopperConfig`, heuristics, autotune space) and each
+kernel's shared memory live in `config.py`, the warpgroup plumbing it shares with the backward (TMA producer loop,
+step ranges, launch, interpreter switch) in `kernels/tiles.py`.
 
-Same contract as `flash_forward.pallas_forward`: q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (GQA: the KV head is
+Same contract as `portable.forward.portable_forward`: q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (GQA: the KV head is
 h // (H // Hkv), K/V never repeated), causal aligned bottom-right (query i sees key j iff j <= i + Sk - Sq),
 any lengths, out in `out_dtype`, lse [B, H, Sq] natural log, -inf (with out 0) for a row that sees no key.
-Head dims 64 and 128, bf16/fp16 only (`supports` says which calls this kernel serves).
+Head dims 64 and 128, bf16/fp16 only (`config.hopper_unsupported` says which calls this kernel serves).
 
 Kernel shape (one CTA = compute_warpgroups * block_q query rows of one (batch, head)), after FlashAttention-3:
   - two or three compute warpgroups (`HopperConfig.compute_warpgroups`; three = FA3's 192-row tiles at D=64)
@@ -22,93 +23,30 @@ Kernel shape (one CTA = compute_warpgroups * block_q query rows of one (batch, h
 Tails: the wrapper pads Sq to compute_warpgroups * block_q and Sk to block_kv (padded keys are masked by
 position, padded query rows are sliced off).
 
-GPU interpreter (CPU tests, `interpret=True`): Pallas's Mosaic GPU interpreter lacks wgmma with a register
-left operand and `pl.run_state` over a wgmma accumulator. It also has no rule for register-layout
-casts. Its wgmma also cannot read a transposed operand. So three helpers differ under interpretation (lines
-marked INTERPRET): `matmul_nt` (Q K^T) and `matmul_acc` (P V) are plain fp32-accumulating dots on the operands
-read from shared memory (the same shared-memory tiles the wgmma reads), and `layout` leaves values without a
-layout hint (hints do not change values); everything else -- TMA copies, barriers and their phases, warpgroup
-roles and the turn, step ranges, masks, softmax, epilogue stores -- is the same code.
+GPU interpreter (CPU tests, `interpret=True`): `matmul_acc` (P V) here, like `tiles.wgmma_nt` (Q K^T), is a plain
+fp32-accumulating dot under interpretation (lines marked INTERPRET; `kernels/tiles.py` says why).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .flash_forward import LN2, LOG2E, index_div, index_rem, output_struct, pad_axis, round_up
-# HopperConfig, autotune_space, default_config and supports are imported from here too (scripts, tests).
-from .flash_hopper_config import (COMPUTE_WARPGROUPS, PRODUCER_REGISTERS, HopperConfig, autotune_space,  # noqa: F401
-                                  check_smem, default_config, forward_scratch, forward_stages, register_caps, supports)
-
-try:  # public from jax 0.11; jax 0.10 has it only under _src
-    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
-except ImportError:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+from jax_impl.kernels.hopper.config import (HopperConfig, check_smem, forward_scratch, forward_stages,
+                                            register_caps)
+from jax_impl.kernels.tiles import (LN2, LOG2E, index_div, index_rem, iota, launch, layout, output_struct, pad_axis,
+                                    query_tile, round_up, stream_blocks, warpgroup_rows, wgmma_nt)
 
 
 def sm_count(interpret: bool) -> int:
     """CTAs of a persistent grid: the GPU's SM count (132 on an H100/H200 SXM if the device does not say);
     under the interpreter 2, so the tests' CTAs each walk several items."""
     return 2 if interpret else getattr(jax.devices()[0], "core_count", 132)
-
-
-def interpret_params(interpret: bool):
-    """`interpret=` of plgpu.kernel: the GPU interpreter on CPU, compiled Mosaic GPU otherwise."""
-    return InterpretGPUParams() if interpret else None
-
-
-def causal_kv_steps(q_first, block_q: int, block_kv: int, *, causal: bool, offset: int, seq_k: int,
-                    num_kv: int):
-    """For query rows [q_first, q_first + block_q): (n_full, n_end). K/V blocks [0, n_full) are seen fully by
-    every row, [n_full, n_end) need the mask, blocks from n_end on are seen by no row."""
-    if not causal:  # blocks wholly past seq_k (padding for another kernel's tiles) are seen by no row
-        return seq_k // block_kv, min(-(-seq_k // block_kv), num_kv)
-    n_end = jnp.clip(index_div(jnp.maximum(q_first + block_q + offset + block_kv - 1, 0), block_kv), 0, num_kv)
-    n_full = jnp.minimum(index_div(jnp.maximum(q_first + offset + 1, 0), block_kv), n_end)
-    return n_full, n_end
-
-
-def tile_index(causal: bool, num_tiles: int):
-    """This CTA's query tile: causal grids run tiles in reverse so the longest CTAs start first."""
-    i = lax.axis_index("q_tile")
-    return num_tiles - 1 - i if causal else i
-
-
-def layout(x, kind, *, interpret: bool):
-    """x pinned to a register layout (`plgpu.Layout.WGMMA` or one of its reductions): a hint to the Mosaic
-    compiler with no effect on values, which the interpreter has no rule for (INTERPRET: x unchanged)."""
-    return x if interpret else plgpu.layout_cast(x, kind)
-
-
-def iota(shape, dimension: int, *, interpret: bool):
-    """int32 indices along `dimension` in the wgmma accumulator's register layout."""
-    return layout(lax.broadcasted_iota(jnp.int32, shape, dimension), plgpu.Layout.WGMMA, interpret=interpret)
-
-
-def matmul_nt(a_smem, b_smem, *, then=None, interpret: bool):
-    """a @ b^T in fp32 for two shared-memory tiles (a wgmma reading b transposed); `then()` runs while the
-    wgmma is in flight (a scheduling barrier)."""
-    if interpret:  # INTERPRET: the interpreter's wgmma cannot read a transposed operand
-        result = lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-        if then is not None:
-            then()
-        return result
-
-    def compute(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
-        if then is not None:
-            then()
-        return acc_ref[...]
-    return pl.run_scoped(compute, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
 
 
 def matmul_acc(acc, a, b_smem, *, interpret: bool):
@@ -120,27 +58,6 @@ def matmul_acc(acc, a, b_smem, *, interpret: bool):
     def compute(acc_ref):
         plgpu.wgmma(acc_ref, a, b_smem)
     return pl.run_state(compute)(plgpu.ACC.init(acc))
-
-
-def warpgroup_rows(first, wg, block: int, batch, head):
-    """Compute warpgroup `wg`'s `block` rows of a tile starting at row `first`: (its first row, its index into a
-    [B, S, H, D] array)."""
-    start = first + wg * block
-    return start, (batch, pl.ds(start, block), head)
-
-
-def query_tile(*, causal: bool, num_tiles: int, block_q: int, block_kv: int, offset: int, seq_k: int, num_kv: int,
-               warpgroups: int = COMPUTE_WARPGROUPS, tile=None):
-    """A query tile (this CTA's, longest causal tiles first, unless `tile` names one) in a kernel whose
-    `warpgroups` compute warpgroups own `block_q` query rows each: (its first row, `causal_kv_steps` bound to the
-    call, the number of K/V blocks the producer streams). The last warpgroup's rows are the tile's latest, so its
-    range covers the whole tile's."""
-    tile = tile_index(causal, num_tiles) if tile is None else tile
-    tile_first = tile * (warpgroups * block_q)
-    kv_range = functools.partial(causal_kv_steps, block_q=block_q, block_kv=block_kv, causal=causal,
-                                 offset=offset, seq_k=seq_k, num_kv=num_kv)
-    _, tile_steps = kv_range(tile_first + (warpgroups - 1) * block_q)
-    return tile_first, kv_range, tile_steps
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse_smem2, k_smem, v_smem,
@@ -214,7 +131,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
                 acc, row_max, row_sum = carry
                 slot = index_rem(first_step + kv_step, stages)
 
-                scores = matmul_nt(q_smem, k_smem.at[slot], then=pass_turn, interpret=interpret)
+                scores = wgmma_nt(q_smem, k_smem.at[slot], then=pass_turn, interpret=interpret)
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 scores = scores * scale_log2
                 if masked:
@@ -285,100 +202,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
                       rows_of=rows_of, steps=items * tile_steps, stages=stages, registers=producer_registers)
 
 
-def stream_kv(refs, smem, barriers, consumed, *, batch, kv_head, block_kv: int, steps, stages: int):
-    """The TMA warpgroup of a kernel whose compute warpgroups walk K/V blocks [0, steps) of one KV head: block s's
-    K and V (`refs` in global memory) go into slot s % stages of `smem` (`stream_blocks`)."""
-    stream_blocks(refs, smem, barriers, consumed, rows_of=lambda step: (batch, pl.ds(step * block_kv, block_kv),
-                                                                         kv_head),
-                  steps=steps, stages=stages, registers=PRODUCER_REGISTERS)
-
-
-def stream_blocks(refs, smem, barriers, consumed, *, rows_of, steps, stages: int, registers: int):
-    """A TMA warpgroup (register cap `registers`) streaming steps [0, steps): step s's tiles `refs.at[rows_of(s)]`
-    go into slot s % stages of `smem`, each completing on its slot's barrier of `barriers`, through `produce`."""
-    plgpu.set_max_registers(registers, action="decrease")
-
-    def load(step, slot):
-        for ref, tile, barrier in zip(refs, smem, barriers):
-            plgpu.copy_gmem_to_smem(ref.at[rows_of(step)], tile.at[slot], barrier.at[slot])
-    produce(load, consumed, begin=0, end=steps, stages=stages)
-
-
-def copy_in(copies, barriers, first):
-    """A compute warpgroup's operands that stay for its whole loop: each (global, shared) pair of `copies` on its
-    own barrier, barriers.at[first + i], all issued before the first wait."""
-    for i, (src, dst) in enumerate(copies):
-        plgpu.copy_gmem_to_smem(src, dst, barriers.at[first + i])
-    for i in range(len(copies)):
-        plgpu.barrier_wait(barriers.at[first + i])
-
-
-def produce(load, consumed, *, begin, end, stages: int):
-    """The TMA warpgroup's loop: steps [begin, end) go through `stages` shared-memory slots (step s uses slot
-    (s - begin) % stages); `load(step, slot)` issues a step's copies, each completing on its slot's barrier,
-    and a slot is refilled once every compute warpgroup has arrived at its `consumed` barriers."""
-    for slot in range(stages):
-        pl.when(begin + slot < end)(functools.partial(load, begin + slot, slot))
-
-    @pl.loop(begin + stages, end)
-    def _refill(step):
-        slot = index_rem(step - begin, stages)
-        for barrier in consumed:
-            plgpu.barrier_wait(barrier.at[slot])
-        load(step, slot)
-
-    @pl.loop(jnp.maximum(end - stages, begin), end)
-    def _last_releases(step):
-        # Nothing is refilled after the last steps, but their releases complete barrier phases: observe them so
-        # every phase has been waited for when the kernel exits (the GPU interpreter checks this).
-        for barrier in consumed:
-            plgpu.barrier_wait(barrier.at[index_rem(step - begin, stages)])
-
-
-def launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, warpgroups: int, interpret: bool, name: str,
-           compiler_params=None):
-    """Every Mosaic kernel's launch: `kernel(*refs, **scratch refs)` over a named `grid` of CTAs of `warpgroups`
-    compute warpgroups and one TMA producer, with named scratch buffers (allocated collectively for all
-    warpgroups; a None entry reaches the kernel as None). `pl.kernel` with a `plgpu.Mesh` rather than
-    `plgpu.kernel`, whose batching wrapper does not take the mutable Refs of the one-kernel backward's dQ.
-
-    Inside `jax.shard_map` the kernel's varying-axes check cannot see through the Refs, so the call runs unchecked
-    (as `plgpu.kernel` runs it), and the unchecked call returns its outputs typed as INVARIANT over the mesh axes
-    (the same value on every device). They are declared varying again over the axes `out_type` names (the
-    inputs'): an output typed invariant makes JAX's autodiff treat its per-device use as an implicit broadcast,
-    whose transpose is a psum, so the ring's backward received the cotangent summed over the devices (issue 32:
-    gradients off by up to 11 on 2 GPUs while out and lse were right)."""
-    names = [name for name, value in scratch.items() if value is not None]
-
-    def entry(*refs):
-        def body(*smem):
-            kernel(*refs, **({name: None for name in scratch} | dict(zip(names, smem))))
-        pl.run_scoped(body, *(scratch[name] for name in names), collective_axes="wg")
-
-    mesh = plgpu.Mesh(grid=tuple(grid.values()), grid_names=tuple(grid), num_threads=warpgroups + 1,
-                      thread_name="wg", kernel_name=name)
-    with _unchecked_vma():
-        results = pl.kernel(entry, out_type=out_type, mesh=mesh,
-                            compiler_params=compiler_params or plgpu.CompilerParams(approx_math=True),
-                            interpret=interpret_params(interpret) or False, name=name)(*inputs)
-    return jax.tree.map(declared_varying, results, out_type)
-
-
-def declared_varying(result: jax.Array, declared: jax.ShapeDtypeStruct) -> jax.Array:
-    """`result` typed as varying over every mesh axis `declared` varies over (a no-op outside shard_map)."""
-    missing = tuple(sorted(declared.manual_axis_type.varying - jax.typeof(result).manual_axis_type.varying))
-    return jax.lax.pcast(result, missing, to="varying") if missing else result
-
-
-def _unchecked_vma():
-    check_vma = getattr(jax_config, "_check_vma", None)  # a private switch: absent, there is nothing to turn off
-    return check_vma(False) if check_vma is not None else contextlib.nullcontext()
-
-
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "out_dtype", "config", "interpret"))
-def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale: float, out_dtype,
+def hopper_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale: float, out_dtype,
                    config: HopperConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """Mosaic GPU forward on validated inputs (`supports` is None): (out [B, Sq, H, D] in `out_dtype`,
+    """Mosaic GPU forward on validated inputs (`hopper_unsupported` is None): (out [B, Sq, H, D] in `out_dtype`,
     lse [B, H, Sq] float32)."""
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
@@ -413,6 +240,6 @@ def mosaic_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
          output_struct((batch, heads, q_len), jnp.float32, *inputs)),
         dict(heads=heads, q_tile=num_tiles, batch=batch) if num_items is None else
         dict(cta=min(num_items, sm_count(interpret))),
-        (q, k, v), warpgroups=warpgroups, interpret=interpret, name="twinflash_hopper_forward",
+        (q, k, v), warpgroups=warpgroups, interpret=interpret, name="twinflash_forward_hopper",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=kernel_smem.reduction_bytes))
     return out[:, :seq_q], lse[:, :, :seq_q]
