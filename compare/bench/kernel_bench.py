@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--part-timeout-s", type=float, default=1800.0, help="kill a part that runs longer")
     parser.add_argument("--rows-from", type=Path, action="append", default=[],
                         help="merge the rows of an earlier run's JSON (e.g. one part or length per invocation)")
-    parser.add_argument("--out", type=Path, help="JSON path (default compare/results/kernels-<date>-<gpu>.json)")
+    parser.add_argument("--out", type=Path, help="JSON path (default out/kernels-<date>-<gpu>.json)")
     parser.add_argument("--part", choices=tuple(IMPLS), help=argparse.SUPPRESS)
     return parser
 

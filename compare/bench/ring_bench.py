@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="smoke run: S=16k, Hkv=8, 1+1 calls")
     parser.add_argument("--rows-from", type=Path, action="append", default=[],
                         help="merge the rows of an earlier run's JSON (e.g. one part per invocation)")
-    parser.add_argument("--out", type=Path, help="JSON path (default compare/results/ring-<date>-<gpu>.json)")
+    parser.add_argument("--out", type=Path, help="JSON path (default out/ring-<date>-<gpu>.json)")
     parser.add_argument("--worker", choices=("torch", "jax"), help=argparse.SUPPRESS)
     parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
     return parser
