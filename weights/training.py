@@ -38,6 +38,8 @@ ATTENTION_BACKENDS = {"torch": ("triton", "reference", "sdpa_cudnn", "triton_hop
                                 "triton_gluon"),
                       "jax": ("pallas", "reference", "cudnn", "pallas_mosaic", "pallas_triton")}
 
+BACKENDS = tuple(ATTENTION_BACKENDS)  # the frameworks, in the order every result lists them: torch, jax
+
 
 # --- the data ---------------------------------------------------------------------------------------------------
 

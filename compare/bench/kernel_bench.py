@@ -339,7 +339,7 @@ def run_part(part: str, args) -> tuple[dict, list[dict]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if part == "jax":
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    command = [sys.executable, "-m", "compare.bench.kernel_bench", "--part", part, *_child_args(args)]
+    command = [sys.executable, "-m", __spec__.name, "--part", part, *_child_args(args)]  # this module, as __main__ too
     print(f"[kernel bench] {part}: {shlex.join(command)}", file=sys.stderr, flush=True)
     meta, rows = {}, []
     with owned_process(command, env=env, stdout=subprocess.PIPE, text=True) as proc, proc.stdout:

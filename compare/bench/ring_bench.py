@@ -152,12 +152,12 @@ def read_rows_file(path: Path) -> tuple[dict, list[dict], list[str]]:
 
 
 def _worker_command(part: str, plan_path: Path, gpus: int) -> tuple[list[str], dict]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # the workers run this module (its spec's name: as __main__ too)
     if part == "jax":
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        return [sys.executable, "-m", "compare.bench.ring_bench", "--worker", "jax", "--plan", str(plan_path)], env
+        return [sys.executable, "-m", __spec__.name, "--worker", "jax", "--plan", str(plan_path)], env
     launcher, torchrun_env = torchrun_launcher(gpus)
-    return [*launcher, "-m", "compare.bench.ring_bench", "--worker", "torch", "--plan", str(plan_path)], \
+    return [*launcher, "-m", __spec__.name, "--worker", "torch", "--plan", str(plan_path)], \
         torchrun_env | {"PYTHONUNBUFFERED": "1"}
 
 
