@@ -39,6 +39,7 @@ from compare.launch import Interrupted, interruptible, owned_process, torchrun_l
 from weights import BadInputError
 from weights.attention import VARIANTS
 from weights.layout import check_split
+from weights.training import BACKENDS
 
 LAYOUT = "zigzag"
 ONE_GPU_KIND = {"torch": "flash-1gpu", "peer": "cudnn-1gpu", "jax": "jax-flash-1gpu"}
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows-from", type=Path, action="append", default=[],
                         help="merge the rows of an earlier run's JSON (e.g. one part per invocation)")
     parser.add_argument("--out", type=Path, help="JSON path (default out/ring-<date>-<gpu>.json)")
-    parser.add_argument("--worker", choices=("torch", "jax"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
     return parser
 

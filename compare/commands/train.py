@@ -62,9 +62,10 @@ from weights.flops import PEAK_FLOPS_PER_DEVICE, model_flops_per_token
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig, default_optimizer, defaults_help
 from weights.settings import TrainSettings
-from weights.training import (ATTENTION_BACKENDS, check_attention_backend, check_batch_shape, checkpoint_to_resume,
-                              run_metadata)
+from weights.training import (ATTENTION_BACKENDS, BACKENDS, check_attention_backend, check_batch_shape,
+                              checkpoint_to_resume, run_metadata)
 
+HELP = "distributed Llama training (fsdp x sp mesh), train.jsonl per step"
 JSONL = "train.jsonl"
 # This module's dotted name, which the processes `hand_off` starts run (`python -m`): its spec's, which holds it also
 # where this module runs as `__main__`.
@@ -74,7 +75,7 @@ THIS_MODULE = __spec__.name
 # --- arguments --------------------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=tuple(ATTENTION_BACKENDS), default="torch")
+    parser.add_argument("--backend", choices=BACKENDS, default="torch")
     parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
     parser.add_argument("--seq-len", type=integer(2), required=True)
     parser.add_argument("--steps", type=integer(1), required=True)
@@ -102,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default="off", metavar="MODE",
                         help="per-layer activation checkpointing; alone: full. " + "; ".join(
                             f"{mode}: {what}" for mode, what in REMAT_MODES.items()))
-    parser.add_argument("--attention-backend", help="ring step kernel: triton, reference or sdpa_cudnn (torch), "
-                        "pallas, reference or cudnn (jax); default ours (triton, pallas)")
+    parser.add_argument("--attention-backend", help="ring step kernel; " + "; ".join(
+                        f"{backend}: {', '.join(names)}" for backend, names in ATTENTION_BACKENDS.items())
+                        + "; default ours, the first")
     parser.add_argument("--ring-variant", choices=("ring", "allgather"), default="ring")
     parser.add_argument("--loss-chunk-tokens", type=integer(1), help="positions per logits chunk of the loss")
     parser.add_argument("--ckpt-dir", type=Path, help="checkpoint directory (created, with its parents)")
