@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dim", type=ints, default=(128,), help="head dims, e.g. 128,64")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
-    parser.add_argument("--parts", default="torch,jax",
-                        help="subset of torch,jax; empty (--parts=) only merges the --rows-from files into one table")
+    parser.add_argument("--parts", default=",".join(IMPLS),
+                        help=f"subset of {','.join(IMPLS)}; empty (--parts=) only merges the --rows-from files into "
+                        "one table")
     parser.add_argument("--triton-paths", type=_choice_list("Triton path(s)", TRITON_PATHS), default=(),
                         help=f"also time our forced Triton paths, a subset of {','.join(TRITON_PATHS)}")
     parser.add_argument("--impls", type=_choice_list("implementation(s)", KNOWN_IMPLS),

@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{INSTALL_TORCHAO}): every benchmark point once per precision, and the noise floor's "
                              "trainings of our kernels also in FP8; the report's precision section compares them")
     parser.add_argument("--backends", type=names(BACKENDS), default=",".join(BACKENDS),
-                        help="comma-separated: torch, jax")
+                        help=f"comma-separated: {', '.join(BACKENDS)}")
     parser.add_argument("--ablation", type=names(("ours", "vendor", "reference")), default="ours,vendor,reference",
                         help="attention kernels at the largest device count: ours, vendor (SDPA cuDNN / JAX cuDNN), "
                              "reference (plain math)")
