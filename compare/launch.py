@@ -28,8 +28,7 @@ from pathlib import Path
 from weights.settings import TrainSettings
 
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker
-SETTINGS_FLAG = "--settings-json"  # `python -m compare.commands.train --settings-json FILE`: a process of our own
-TRAIN_MODULE = "compare.commands.train"
+SETTINGS_FLAG = "--settings-json"  # `python -m MODULE --settings-json FILE`: a process `hand_off` started
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # XLA_FLAGS entry: JAX's number of CPU devices
 PROGRESS_ENV = "TWINFLASH_PROGRESS_FILE"  # where a handed-off training run records its steps done, for the CLI
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -107,18 +106,18 @@ def host_devices_env(count: int) -> dict[str, str]:
     return env
 
 
-def hand_off(settings: TrainSettings, launcher: list[str], env: dict[str, str], scratch: Path,
+def hand_off(settings: TrainSettings, module: str, launcher: list[str], env: dict[str, str], scratch: Path,
              failure: Callable[[str, int], tuple[str, int, bool]] | None = None) -> int:
-    """Runs `launcher + [-m compare.commands.train --settings-json FILE]` with `settings` in FILE (in `scratch`,
-    a directory the caller removes) and waits; the processes it starts train (`compare.commands.train.
-    run_handed_off`) and record their steps done in `progress_file(scratch)`. Returns 0, or after a failure the
+    """Runs `launcher + [-m MODULE --settings-json FILE]` with `settings` in FILE (in `scratch`, a directory the
+    caller removes) and waits; the processes it starts train (`module`: the train command's, by the name its
+    module object gives, whose `main` reads the flag) and record their steps done in `progress_file(scratch)`. Returns 0, or after a failure the
     failed process's exit code (at least 1) once one line on stderr said which process died and why (or passed
     on its own one-line error) and named the log kept with its full output (`failure`: `worker_failure`, or a
     launch's own reading of its log, as `compare.nodes.launch_failure`). `Interrupted` propagates, the processes
     stopped."""
     settings_file = scratch / "settings.json"
     settings_file.write_text(settings.to_json())
-    command = [*launcher, "-m", TRAIN_MODULE, SETTINGS_FLAG, str(settings_file)]
+    command = [*launcher, "-m", module, SETTINGS_FLAG, str(settings_file)]
     fd, log_name = tempfile.mkstemp(prefix="twinflash-train-", suffix=".log")
     log = Path(log_name)
     keep_log = False

@@ -34,7 +34,7 @@ def door(monkeypatch):
     converting) with a sentinel."""
     import weights
     from compare.commands import run, train
-    from compare.harness import command
+    from compare.commands import compare as command
 
     for module, name in ((train, "open_weights"), (train, "hand_off"), (train, "check_run"),
                          (run, "open_weights"), (command, "plan_settings"),

@@ -450,7 +450,7 @@ def test_a_signal_after_the_report_is_written_says_the_report_is_there(tmp_path,
     # (it said "no report written": compare/results/compare-llama3.2-1b-2026-11-23-h200x2-512f5af/)
     import signal
 
-    from compare.harness import command
+    from compare.commands import compare as command
     from compare.launch import Interrupted
 
     def interrupted(work_dir):

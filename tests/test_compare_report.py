@@ -304,7 +304,7 @@ def test_the_console_summary_fits_the_terminal(width):
 
     from rich.console import Console
 
-    from compare.harness.command import _summary_table
+    from compare.commands.compare import _summary_table
 
     out = io.StringIO()
     Console(file=out, width=width).print(_summary_table({**make_report(), "plots": []}, width))

@@ -44,7 +44,7 @@ import pytest
 import torch
 
 from compare.cli import main
-from compare.commands.train import training_batches
+from weights.data import training_batches
 from jax_impl.model import fp8_matmul
 from jax_impl.train import run_training
 from weights import open_weights, parameter_shapes, preset

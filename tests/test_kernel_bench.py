@@ -73,7 +73,7 @@ def test_report_writes_one_json_with_command_versions_rows_and_table(tmp_path, c
 
 def test_default_out_path_names_date_and_gpu():
     path = kernel_bench.default_out_path({"gpu": "NVIDIA H200"}, datetime.date(2026, 11, 21))
-    assert path == Path("compare/results") / "kernels-2026-11-21-h200.json"
+    assert path == Path("out") / "kernels-2026-11-21-h200.json"
 
 
 def test_bad_arguments_are_one_line_errors(capsys):

@@ -87,7 +87,7 @@ def test_report_writes_json(tmp_path, capsys):
     assert document["versions"] == meta and document["gpus"] == 4 and "exposed_comm_ms" in document["method"]
     assert len(document["rows"]) == len(SYNTHETIC) and document["rows"][1]["vs_peer"] == pytest.approx(2 / 3)
     assert ring_bench.default_out_path(meta, datetime.date(2026, 11, 21)) == Path(
-        "compare/results/ring-2026-11-21-h200.json")
+        "out/ring-2026-11-21-h200.json")
 
 
 def test_rows_measured_again_replace_their_earlier_copies():

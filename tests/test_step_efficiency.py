@@ -18,7 +18,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from compare.commands.train import add_arguments, training_batches
+from compare.commands.train import add_arguments
+from weights.data import training_batches
 from compare.args import OneLineParser
 from jax_impl.parallel import OVERLAP_OPTIONS, accepted_compiler_options, overlap_compiler_options, sharded_batch
 from jax_impl.train import build_training, step_scalars, train_step

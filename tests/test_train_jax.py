@@ -30,7 +30,7 @@ import transformers
 from jax.sharding import NamedSharding, PartitionSpec
 
 from compare.commands.train import main as train_main
-from compare.commands.train import training_batches
+from weights.data import training_batches
 from jax_impl import checkpointing
 from jax_impl.kernels.flash_attention import flash_attention
 from jax_impl.model import Llama, load_model, parameter_dict, stack_layers, unstack_layers

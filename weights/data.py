@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from weights.config import LlamaConfig
 from weights.errors import BadInputError
+from weights.settings import TrainSettings
 
 BYTE_VOCAB = 256
 
@@ -61,3 +63,9 @@ def text_batches(steps: int, batch: int, seq_len: int, vocab_size: int, seed: in
 def random_batches(steps: int, batch: int, seq_len: int, vocab_size: int, seed: int = 0) -> np.ndarray:
     """int64 [steps, batch, seq_len] of uniform random token ids (throughput runs)."""
     return np.random.default_rng(seed).integers(0, vocab_size, (steps, batch, seq_len), dtype=np.int64)
+
+
+def training_batches(settings: TrainSettings, config: LlamaConfig) -> np.ndarray:
+    """int64 [steps, batch, seq_len]: the global batches of a training run, the same for both backends."""
+    make = text_batches if settings.data == "text" else random_batches
+    return make(settings.steps, settings.batch, settings.seq_len, config.vocab_size, settings.seed)

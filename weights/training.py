@@ -40,6 +40,8 @@ ATTENTION_BACKENDS = {"torch": ("triton", "triton_portable", "triton_hopper", "r
                                 "sdpa_flash", "flash_attn"),
                       "jax": ("pallas", "pallas_portable", "pallas_hopper", "reference", "cudnn")}
 
+BACKENDS = tuple(ATTENTION_BACKENDS)  # the frameworks, in the order every result lists them: torch, jax
+
 
 # --- the data ---------------------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """What the GPU benchmarks (`bench kernels`, `bench ring`) share: their argument rules, the rows of earlier runs
-(--rows-from), and where and how a result JSON is written (compare/results/, atomically)."""
+(--rows-from), and where and how a result JSON is written (under out/, which git ignores, unless --out says;
+atomically). A result worth keeping is copied into compare/results/ with its RUN.md."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from weights import BadInputError
 from weights.atomic import write_text_atomically
 
-RESULTS_DIR = Path("compare/results")  # relative to the working directory: the checkout's, when run from its root
+OUT_DIR = Path("out")  # relative to the working directory: the checkout's out/ (git-ignored), when run from its root
 
 
 def check_parts_and_heads(args, choices: tuple[str, ...]) -> None:
@@ -40,9 +41,9 @@ def previous_rows(paths: list[Path]) -> tuple[dict, list[dict]]:
 
 
 def default_out_path(kind: str, meta: dict, today: datetime.date) -> Path:
-    """compare/results/<kind>-<date>-<gpu>.json."""
+    """out/<kind>-<date>-<gpu>.json."""
     gpu = meta.get("gpu", "unknown-gpu").lower().replace("nvidia", "").strip()
-    return RESULTS_DIR / f"{kind}-{today.isoformat()}-{re.sub(r'[^a-z0-9]+', '-', gpu).strip('-')}.json"
+    return OUT_DIR / f"{kind}-{today.isoformat()}-{re.sub(r'[^a-z0-9]+', '-', gpu).strip('-')}.json"
 
 
 def write_json(path: Path, document: dict) -> None:

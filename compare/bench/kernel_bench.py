@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dim", type=ints, default=(128,), help="head dims, e.g. 128,64")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
-    parser.add_argument("--parts", default="torch,jax",
-                        help="subset of torch,jax; empty (--parts=) only merges the --rows-from files into one table")
+    parser.add_argument("--parts", default=",".join(IMPLS),
+                        help=f"subset of {','.join(IMPLS)}; empty (--parts=) only merges the --rows-from files into "
+                        "one table")
     parser.add_argument("--triton-paths", type=_choice_list("Triton path(s)", TRITON_PATHS), default=(),
                         help=f"also time our forced Triton paths, a subset of {','.join(TRITON_PATHS)}")
     parser.add_argument("--impls", type=_choice_list("implementation(s)", KNOWN_IMPLS),
@@ -138,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--part-timeout-s", type=float, default=1800.0, help="kill a part that runs longer")
     parser.add_argument("--rows-from", type=Path, action="append", default=[],
                         help="merge the rows of an earlier run's JSON (e.g. one part or length per invocation)")
-    parser.add_argument("--out", type=Path, help="JSON path (default compare/results/kernels-<date>-<gpu>.json)")
+    parser.add_argument("--out", type=Path, help="JSON path (default out/kernels-<date>-<gpu>.json)")
     parser.add_argument("--part", choices=tuple(IMPLS), help=argparse.SUPPRESS)
     return parser
 
@@ -339,7 +340,7 @@ def run_part(part: str, args) -> tuple[dict, list[dict]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if part == "jax":
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    command = [sys.executable, "-m", "compare.bench.kernel_bench", "--part", part, *_child_args(args)]
+    command = [sys.executable, "-m", __spec__.name, "--part", part, *_child_args(args)]  # this module, as __main__ too
     print(f"[kernel bench] {part}: {shlex.join(command)}", file=sys.stderr, flush=True)
     meta, rows = {}, []
     with owned_process(command, env=env, stdout=subprocess.PIPE, text=True) as proc, proc.stdout:

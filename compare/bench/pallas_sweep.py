@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget-s", type=float,
                         help="hopper: start no candidate after this many seconds into a point")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("compare/results/pallas_sweep.json"))
+    parser.add_argument("--out", type=Path, default=Path("out/pallas_sweep.json"))
     return parser
 
 

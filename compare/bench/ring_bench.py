@@ -39,6 +39,7 @@ from compare.launch import Interrupted, interruptible, owned_process, torchrun_l
 from weights import BadInputError
 from weights.attention import VARIANTS
 from weights.layout import check_split
+from weights.training import BACKENDS
 
 LAYOUT = "zigzag"
 ONE_GPU_KIND = {"torch": "flash-1gpu", "peer": "cudnn-1gpu", "jax": "jax-flash-1gpu"}
@@ -76,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="smoke run: S=16k, Hkv=8, 1+1 calls")
     parser.add_argument("--rows-from", type=Path, action="append", default=[],
                         help="merge the rows of an earlier run's JSON (e.g. one part per invocation)")
-    parser.add_argument("--out", type=Path, help="JSON path (default compare/results/ring-<date>-<gpu>.json)")
-    parser.add_argument("--worker", choices=("torch", "jax"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help="JSON path (default out/ring-<date>-<gpu>.json)")
+    parser.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
     return parser
 
@@ -152,12 +153,12 @@ def read_rows_file(path: Path) -> tuple[dict, list[dict], list[str]]:
 
 
 def _worker_command(part: str, plan_path: Path, gpus: int) -> tuple[list[str], dict]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # the workers run this module (its spec's name: as __main__ too)
     if part == "jax":
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        return [sys.executable, "-m", "compare.bench.ring_bench", "--worker", "jax", "--plan", str(plan_path)], env
+        return [sys.executable, "-m", __spec__.name, "--worker", "jax", "--plan", str(plan_path)], env
     launcher, torchrun_env = torchrun_launcher(gpus)
-    return [*launcher, "-m", "compare.bench.ring_bench", "--worker", "torch", "--plan", str(plan_path)], \
+    return [*launcher, "-m", __spec__.name, "--worker", "torch", "--plan", str(plan_path)], \
         torchrun_env | {"PYTHONUNBUFFERED": "1"}
 
 

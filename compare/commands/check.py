@@ -38,12 +38,15 @@ from weights.atomic import check_output_dir, write_text_atomically
 from weights.errors import EXIT_CHECK_FAILED, EXIT_OK
 from weights.layout import check_split
 from weights.parallel import RING_LAYOUT, MeshShape
+from weights.training import BACKENDS
 
 CPU_SP = 2  # the default mesh off-GPU: sp=2, the ring in play at the cost of two emulated devices
+HELP = ("the fast path for one backend on a mesh: our attention kernels and a bf16 step against the vendor's and exact "
+        "answers (a minute after a kernel change)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=("torch", "jax"), required=True)
+    parser.add_argument("--backend", choices=BACKENDS, required=True)
     parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
     parser.add_argument("--mesh", help=f"e.g. fsdp=2,sp=2 (default: sp over all GPUs; sp={CPU_SP} on CPU)")
     parser.add_argument("--seq-len", type=integer(2), help="tokens per sequence (default "

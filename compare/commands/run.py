@@ -3,6 +3,7 @@ and peak memory. Each backend is imported only when asked for, so a machine with
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import time
@@ -10,10 +11,26 @@ from pathlib import Path
 
 import numpy as np
 
-from weights import BadInputError, LlamaConfig, open_weights
-from weights.training import host_peak_rss_bytes
+from compare.args import SEED_MAX, integer
+from weights import PRESETS, BadInputError, LlamaConfig, open_weights
+from weights.atomic import atomic_file, check_new_file
+from weights.training import BACKENDS, host_peak_rss_bytes
 
-BACKENDS = ("torch", "jax")
+HELP = "one forward pass: loss, perplexity, wall time, peak memory"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=BACKENDS, default="torch")
+    parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--tokens", type=Path, help="int .npy of shape [batch, seq_len]")
+    source.add_argument("--seq-len", type=integer(2), default=128, help="random tokens: sequence length")
+    parser.add_argument("--batch", type=integer(1), default=1, help="random tokens: batch size")
+    parser.add_argument("--seed", type=integer(0, SEED_MAX), default=0,
+                        help="random tokens and preset weights seed")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--dump-logits", type=Path, help="write float32 [batch, seq_len, vocab] logits to this new "
+                        ".npy file (its directory must exist)")
 
 
 @dataclasses.dataclass
@@ -124,3 +141,28 @@ def prepare_tokens(model: str, seed: int, tokens_path: Path | None, batch: int, 
     if tokens_path is not None:
         return read_tokens(tokens_path, config)
     return random_tokens(config, batch, seq_len, seed)
+
+
+def _save_npy_new(path: Path, array) -> None:
+    """Writes a .npy file that must not exist yet, atomically (a crash leaves no partial file)."""
+    check_new_file(path, "--dump-logits")  # again: the forward pass took a while
+    with atomic_file(path, "wb") as handle:
+        np.save(handle, array)
+
+
+def run_command(args: argparse.Namespace) -> None:
+    if args.dump_logits is not None:
+        check_new_file(args.dump_logits, "--dump-logits")
+    tokens = prepare_tokens(args.model, args.seed, args.tokens, args.batch, args.seq_len)
+    result = run_forward(args.backend, args.model, tokens, args.dtype, args.seed)
+    batch, seq_len = tokens.shape
+    print(f"backend     {result.backend} ({result.device}), model {args.model}, dtype {args.dtype}")
+    print(f"tokens      batch {batch} x seq_len {seq_len}")
+    print(f"loss        {result.loss:.6f} (next-token cross-entropy)")
+    print(f"perplexity  {result.perplexity:.4f}")
+    print(f"wall time   {result.wall_s * 1e3:.2f} ms (steady state; first call incl. compilation "
+          f"{result.first_call_s * 1e3:.2f} ms)")
+    print(f"peak memory {result.peak_memory_bytes / 2**20:.1f} MiB ({result.peak_memory_kind})")
+    if args.dump_logits is not None:
+        _save_npy_new(args.dump_logits, result.logits.astype("float32"))
+        print(f"logits      float32 {list(result.logits.shape)} -> {args.dump_logits}")

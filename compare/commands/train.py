@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import functools
 import dataclasses
-import importlib
 import importlib.util
 import json
 import os
@@ -57,22 +56,26 @@ from compare.nodes import Nodes, add_arguments as add_node_arguments, from_args 
 from compare.nodes import launch_failure, torchrun_arguments
 from weights import PRESETS, BadInputError, LlamaConfig, open_weights
 from weights.atomic import check_output_dir, write_text_atomically
-from weights.data import random_batches, text_batches
+from weights.data import training_batches
 from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
 from weights.flops import PEAK_FLOPS_PER_DEVICE, model_flops_per_token
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig, default_optimizer, defaults_help
 from weights.settings import TrainSettings
-from weights.training import (ATTENTION_BACKENDS, check_attention_backend, check_batch_shape, checkpoint_to_resume,
-                              run_metadata)
+from weights.training import (ATTENTION_BACKENDS, BACKENDS, check_attention_backend, check_batch_shape,
+                              checkpoint_to_resume, run_metadata)
 
+HELP = "distributed Llama training (fsdp x sp mesh), train.jsonl per step"
 JSONL = "train.jsonl"
+# This module's dotted name, which the processes `hand_off` starts run (`python -m`): its spec's, which holds it also
+# where this module runs as `__main__`.
+THIS_MODULE = __spec__.name
 
 
 # --- arguments --------------------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=tuple(ATTENTION_BACKENDS), default="torch")
+    parser.add_argument("--backend", choices=BACKENDS, default="torch")
     parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
     parser.add_argument("--seq-len", type=integer(2), required=True)
     parser.add_argument("--steps", type=integer(1), required=True)
@@ -100,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default="off", metavar="MODE",
                         help="per-layer activation checkpointing; alone: full. " + "; ".join(
                             f"{mode}: {what}" for mode, what in REMAT_MODES.items()))
-    parser.add_argument("--attention-backend", help="ring step kernel: triton, reference or sdpa_cudnn (torch), "
-                        "pallas, reference or cudnn (jax); default ours (triton, pallas)")
+    parser.add_argument("--attention-backend", help="ring step kernel; " + "; ".join(
+                        f"{backend}: {', '.join(names)}" for backend, names in ATTENTION_BACKENDS.items())
+                        + "; default ours, the first")
     parser.add_argument("--ring-variant", choices=("ring", "allgather"), default="ring")
     parser.add_argument("--loss-chunk-tokens", type=integer(1), help="positions per logits chunk of the loss")
     parser.add_argument("--ckpt-dir", type=Path, help="checkpoint directory (created, with its parents)")
@@ -180,16 +184,19 @@ def check_output_locations(settings: TrainSettings) -> None:
 
 # --- data and checks ----------------------------------------------------------------------------------------------
 
-def training_batches(settings: TrainSettings, config: LlamaConfig) -> np.ndarray:
-    """int64 [steps, batch, seq_len]: the global batches of the run, the same for both backends."""
-    make = text_batches if settings.data == "text" else random_batches
-    return make(settings.steps, settings.batch, settings.seq_len, config.vocab_size, settings.seed)
-
-
 def _check_outputs(settings: TrainSettings, start_step: int) -> None:
     check_output_locations(settings)  # again in the processes `hand_off` starts: they get settings, not arguments
     if settings.stop_at is not None and settings.stop_at <= start_step:
         raise BadInputError(f"--stop-at {settings.stop_at} is not after the checkpoint's step {start_step}")
+
+
+def _checkpointing(backend: str):
+    """The backend's `checkpointing` module (the twins share its names), imported only when asked for."""
+    if backend == "torch":
+        from torch_impl import checkpointing
+    else:
+        from jax_impl import checkpointing
+    return checkpointing
 
 
 def check_shape(settings: TrainSettings, device_count: int) -> LlamaConfig:
@@ -207,7 +214,7 @@ def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool
     `check_outputs=False` skips the checks of OUT and EXPORT (a torch worker other than rank 0, which writes them);
     `checksums=False` compares the resumed checkpoint's file sizes only (a torch worker: rank 0 verifies the
     checksums once more in `run_training`)."""
-    checkpointing = importlib.import_module(f"{settings.backend}_impl.checkpointing")
+    checkpointing = _checkpointing(settings.backend)
     config = check_shape(settings, device_count)
     batches = training_batches(settings, config)
     start = checkpoint_to_resume(settings, run_metadata(settings, config), checkpointing.completed_checkpoints,
@@ -338,9 +345,10 @@ def _launch_torchrun(settings: TrainSettings, device_count: int, scratch: Path, 
     _, _, start = check_run(settings, settings.mesh.size if nodes.spans_hosts else device_count)
     _record_progress(progress_file(scratch), start)
     if not nodes.spans_hosts:
-        return hand_off(settings, *torchrun_launcher(device_count), scratch)
+        return hand_off(settings, THIS_MODULE, *torchrun_launcher(device_count), scratch)
     launcher, env = torchrun_launcher(device_count, tuple(torchrun_arguments(nodes)))
-    return hand_off(settings, launcher, env | nodes.to_env(), scratch, functools.partial(launch_failure, nodes))
+    return hand_off(settings, THIS_MODULE, launcher, env | nodes.to_env(), scratch,
+                    functools.partial(launch_failure, nodes))
 
 
 def _run_jax_here(settings: TrainSettings, progress: Path | None = None) -> int:
@@ -380,7 +388,8 @@ def _run_jax(settings: TrainSettings, scratch: Path, nodes: Nodes) -> int:
             raise BadInputError("--plan-memory plans one process's devices: run it without --nnodes")
         _record_progress(progress_file(scratch), check_run(settings, settings.mesh.size)[2])
         env = host_devices_env(nodes.devices_per_node(settings.mesh.size)) | nodes.to_env()
-        return hand_off(settings, [sys.executable], env, scratch, functools.partial(launch_failure, nodes))
+        return hand_off(settings, THIS_MODULE, [sys.executable], env, scratch,
+                        functools.partial(launch_failure, nodes))
     import jax
 
     if jax.default_backend() == "cpu" and jax.device_count() != settings.mesh.size:
@@ -389,7 +398,7 @@ def _run_jax(settings: TrainSettings, scratch: Path, nodes: Nodes) -> int:
             check_shape(settings, settings.mesh.size)
         else:
             _record_progress(progress_file(scratch), check_run(settings, settings.mesh.size)[2])
-        return hand_off(settings, [sys.executable], host_devices_env(settings.mesh.size), scratch)
+        return hand_off(settings, THIS_MODULE, [sys.executable], host_devices_env(settings.mesh.size), scratch)
     return _run_jax_here(settings, progress_file(scratch))
 
 
@@ -423,8 +432,7 @@ def _interrupted(stop: Interrupted, settings: TrainSettings | None, scratch: Pat
     steps_done = json.loads(progress.read_text())["steps_done"]
     checkpoint = None
     if settings.ckpt_dir is not None:
-        checkpoint = importlib.import_module(f"{settings.backend}_impl.checkpointing").latest_checkpoint(
-            settings.ckpt_dir)
+        checkpoint = _checkpointing(settings.backend).latest_checkpoint(settings.ckpt_dir)
     print(f"twinflash: interrupted at step {steps_done}; last checkpoint: {checkpoint or 'none'}", file=sys.stderr)
     return stop.exit_code
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from weights.training import BACKENDS
+
 # (tolerance, why); "scale" is the reference's size: max |logits|, max |gradient|, |loss|.
 LOGITS_MAX_ABS = (1e-4, "relative to max |reference logits|: float32 sums in another order (ring merge, sharded "
                         "matmuls, other kernels) differ by ~1e-6 relative; 1e-4 leaves room for deep models")
@@ -132,7 +134,7 @@ def equivalence_section(loaded: dict[str, dict], *, seq_len: int, devices: int, 
                         reference_description: str) -> dict:
     """The report's "equivalence" dict from `load_equivalence` dicts keyed "reference", "torch", "jax" (the
     backends that ran): each backend against the reference, then torch against jax."""
-    backends = [b for b in ("torch", "jax") if b in loaded]
+    backends = [b for b in BACKENDS if b in loaded]
     pairs = [(f"{b} vs reference", b, "reference") for b in backends]
     if len(backends) == 2:
         pairs.append(("torch vs jax", "torch", "jax"))

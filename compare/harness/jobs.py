@@ -26,7 +26,7 @@ check`). Benchmark jobs record the median step time, the forward time (`forward_
 time of one profiled step, throughput inputs and the peak memory per device. Curve jobs (the bf16 noise floor's
 trainings, compare/harness/noise_floor.py, and with `--precisions ...,fp8` their FP8 twins) train exactly as
 `twinflash train --data text --seed S --mesh fsdp=1,sp=devices --dtype DTYPE --steps N [--fp8]` does (its batches,
-`compare.commands.train.training_batches`; its optimizer, `weights.schedule.default_optimizer`; the backend's
+`weights.data.training_batches`; its optimizer, `weights.schedule.default_optimizer`; the backend's
 `build_training` and train step) inside the launch of their backend and device count, so that they reuse its
 process, weights and compiled steps; they record the loss of every step and the job's wall time.
 """
@@ -43,10 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from compare.commands.train import training_batches
 from weights import open_weights
 from weights.atomic import write_text_atomically
-from weights.data import random_batches, text_batches
+from weights.data import random_batches, text_batches, training_batches
 from weights.parallel import MeshShape
 from weights.schedule import OptimizerConfig, default_optimizer
 from weights.settings import TrainSettings

@@ -81,10 +81,13 @@ def side_launcher(backend: str, devices: int, platform: str, work_dir: Path, ren
     node: alone, or with `rendezvous` (this node's place in a launch spanning nodes, `across_nodes`; `launch_id`
     names its torch rendezvous)."""
     shared = cache_env(work_dir) | {"PYTHONUNBUFFERED": "1"} | (rendezvous.to_env() if rendezvous else {})
+    # The worker modules by their own names (`python -m`), imported for that here: the backend is installed
     if backend == "torch":
+        from compare.harness import worker_torch
+
         spanning = tuple(torchrun_arguments(rendezvous, launch_id)) if rendezvous else ("--standalone",)
         launcher, env = torchrun_launcher(devices, spanning)
-        return [*launcher, "-m", "compare.harness.worker_torch"], env | shared
+        return [*launcher, "-m", worker_torch.__name__], env | shared
     if platform == "cpu":
         env = host_devices_env(devices)
         if "--xla_backend_optimization_level" not in env["XLA_FLAGS"]:  # a level the user chose is kept
@@ -92,7 +95,9 @@ def side_launcher(backend: str, devices: int, platform: str, work_dir: Path, ren
     else:  # the GPU for one process's jobs (`JAX_GPU_MEMORY_FRACTION`)
         env = dict(os.environ) | {"CUDA_VISIBLE_DEVICES": _first_gpus(devices)}
         env.setdefault(*JAX_GPU_MEMORY_FRACTION)
-    return [sys.executable, "-m", "compare.harness.worker_jax"], env | shared
+    from compare.harness import worker_jax
+
+    return [sys.executable, "-m", worker_jax.__name__], env | shared
 
 
 Spanning = Callable[[Path], tuple[SpanningLaunch, tuple[list[str], dict[str, str]]]]

@@ -28,9 +28,10 @@ from weights.checkpoint import RandomWeights
 from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
 from weights.layout import check_split
 from weights.parallel import RING_LAYOUT
+from weights.training import BACKENDS
 
-KERNELS = {"torch": {"ours": "triton", "vendor": "sdpa_cudnn", "reference": "reference"},
-           "jax": {"ours": "pallas", "vendor": "cudnn", "reference": "reference"}}
+KERNELS = {"torch": {"ours": "triton", "vendor": "sdpa_cudnn", "reference": "reference"},  # the attention backend
+           "jax": {"ours": "pallas", "vendor": "cudnn", "reference": "reference"}}  # (ATTENTION_BACKENDS) of each role
 INSTALL_HINT = {"torch": "pip install 'torch>=2.11' triton (or reinstall twinflash: pip install -e .)",
                 "jax": "pip install 'jax>=0.10' flax orbax-checkpoint (or reinstall twinflash: pip install -e .)"}
 # On CPU the points are no benchmark (interpreted kernels on emulated devices): one length and the device counts 1
@@ -221,8 +222,8 @@ def plan_settings(args: argparse.Namespace, gpus: int, device_memory_bytes: int 
     check_seq_len = args.check_seq_len or min(min(seq_lens), MAX_CHECK_SEQ_LEN)
     for count in {devices, *counts}:  # the float32 check on all devices, the fast path on each count
         check_split(check_seq_len, count, RING_LAYOUT)
-    backends, notes = _available_backends(_parsed_list(args.backends, ("torch", "jax"), "--backends"),
-                                          explicit=args.backends != "torch,jax")
+    backends, notes = _available_backends(_parsed_list(args.backends, BACKENDS, "--backends"),
+                                          explicit=args.backends != ",".join(BACKENDS))
     if "torch" not in backends:
         raise BadInputError(f"the float32 reference runs on the torch backend: {INSTALL_HINT['torch']}")
     perturb = parse_perturbation(args.perturb, backends, parameter_shapes(config)) if args.perturb else None

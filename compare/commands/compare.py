@@ -1,8 +1,9 @@
 """`twinflash compare`: both backends on the same devices, weights and inputs, one after the other; an
-equivalence section and a benchmark section in one report. This module owns the arguments and the command: the plan
-is `plan.py`'s (which jobs run where), the launches of the backend workers and the relaunch after a failed launch
-`launches.py`'s, the verdicts `equivalence.py`'s (float32), `fastpath.py`'s (the bf16 code the points time) and
-`noise_floor.py`'s, the benchmark arithmetic and the report `compare/report/`'s.
+equivalence section and a benchmark section in one report. This module owns the arguments and the command; it asks
+the harness (compare/harness/) for the data and the report (compare/report/) to write it: the plan is `plan.py`'s
+(which jobs run where), the launches of the backend workers and the relaunch after a failed launch `launches.py`'s,
+a run spanning nodes `across_nodes.py`'s, the verdicts `equivalence.py`'s (float32), `fastpath.py`'s (the bf16 code
+the points time) and `noise_floor.py`'s, the benchmark arithmetic and the report `compare/report/`'s.
 
 Without GPUs and with no arguments it runs the embedded default: the tiny preset, 4 emulated CPU devices (gloo
 processes; XLA host devices; interpreted Triton and Pallas kernels), in about 1½ minutes on 2 cores. A run pays its
@@ -43,26 +44,31 @@ import time
 from pathlib import Path
 
 from compare.args import integer, ints, lengths, names, number
+from compare.harness import across_nodes, noise_floor
 from compare.harness import jobs as J
-from compare.harness import noise_floor
 from compare.harness.across_nodes import Lead
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.harness.fastpath import fast_path_section
-from compare.harness.launches import CACHE_DIR, run_jobs
+from compare.harness.launches import CACHE_DIR, run_jobs, side_launcher
 from compare.harness.plan import (PRECISIONS, WEIGHTS_DIR, CompareSettings, check_model, gpu_count, gpu_memory_bytes,
                                   plan_jobs, plan_settings, prepare_weights)
 from compare.harness.progress import RunProgress
 from compare.launch import Interrupted, interruptible
-from compare.nodes import Nodes
+from compare.nodes import Nodes, add_arguments as add_node_arguments, from_args as nodes_from_args
 from compare.report.data import add_scaling, benchmark_point, job_timing, report_dict
 from compare.report.fields import fmt_seq
 from compare.report.precision import precision_section
 from compare.report.write import load_peers, write_report
-from weights import PRESETS, open_weights
+from weights import PRESETS, BadInputError, open_weights
 from weights.atomic import check_output_dir
 from weights.errors import EXIT_CHECK_FAILED, EXIT_OK
 from weights.fp8 import INSTALL_TORCHAO
 from weights.parallel import REMAT_MODES
+from weights.training import BACKENDS
+
+
+HELP = ("both backends, same weights and devices: equivalence + benchmark report (no arguments on a CPU machine: "
+        "tiny model, 4 emulated devices)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as `twinflash train --fp8`; needs --dtype bf16, and torchao for torch: "
                              f"{INSTALL_TORCHAO}): every benchmark point once per precision, and the noise floor's "
                              "trainings of our kernels also in FP8; the report's precision section compares them")
-    parser.add_argument("--backends", type=names(("torch", "jax")), default="torch,jax",
-                        help="comma-separated: torch, jax")
+    parser.add_argument("--backends", type=names(BACKENDS), default=",".join(BACKENDS),
+                        help=f"comma-separated: {', '.join(BACKENDS)}")
     parser.add_argument("--ablation", type=names(("ours", "vendor", "reference")), default="ours,vendor,reference",
                         help="attention kernels at the largest device count: ours, vendor (SDPA cuDNN / JAX cuDNN), "
                              "reference (plain math)")
@@ -112,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="report directory, must not exist or be empty "
                         "(default: out/compare-<model>-<date>)")
     noise_floor.add_arguments(parser)
+    add_node_arguments(parser, "--devices counts every node's devices (default on GPUs: all of them); a launch "
+                       "of more devices than a node has spans nodes, the others run on node 0; --out is required, "
+                       "on a file system every node sees (node 0 writes the report there)")
 
 
 def _default_out(model: str) -> Path:
@@ -165,9 +174,31 @@ def _summary_table(report: dict, width: int):
         columns.remove(max(columns, key=lambda c: c[2]))
 
 
-def run_command(args: argparse.Namespace, argv: list[str], lead: Lead | None = None) -> int:
-    """`twinflash compare` after argument parsing (on node 0 of a run spanning nodes: `lead`); raises
-    BadInputError for bad input."""
+def run_command(args: argparse.Namespace) -> int:
+    """One node's `twinflash compare` after argument parsing; spanning nodes, node 0 runs the compare
+    (`across_nodes.lead_run`) and the others their side of the launches that span them (`across_nodes.follow`)."""
+    nodes = nodes_from_args(args)
+    if not nodes.spans_hosts:
+        return run_compare(args, args.argv)
+    if args.out is None:
+        raise BadInputError(f"--nnodes {nodes.count}: give --out, the same directory on every node, on a file system "
+                            "all nodes see (node 0 writes the report there; the nodes exchange their work through it)")
+    if nodes.rank == 0:
+        return across_nodes.lead_run(args, nodes, run_compare)
+    gpus = gpu_count()  # the same plan as node 0's, so that bad input ends every node at once
+    settings = plan_settings(args, gpus * nodes.count, gpu_memory_bytes() if gpus else None)
+    across_nodes.check_placement(settings, nodes, gpus)
+    out = args.out.resolve()
+
+    def launcher(backend: str, devices: int, rendezvous, launch_id: str):
+        return side_launcher(backend, devices, settings.platform, out / "work", rendezvous, launch_id)
+
+    return across_nodes.follow(args, nodes, out, launcher)
+
+
+def run_compare(args: argparse.Namespace, argv: list[str], lead: Lead | None = None) -> int:
+    """The compare after argument parsing (on node 0 of a run spanning nodes: `lead`); raises BadInputError for
+    bad input."""
     with interruptible():
         try:
             return _run(args, argv, lead or Lead(Nodes()))

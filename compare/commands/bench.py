@@ -1,0 +1,29 @@
+"""`twinflash bench kernels|ring`: the GPU benchmarks of compare/bench/ (`kernel_bench.py`, `ring_bench.py`), each
+with arguments of its own: what follows the benchmark's name goes to it."""
+
+from __future__ import annotations
+
+import argparse
+
+from weights import BadInputError
+
+HELP = "GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs)"
+BENCHMARKS = {"kernels": "1 GPU: our Triton and Pallas kernels beside the vendors'",
+              "ring": "4 GPUs: both rings beside one GPU and PyTorch's context parallelism"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "arguments after the benchmark's name go to it: `twinflash bench kernels --help`"
+    parser.add_argument("what", nargs="?", choices=tuple(BENCHMARKS))
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.what is None:
+        raise BadInputError("bench needs a benchmark: " + "; ".join(f"`twinflash bench {name}` ({what})"
+                                                                    for name, what in BENCHMARKS.items()))
+    if args.what == "kernels":
+        from compare.bench.kernel_bench import main as bench_main
+    else:
+        from compare.bench.ring_bench import main as bench_main
+    return bench_main(args.bench_args)
