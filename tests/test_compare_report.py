@@ -263,8 +263,9 @@ def test_a_cpu_run_says_so_at_the_top_and_ranks_nothing(tmp_path):
     head = md.split("## Setup")[0]
     assert "CPU run: not a benchmark." in head and "interpreter" in head and "emulated devices" in head
     assert "CPU run: not a benchmark." in (tmp_path / "report.html").read_text()
-    for ranking in ("scaling efficiency |", "speed-up vs vendor", "the best point", "ours vs peer"):
+    for ranking in ("scaling efficiency |", "speed-up vs vendor", "the best point", "ours vs peer", "jax / torch"):
         assert ranking not in md
+    assert "## Summary" in head and "a CPU run ranks nothing: no ratio" in head  # the summary, without ratios
     assert "plots/scaling.png" not in json.loads((tmp_path / "report.json").read_text())["plots"]
 
 
