@@ -263,8 +263,9 @@ def test_a_cpu_run_says_so_at_the_top_and_ranks_nothing(tmp_path):
     head = md.split("## Setup")[0]
     assert "CPU run: not a benchmark." in head and "interpreter" in head and "emulated devices" in head
     assert "CPU run: not a benchmark." in (tmp_path / "report.html").read_text()
-    for ranking in ("scaling efficiency |", "speed-up vs vendor", "the best point", "ours vs peer"):
+    for ranking in ("scaling efficiency |", "speed-up vs vendor", "the best point", "ours vs peer", "jax / torch"):
         assert ranking not in md
+    assert "## Summary" in head and "a CPU run ranks nothing: no ratio" in head  # the summary, without ratios
     assert "plots/scaling.png" not in json.loads((tmp_path / "report.json").read_text())["plots"]
 
 
@@ -336,3 +337,60 @@ def test_the_git_commit_is_the_checkouts_own_or_unknown(tmp_path):
     report = make_report()
     report["environment"]["git_commit"] = None
     assert "| git commit | unknown" in render_markdown(report)
+
+
+def test_the_summary_comes_first_with_the_ratios_and_every_verdict(written):
+    """The report's first screen answers the run's question (issue 36): the summary comes before the setup, with
+    torch vs JAX per context length and device count (our kernels named), their ratio, one line per verdict and the
+    headline plot, in both renderings."""
+    md, page = (written[1] / "report.md").read_text(), (written[1] / "report.html").read_text()
+    for text, setup in ((md, "## Setup"), (page, "<h2>Setup</h2>")):
+        head = text.split(setup)[0]
+        assert "Summary" in head and "plots/throughput.png" in head
+        assert "jax / torch tokens/s (= MFU)" in head and "jax / torch peak memory" in head
+        assert "torch triton; jax pallas" in head  # which kernels
+        for verdict in ("fp32 torch vs reference", "fp32 jax vs reference", "fp32 torch vs jax"):
+            assert verdict in head
+        assert "twinflash compare --model" not in head  # the command opens the setup, below
+        assert text.count("plots/throughput.png") == 1  # shown once, in the summary
+    summary = md.split("## Summary")[1].split("## Setup")[0]
+    torch_point, jax_point = (next(p for p in written[0]["benchmark"]["points"] if (p["backend"], p["seq_len"],
+                              p["devices"], p["attention"]) == (b, 512, 4, "ours")) for b in ("torch", "jax"))
+    ratio = f"{jax_point['tokens_per_s'] / torch_point['tokens_per_s']:.3g}×"
+    assert f"| 512 | 4 | {torch_point['tokens_per_s']:,.0f} |" in summary and ratio in summary
+    assert "| fp32 torch vs jax | FAIL | " in summary and "1 of 18 parameters' gradients" in summary
+    assert md.index("## Summary") < md.index("## Setup") < md.index("## Equivalence") < md.index("## Benchmark")
+
+
+def test_a_point_that_did_not_run_shows_its_status_once():
+    """A row of a point that did not run says OOM once (HTML: one cell spanning the measurements; Markdown: then
+    empty cells), not in each of its 13 measurement cells; in the summary, once over its backend's columns."""
+    report = {**make_report(), "plots": []}
+    md, page = render_markdown(report), render_html(report)
+    row = next(line for line in md.splitlines() if line.startswith("| torch | reference | reference | 512 | 4 |"))
+    assert row.count("OOM") == 1 and row.count("|") == 19  # 18 columns
+    assert re.search(r'<td colspan=13 class=.status.>OOM</td>', page)
+    old = "| OOM | OOM |"  # the negative control: the old rendering repeated it
+    assert old not in md and "UNSUPPORTED | UNSUPPORTED" not in md
+    for p in report["benchmark"]["points"]:
+        if (p["backend"], p["attention"], p["seq_len"], p["devices"]) == ("jax", "ours", 256, 1):
+            p.update(_point("jax", 256, 1, "ours", "timeout", "killed"))
+    md = render_markdown(report)
+    summary = md.split("## Summary")[1].split("## Setup")[0]
+    line = next(line for line in summary.splitlines() if line.startswith("| 256 | 1 |"))
+    assert line.count("TIMEOUT") == 1 and line.endswith("| TIMEOUT |  |  | – | – |")
+    assert re.search(r'<td colspan=3 class=.status.>TIMEOUT</td>', render_html(report))
+
+
+def test_rerender_writes_the_renderings_from_report_json_alone(written, tmp_path):
+    """A committed report is rendered again from its report.json (no plot or work file needed): report.md and
+    report.html change, report.json stays."""
+    from compare.report.write import rerender
+
+    (tmp_path / "report.json").write_text((written[1] / "report.json").read_text())
+    rerender(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "report.json", "report.md"]
+    assert (tmp_path / "report.md").read_text() == (written[1] / "report.md").read_text()
+    (tmp_path / "report.json").write_text("{}")
+    with pytest.raises(ValueError, match="invalid compare report"):
+        rerender(tmp_path)

@@ -1,5 +1,5 @@
 """`weights.flops.step_ceiling`, the ideal step behind the MFU targets of issue #20: its FLOP bookkeeping checked by
-hand on the tiny preset, and the ceilings the README quotes for the 2-GPU targets."""
+hand on the tiny preset, and the ceilings weights/README.md quotes for the 2-GPU targets."""
 
 from __future__ import annotations
 

@@ -2,10 +2,12 @@
 `render_html`: one document model, two writers; the number formats are compare/report/fields.py's);
 `compare/report/write.py` checks and writes them.
 
-A benchmark point whose status is not "ok" shows it (OOM, ERROR, TIMEOUT, UNSUPPORTED, SKIPPED) in its measurement
-cells and its message under the table. Every number keeps three significant digits (a small value is never shown
-as 0.0). Communication is two numbers: the exposed part (device 0 communicating with nothing to compute: what it
-costs, never more than the step) and the communication kernels' busy time (overlap included). A CPU run says at the
+The report opens with its summary (compare/report/summary.py: speed torch vs JAX, one line per verdict, the
+throughput plot), then the details. A benchmark point whose status is not "ok" shows it (OOM, ERROR, TIMEOUT,
+UNSUPPORTED, SKIPPED) once, in one cell spanning its measurements, and its message under the table. Every number
+keeps three significant digits (a small value is never shown as 0.0). Communication is two numbers: the exposed part
+(device 0 communicating with nothing to compute: what it costs, never more than the step) and the communication
+kernels' busy time (overlap included). A CPU run says at the
 top that its timings measure interpreters on emulated devices and ranks nothing: no scaling efficiency, no
 speed-up, no best point, no comparison with the peers. On GPUs: our best point per (backend, context length) at the
 most devices beside the peers' table, and an "ours vs peer" line where a point measures a peer's work (same model,
@@ -19,7 +21,7 @@ import html
 import math
 import re
 
-from compare.report import fastpath, noise_floor, precision
+from compare.report import fastpath, noise_floor, precision, summary
 from compare.report.fields import (ATTENTIONS, DASH, STATUS_LABELS, WORST_PARAMETERS, finite, fmt, fmt_seq, fmt_tokens,
                                    max_devices, on_cpu, sorted_points)
 
@@ -32,7 +34,8 @@ def _verdict(passed: bool) -> str:
 
 # --- document model, shared by markdown and HTML ---------------------------------------------------------------
 # blocks: ("h", level, text) ("p", [inline]) ("table", headers, rows) ("code", text) ("list", [[inline]])
-# ("img", alt, src); inline (a table cell, or an item of a list): str, ("b", text) bold, ("a", text, href) link
+# ("img", alt, src); inline (a table cell, or an item of a list): str, ("b", text) bold, ("a", text, href) link;
+# a table cell may also be ("span", columns, text): one cell over `columns` columns (summary.span)
 
 def _where(p: dict) -> str:
     fp8 = " fp8" if p.get("precision") == "fp8" else ""
@@ -56,9 +59,8 @@ def _document(report: dict) -> list[tuple]:
     doc = [("h", 1, f"twinflash compare: {model['name']}, {s['mode']}, {s['dtype']}")]
     if on_cpu(report):
         doc.append(("p", [("b", "CPU run: not a benchmark."), " " + CPU_CAVEAT.format(devices=s["devices"])]))
-    doc += [("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence and fast path) — {detail}"]),
-            ("code", report["command"]), ("p", [f"Created {report['created']}."])]
-    return (doc + _setup(report) + _equivalence(report) + fastpath.blocks(report) + noise_floor.blocks(report)
+    doc.append(("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence and fast path) — {detail}"]))
+    return (doc + summary.blocks(report) + _setup(report) + _equivalence(report) + fastpath.blocks(report) + noise_floor.blocks(report)
             + _benchmark(report)
             + _ablation(report) + precision.blocks(report) + _peers(report) + _jobs(report) + _flops_and_traces(report))
 
@@ -89,7 +91,8 @@ def _setup(report: dict) -> list[tuple]:
              ["backends", ", ".join(s["backends"])], ["attention ablation", ", ".join(s["attention_ablation"])]]
     if "fp8" in s.get("precisions", []):
         rows.append(["precisions", ", ".join(s["precisions"]) + " (the precision section below)"])
-    return [("h", 2, "Setup"), ("table", ["", "value"], rows)]
+    return [("h", 2, "Setup"), ("code", report["command"]), ("p", [f"Created {report['created']}."]),
+            ("table", ["", "value"], rows)]
 
 
 def _equivalence(report: dict) -> list[tuple]:
@@ -127,8 +130,16 @@ def _equivalence(report: dict) -> list[tuple]:
     return doc + _images(report, "loss_curves")
 
 
-def _cells(p: dict, columns) -> list[str]:
-    return [STATUS_LABELS.get(p["status"]) or fmt(p[key], kind) for key, kind in columns]
+def _status(p: dict) -> str | None:
+    """The label of a point that did not run (OOM, TIMEOUT, ...); None for one that did."""
+    return None if p["status"] == "ok" else STATUS_LABELS.get(p["status"], p["status"].upper())
+
+
+def _cells(p: dict, columns) -> list:
+    """A point's measurements, or its status once in a cell spanning them all."""
+    if _status(p):
+        return [summary.span(len(columns), _status(p))]
+    return [fmt(p[key], kind) for key, kind in columns]
 
 
 def _benchmark(report: dict) -> list[tuple]:
@@ -160,7 +171,7 @@ def _benchmark(report: dict) -> list[tuple]:
     doc = [("h", 2, "Benchmark"), ("p", [f"Median {what}; one row per point."]), ("p", [comm]),
            ("table", headers, rows) if rows else ("p", ["No benchmark points."])]
     doc += [("p", ["Notes:"]), ("list", notes)] if notes else []
-    return doc + _images(report, "throughput", "scaling", "memory", "breakdown")
+    return doc + _images(report, "scaling", "memory", "breakdown")  # throughput: the summary's plot
 
 
 def _ablation(report: dict) -> list[tuple]:
@@ -176,7 +187,7 @@ def _ablation(report: dict) -> list[tuple]:
     for (backend, seq), row in cells.items():
         ok = all(a in row and row[a]["status"] == "ok" and finite(row[a]["step_s"]) for a in ("ours", "vendor"))
         speedup = f"{row['vendor']['step_s'] / row['ours']['step_s']:.3g}×" if ok and row["ours"]["step_s"] else DASH
-        rows.append([backend, fmt_seq(seq)] + [f"{_cells(row[a], [('step_s', 'seconds')])[0]} ({row[a]['kernel']})"
+        rows.append([backend, fmt_seq(seq)] + [f"{_status(row[a]) or fmt(row[a]['step_s'], 'seconds')} ({row[a]['kernel']})"
                                                if a in row else DASH for a in kinds] + ([speedup] if ranked else []))
     what = "; speed-up = vendor step time / ours." if ranked else " (interpreted on CPU: not a ranking)."
     return [("h", 2, "Attention ablation"),
@@ -270,14 +281,19 @@ def _md_inline(parts) -> str:
                    else f"[{_md_text(x[1])}](<{x[2]}>)" for x in (parts if isinstance(parts, list) else [parts]))
 
 
+def _md_row(cells) -> str:
+    spread = [part for c in cells for part in ([c[2]] + [""] * (c[1] - 1) if isinstance(c, tuple) and c[0] == "span"
+                                               else [c])]
+    return "| " + " | ".join(map(_md_inline, spread)) + " |"
+
+
 _MARKDOWN = {
     "h": lambda level, text: "#" * level + " " + _md_text(text),
     "p": _md_inline,
     "code": lambda text: f"```\n{text}\n```",
     "list": lambda items: "\n".join(f"- {_md_inline(item)}" for item in items),
     "img": lambda alt, src: f"![{alt}]({src})",
-    "table": lambda head, rows: "\n".join("| " + " | ".join(map(_md_inline, row)) + " |"
-                                          for row in [head, ["---"] * len(head), *rows]),
+    "table": lambda head, rows: "\n".join(map(_md_row, [head, ["---"] * len(head), *rows])),
 }
 
 
@@ -295,7 +311,7 @@ _CSS = """body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto
 table{border-collapse:collapse;margin:.5em 0 1em;font-size:90%}th,td{border:1px solid #ccc;padding:.2em .5em}
 th{background:#f3f4f6;text-align:left}.pass{color:#1a7f37;font-weight:bold}.fail,.status{color:#cf222e;
 font-weight:bold}pre{background:#f6f8fa;padding:.6em;overflow-x:auto;white-space:pre-wrap}img{max-width:100%}
-.wide{overflow-x:auto}"""
+.wide{overflow-x:auto}td.n{white-space:nowrap}"""
 
 
 def _html_inline(parts) -> str:
@@ -305,10 +321,19 @@ def _html_inline(parts) -> str:
                    for x in (parts if isinstance(parts, list) else [parts]))
 
 
-def _html_row(cells, tag: str = "td") -> str:
+_NOWRAP = 12  # a cell this short (a number with its unit: "207 ms", "36.2 %") is never broken over two lines
+
+
+def _html_cell(c, tag: str) -> str:
     classes = {"PASS": "pass", "FAIL": "fail", **dict.fromkeys(STATUS_LABELS.values(), "status")}
-    return "<tr>" + "".join(f"<{tag}{f' class={classes[c]!r}' if isinstance(c, str) and c in classes else ''}>"
-                            f"{_html_inline(c)}</{tag}>" for c in cells) + "</tr>"
+    columns, c = (c[1], c[2]) if isinstance(c, tuple) and c[0] == "span" else (1, c)
+    css = classes.get(c, "n" if len(c) <= _NOWRAP else None) if isinstance(c, str) else None
+    return (f"<{tag}{f' colspan={columns}' if columns > 1 else ''}{f' class={css!r}' if css else ''}>"
+            f"{_html_inline(c)}</{tag}>")
+
+
+def _html_row(cells, tag: str = "td") -> str:
+    return "<tr>" + "".join(_html_cell(c, tag) for c in cells) + "</tr>"
 
 
 _HTML = {

@@ -5,6 +5,10 @@ compare/report/peers.json with its provenance, measured on H200 with the anchor 
 results in compare/results/anchors-2026-11-21-h200x4/); the renderings are compare/report/render.py's, the plots
 compare/report/plots.py's.
 
+`rerender(out_dir)` writes report.md and report.html again from out_dir/report.json (a report made by an older
+renderer, read with today's: no plot or work file of the run is needed, and report.json and the plots stay as they
+are).
+
 `write_report(report, out_dir)` validates first and writes nothing for an invalid report (ValueError, one line
 naming the first violation's path); otherwise each file goes to a temporary name in out_dir and is renamed into
 place once all are rendered (`weights.atomic.atomic_file`). report.json's "plots" lists the PNGs written (a plot
@@ -67,6 +71,10 @@ def _numpy_scalar(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+def _renderings(data: dict) -> dict[str, str]:
+    return {"report.md": render_markdown(data), "report.html": render_html(data)}
+
+
 def write_report(report: dict, out_dir: Path) -> None:
     """Checks `report` (ValueError, nothing written) and writes out_dir/report.json ("plots" filled in),
     report.md, report.html and out_dir/plots/*.png; each file is renamed into place once all are rendered."""
@@ -75,11 +83,22 @@ def write_report(report: dict, out_dir: Path) -> None:
     out_dir = Path(out_dir)
     figures = plots.figures(data)
     data["plots"] = [f"plots/{name}.png" for name, _ in figures]
-    texts = {"report.json": json.dumps(data, indent=1, default=_numpy_scalar) + "\n",
-             "report.md": render_markdown(data), "report.html": render_html(data)}
+    texts = {"report.json": json.dumps(data, indent=1, default=_numpy_scalar) + "\n", **_renderings(data)}
     (out_dir / "plots" if figures else out_dir).mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as staged:  # every file renamed into place only once all are written
         for name, fig in figures:
             fig.savefig(staged.enter_context(atomic_file(out_dir / "plots" / f"{name}.png", "wb")), format="png")
+        for name, text in texts.items():
+            staged.enter_context(atomic_file(out_dir / name)).write(text)
+
+
+def rerender(out_dir: Path) -> None:
+    """Writes out_dir/report.md and report.html again from out_dir/report.json (checked against the schema first;
+    ValueError and nothing written for an invalid one), leaving report.json and the plots as they are."""
+    out_dir = Path(out_dir)
+    data = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
+    validate_report(data)
+    texts = _renderings(data)
+    with contextlib.ExitStack() as staged:
         for name, text in texts.items():
             staged.enter_context(atomic_file(out_dir / name)).write(text)
