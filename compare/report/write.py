@@ -1,9 +1,9 @@
 """Writing `twinflash compare`'s report: out_dir/report.json, report.md, report.html and plots/*.png from the dict
-that compare/harness/command.py builds (format "twinflash-compare/1", each key described in
+that compare/commands/compare.py builds (format "twinflash-compare/1", each key described in
 compare/report/schema.json). Owns the schema check (`validate_report`) and the peers' numbers (`load_peers`:
-compare/report/peers.json with its provenance, measured on H200 with the anchor scripts kept beside their raw
-results in compare/results/anchors-2026-11-21-h200x4/); the renderings are compare/report/render.py's, the plots
-compare/report/plots.py's.
+compare/report/peers.json with its provenance, measured on H200 with the anchor scripts that the RUN.md of
+compare/results/anchors-2026-11-21-h200x4/ names, beside their raw results); the renderings are
+compare/report/render.py's, the plots compare/report/plots.py's.
 
 `rerender(out_dir)` writes report.md and report.html again from out_dir/report.json (a report made by an older
 renderer, read with today's: no plot or work file of the run is needed, and report.json and the plots stay as they
