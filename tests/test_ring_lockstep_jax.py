@@ -22,7 +22,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec
 from kernel_twins import float64_attention
-from ring_lockstep import ring_results
+
+pytest.importorskip("greenlet", reason="the lockstep ring runs its ranks as greenlets (the dev extras install it; "
+                    "the GPU image lacks it)")
+from ring_lockstep import ring_results  # noqa: E402  (after the skip: it imports greenlet)
 from ring_twins import NAMES, RingCase, assert_flash_rule, ids, inputs
 
 from jax_impl.attention import reference_attention
