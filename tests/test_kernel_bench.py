@@ -4,6 +4,7 @@ two parts' rows into one table with ratios, the rendering, the JSON report and t
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 from pathlib import Path
 
@@ -119,8 +120,29 @@ def test_forced_triton_paths_get_their_own_column(capsys):
     rows = ROWS + [_row("triton_hopper", 450.0)]
     table = kernel_bench.merge_rows(rows)
     assert table[0]["triton_hopper"] == 450.0 and "triton_hopper" not in kernel_bench.merge_rows(ROWS)[0]
-    console = Console(record=True, width=250)
+    console = Console(record=True, width=300)  # wide enough for every column's full name
     console.print(kernel_bench.render_table(table))
     assert "triton_hopper" in console.export_text()
     assert kernel_bench.main(["--triton-paths", "triton_fast"]) == 2
     assert "unknown Triton path(s) triton_fast" in capsys.readouterr().err
+
+
+def test_fa3_is_a_jax_peer_with_a_ratio_to_the_mosaic_kernels():
+    assert "fa3" in kernel_bench.IMPLS["jax"] and "fa3" in kernel_bench.KNOWN_IMPLS
+    assert ("mosaic/fa3", "pallas_hopper", "fa3") in kernel_bench.RATIOS
+    fa3 = dict(_row("fa3", 400.0, part="jax"), max_err_vs_cudnn=0.0078)
+    table = kernel_bench.merge_rows([_row("pallas_hopper", 500.0, part="jax"), fa3])
+    assert table[0]["fa3"] == 400.0 and table[0]["mosaic/fa3"] == pytest.approx(500 / 400)
+    assert "max err vs cuDNN 0.0078" in kernel_bench._progress(fa3)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn3_jax") is not None, reason="checks the row of an absent FA3")
+def test_jax_part_without_flash_attn3_jax_has_an_fa3_row_naming_the_install(capsys):
+    args = kernel_bench.build_parser().parse_args(["--part", "jax", "--impls", "fa3", "--seq-lens", "4k",
+                                                   "--kv-heads", "8", "--causal", "causal"])
+    kernel_bench._check_args(args)
+    kernel_bench._jax_part(args)
+    rows = [json.loads(line)["row"] for line in capsys.readouterr().out.splitlines() if '"row"' in line]
+    assert [(r["impl"], r["S"], r["kv_heads"]) for r in rows] == [("fa3", 4096, 8)]
+    assert rows[0]["error"].startswith("skipped: ") and 'pip install -e ".[peers]"' in rows[0]["error"]
+    assert "flash_attn3_jax" in rows[0]["error"]

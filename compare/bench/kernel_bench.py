@@ -17,8 +17,11 @@ Measured, bf16, batch 1, H=32 (defaults), for each S (--seq-lens), causal and no
               jax_cudnn   jax.nn.dot_product_attention(implementation="cudnn") (GQA native)
               pallas_mha  JAX's shipped Pallas kernel, jax.experimental.pallas.ops.gpu.attention.mha
                           (K/V repeated to H heads outside the timed call, it has no GQA)
-              tokamax     tokamax.dot_product_attention(implementation="mosaic") (optional peer:
-                          pip install -e ".[peers]"; an error row with that command when absent)
+              tokamax     tokamax.dot_product_attention(implementation="mosaic")
+              fa3         FlashAttention-3: flash_attn3_jax.flash_mha (GQA native); its row also records
+                          max_err_vs_cudnn, the max |out - JAX cuDNN's out| on the same inputs (a sanity check)
+                          tokamax and fa3 are optional peers (compare/bench/kernel_peers.py): pip install -e
+                          ".[peers]"; an error row with that command where one is absent
 Timing as the peers' anchor scripts (torch_kernels.py, jax_kernels.py) time them: torch with
 triton.testing.do_bench (median, CUDA events); JAX with block_until_ready, median of repeated calls after two
 warm-up calls (--jax-repeats). TFLOP/s from `weights.flops.attention_flops` for every implementation (so ratios are time ratios).
@@ -26,9 +29,9 @@ warm-up calls (--jax-repeats). TFLOP/s from `weights.flops.attention_flops` for 
 Roles of `python -m compare.bench.kernel_bench`: the plain invocation is the parent; it runs the torch part, then the
 JAX part (XLA_PYTHON_CLIENT_PREALLOCATE=false), each as a subprocess `--part torch|jax` that prints one JSON
 object per line, merges them (and the rows of --rows-from files: a sweep may be split over invocations) into one
-table with ratios (ours / FA2, ours / cuDNN, pallas / shipped mha, pallas / JAX cuDNN) and writes the JSON
-(--out). A peer that errors or runs out of memory is recorded as such and the sweep goes on; a part that
-crashes or outlives --part-timeout-s is recorded as one error row.
+table with ratios (RATIOS: ours / FA2, ours / cuDNN, pallas / shipped mha, pallas / JAX cuDNN, Mosaic / tokamax,
+Mosaic / FA3, ...) and writes the JSON (--out). A peer that errors or runs out of memory is recorded as such and the
+sweep goes on; a part that crashes or outlives --part-timeout-s is recorded as one error row.
 """
 
 from __future__ import annotations
@@ -50,56 +53,20 @@ from pathlib import Path
 from compare.args import OneLineParser, ints, lengths, recorded_command, with_error_contract
 from compare.bench import common
 from compare.bench.common import check_parts_and_heads, previous_rows, write_json
+from compare.bench.kernel_peers import jax_peers
 from compare.launch import Interrupted, interruptible, owned_process
 from weights import BadInputError
 from weights.flops import attention_flops
 
 IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"),
-         "jax": ("pallas", "pallas_hopper", "jax_cudnn", "pallas_mha", "tokamax")}
+         "jax": ("pallas", "pallas_hopper", "jax_cudnn", "pallas_mha", "tokamax", "fa3")}
 TRITON_PATHS = ("triton_portable", "triton_hopper")  # measured only when --triton-paths names them
 EXTRA_IMPLS = {"jax": ("pallas_hopper_one_kernel", "pallas_portable")}  # measured only when --impls names them
 KNOWN_IMPLS = tuple(i for part in IMPLS for i in (*IMPLS[part], *EXTRA_IMPLS.get(part, ())))
 RATIOS = (("ours/FA2", "triton", "sdpa_flash"), ("ours/cuDNN", "triton", "sdpa_cudnn"),
           ("pallas/mha", "pallas", "pallas_mha"), ("pallas/jax-cuDNN", "pallas", "jax_cudnn"),
           ("mosaic/jax-cuDNN", "pallas_hopper", "jax_cudnn"), ("mosaic/tokamax", "pallas_hopper", "tokamax"),
-          ("mosaic/one-kernel", "pallas_hopper", "pallas_hopper_one_kernel"))
-PEERS_INSTALL = 'pip install -e ".[peers]"'
-
-
-def import_tokamax():
-    """tokamax, importable without xprof: tokamax imports the xprof profiler (32 MB) at import time though its
-    attention never calls it, so when xprof is absent its modules are stood in by empty ones whose attributes
-    fail only if used."""
-    import importlib.abc
-    import importlib.util
-    import types
-
-    class _Absent(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Absent(f"{self.__name__}.{name}")
-
-        def __call__(self, *args, **kwargs):
-            raise ImportError(f"{self.__name__}: xprof is not installed (tokamax profiling only)")
-
-    class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path=None, target=None):
-            if name == "xprof" or name.startswith("xprof."):
-                return importlib.util.spec_from_loader(name, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            return _Absent(spec.name)
-
-        def exec_module(self, module):
-            module.__path__ = []
-
-    if importlib.util.find_spec("xprof") is None:
-        sys.meta_path.append(_StandIn())
-    import tokamax
-
-    return tokamax
+          ("mosaic/fa3", "pallas_hopper", "fa3"), ("mosaic/one-kernel", "pallas_hopper", "pallas_hopper_one_kernel"))
 PASSES = (("fwd", "fwd_tflops"), ("fwd+bwd", "fwdbwd_tflops"))
 NO_CUDA = "bench kernels needs a CUDA GPU"
 
@@ -289,12 +256,9 @@ def _jax_part(args) -> None:
                                                                   causal=causal)
     except Exception as err:
         import_errors["pallas_mha"] = f"import: {type(err).__name__}: {err}"[:300]
-    try:
-        tokamax = import_tokamax()
-        impls["tokamax"] = lambda q, k, v, causal: tokamax.dot_product_attention(q, k, v, is_causal=causal,
-                                                                                 implementation="mosaic")
-    except ImportError as err:
-        import_errors["tokamax"] = f"skipped: {err} (optional peer: {PEERS_INSTALL})"[:300]
+    peers, peer_errors = jax_peers()
+    impls.update(peers)
+    import_errors.update(peer_errors)
 
     def measure(impl, seq_len, causal, kv_heads, head_dim) -> dict:
         """One implementation at one point, on its own inputs (freed on return)."""
@@ -308,9 +272,15 @@ def _jax_part(args) -> None:
         def loss(q, k, v, dout):  # dout an argument: closed over, XLA would fold it (and its transposes) at compile
             return jnp.sum(attend(q, k, v, causal).astype(jnp.float32) * dout.astype(jnp.float32))
 
-        fwd_ms = jax_median_ms(jax.jit(lambda q, k, v: attend(q, k, v, causal)), q, k, v, repeats=repeats)
+        forward = jax.jit(lambda q, k, v: attend(q, k, v, causal))
+        fwd_ms = jax_median_ms(forward, q, k, v, repeats=repeats)
         fwdbwd_ms = jax_median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, dout, repeats=repeats)
-        return _result(args, impl, seq_len, causal, kv_heads, head_dim, fwd_ms, fwdbwd_ms)
+        check = {}
+        if impl == "fa3":  # a foreign binding with its own conventions (mask, scale): is its output cuDNN's?
+            cudnn_out = jax.jit(lambda q, k, v: impls["jax_cudnn"](q, k, v, causal))(q, k, v)
+            check["max_err_vs_cudnn"] = float(jnp.max(jnp.abs(forward(q, k, v).astype(jnp.float32)
+                                                              - cudnn_out.astype(jnp.float32))))
+        return _result(args, impl, seq_len, causal, kv_heads, head_dim, fwd_ms, fwdbwd_ms, **check)
 
     for point in _points(args):
         for impl in _part_impls(args, "jax"):
@@ -369,7 +339,8 @@ def _progress(row: dict) -> str:
     where = f"{row['impl']} D={row.get('head_dim')} S={row['S']} causal={row['causal']} Hkv={row['kv_heads']}"
     if row.get("error"):
         return f"{where}: {row['error'][:120]}"
-    return f"{where}: fwd {row['fwd_tflops']:.0f} TF/s, fwd+bwd {row['fwdbwd_tflops']:.0f} TF/s"
+    check = f", max err vs cuDNN {row['max_err_vs_cudnn']:.3g}" if "max_err_vs_cudnn" in row else ""
+    return f"{where}: fwd {row['fwd_tflops']:.0f} TF/s, fwd+bwd {row['fwdbwd_tflops']:.0f} TF/s{check}"
 
 
 def _table_impls(rows: list[dict]) -> list[str]:
