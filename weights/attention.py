@@ -50,6 +50,17 @@ def check_attention_shapes(q_shape: tuple, k_shape: tuple, v_shape: tuple) -> No
                          "attention needs a whole multiple of KV heads")
 
 
+def check_config_family(config, *, uses_hopper: bool, hopper_config: type, portable_config: type,
+                        backend: str) -> None:
+    """`config=` of either backend's flash attention must be the config class of the kernel family serving the call
+    (the Hopper family when `uses_hopper`, else the portable one); the other family's is a ValueError naming both."""
+    serving, family, other = ((hopper_config, "hopper", "portable") if uses_hopper
+                              else (portable_config, "portable", "hopper"))
+    if not isinstance(config, serving):
+        raise ValueError(f"config is a {type(config).__name__}, the {other} family's, but the {family} family serves "
+                         f"this call (backend={backend!r}); pass a {serving.__name__} or None")
+
+
 def check_ring_shapes(q_shape: tuple, k_shape: tuple, v_shape: tuple, world: int, layout: str) -> None:
     """The shape rules of ring attention on one device's local q [B, S_local, H, D] and k/v [B, S_local, Hkv, D]
     (both backends'): ValueError naming the mismatch, LayoutError when S_local * world does not split."""

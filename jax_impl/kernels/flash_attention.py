@@ -63,7 +63,7 @@ from jax_impl.kernels.portable import config as portable_config
 from jax_impl.kernels.portable.config import PortableConfig
 from jax_impl.kernels.portable.forward import portable_forward
 from jax_impl.remat import keep_for_backward
-from weights.attention import check_attention_shapes
+from weights.attention import check_attention_shapes, check_config_family
 from weights.training import ATTENTION_BACKENDS
 
 BACKENDS = ATTENTION_BACKENDS["jax"]
@@ -126,11 +126,8 @@ def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None) 
         return (hopper_config.default_config(q.shape[3], dtype=q.dtype, out_dtype=out_dtype,
                                              limit=smem_limit(interpret)) if uses_hopper
                 else portable_config.default_config(q.shape[3], q.dtype, interpret=interpret))
-    serving, other = (HopperConfig, "portable") if uses_hopper else (PortableConfig, "hopper")
-    if not isinstance(config, serving):
-        family = "hopper" if uses_hopper else "portable"
-        raise ValueError(f"config is a {type(config).__name__}, the {other} family's, but the {family} family serves "
-                         f"this call (backend={backend!r}); pass a {serving.__name__} or None")
+    check_config_family(config, uses_hopper=uses_hopper, hopper_config=HopperConfig, portable_config=PortableConfig,
+                        backend=backend)
     return config
 
 

@@ -45,7 +45,7 @@ from torch_impl.kernels.portable.config import KernelConfig, PortableConfig
 from torch_impl.kernels.portable.forward import portable_forward
 from torch_impl.kernels.tiles import interpreter_problem
 from torch_impl.remat import keep_for_backward
-from weights.attention import check_attention_shapes
+from weights.attention import check_attention_shapes, check_config_family
 from weights.training import ATTENTION_BACKENDS
 
 aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
@@ -93,11 +93,8 @@ def _check_config(config, backend, q, k, v) -> None:
         raise ValueError(f"config sets our Triton kernels' launch shapes; backend={backend!r} takes none")
     if not isinstance(config, (PortableConfig, HopperConfig)):
         raise ValueError(f"config must be a PortableConfig, a HopperConfig or None, got {type(config).__name__}")
-    serving, other = (HopperConfig, "portable") if _uses_hopper(backend, q, k, v) else (PortableConfig, "hopper")
-    if not isinstance(config, serving):
-        family = "hopper" if serving is HopperConfig else "portable"
-        raise ValueError(f"config is a {type(config).__name__}, the {other} family's, but the {family} family serves "
-                         f"this call (backend={backend!r}); pass a {serving.__name__} or None")
+    check_config_family(config, uses_hopper=_uses_hopper(backend, q, k, v), hopper_config=HopperConfig,
+                        portable_config=PortableConfig, backend=backend)
     if isinstance(config, HopperConfig):
         if config.backward is not None and not isinstance(config.backward, HopperBackwardConfig):
             raise ValueError(f"config.backward must be a HopperBackwardConfig or None, got "
