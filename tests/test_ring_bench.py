@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -127,6 +130,28 @@ def test_worker_crash_and_hang_cost_only_their_task(tmp_path, monkeypatch):
     assert all(by_id[i]["ms"] == 1.0 for i in "abc")
     assert by_id["crash"]["error"].startswith("worker exited with 1: ") and "segfault-ish" in by_id["crash"]["error"]
     assert by_id["hang"]["error"].startswith("worker timed out after 5s")
+
+
+def test_an_interrupted_part_keeps_the_rows_it_finished(tmp_path, monkeypatch, capsys):
+    # SIGTERM while the JAX part's worker hangs on its second task: the first task's row, the earlier run's row of
+    # the interrupted point (not replaced by a "not finished" one) and a "not finished" row for the third are written
+    script = tmp_path / "worker.py"
+    script.write_text(STAND_IN_WORKER)
+    monkeypatch.setattr(ring_bench, "_worker_command",
+                        lambda part, plan_path, gpus: ([sys.executable, str(script), str(plan_path)], {}))
+    monkeypatch.setattr(ring_bench, "use_gpus_present", lambda args, found: None)
+    tasks = [dict(id=name, seq_len=32768, heads=32, kv_heads=8, head_dim=128, batch=1, part="jax", kind="ring",
+                  impl=f"stand-in {name}", gpus=4, variant="ring", layout="zigzag") for name in ("a", "hang", "c")]
+    monkeypatch.setattr(ring_bench, "plan_tasks", lambda args: {"jax": tasks})
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"versions": {}, "rows": [dict(tasks[1], ms=2.0)]}))
+    out = tmp_path / "ring.json"
+    threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    assert ring_bench.main(["--gpus", "4", "--parts", "jax", "--rows-from", str(earlier), "--out", str(out)]) == 143
+    rows = {row["id"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["a"]["ms"] == 1.0 and rows["hang"]["ms"] == 2.0
+    assert rows["c"]["error"] == "not finished: the bench was interrupted (SIGTERM)"
+    assert f"the rows measured before it are in {out}" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs")

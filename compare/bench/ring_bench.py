@@ -152,6 +152,21 @@ def read_rows_file(path: Path) -> tuple[dict, list[dict], list[str]]:
     return meta, rows, started
 
 
+def rows_finished_before(workdir: Path, worker: str, tasks: list[dict], signal_name: str,
+                         earlier_ids: set[str]) -> tuple[dict, list[dict]]:
+    """(meta, rows) of a worker part that a signal cut short: the rows its launches had written (every launch's
+    JSON lines in `workdir`), and for each task without one a row whose error says it was not finished, unless an
+    earlier run's row of that point (`earlier_ids`, from --rows-from) is kept instead."""
+    meta, rows = {}, []
+    for rows_path in sorted(workdir.glob(f"{worker}-*.jsonl")):
+        launch_meta, launch_rows, _ = read_rows_file(rows_path)
+        meta.update(launch_meta)
+        rows += launch_rows
+    done = {row["id"] for row in rows}
+    return meta, rows + [dict(task, error=f"not finished: the bench was interrupted ({signal_name})")
+                         for task in tasks if task["id"] not in done | earlier_ids]
+
+
 def _worker_command(part: str, plan_path: Path, gpus: int) -> tuple[list[str], dict]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # the workers run this module (its spec's name: as __main__ too)
     if part == "jax":
@@ -327,8 +342,8 @@ def _main(argv: list[str]) -> int:
     use_gpus_present(args, torch.cuda.device_count())
     meta, rows = previous_rows(args.rows_from)
     tasks = plan_tasks(args)
-    saved = None
     with interruptible(), tempfile.TemporaryDirectory(prefix="ring-bench-") as tmp:
+        worker, worker_tasks = "torch", []
         try:
             for worker, parts in (("torch", ("torch", "peer")), ("jax", ("jax",))):
                 worker_tasks = [t for part in parts for t in tasks.get(part, [])]
@@ -336,10 +351,13 @@ def _main(argv: list[str]) -> int:
                     worker_meta, worker_rows = run_worker(worker, worker_tasks, args, Path(tmp))
                     meta.update(worker_meta)
                     rows = merge_rows(rows, worker_rows)
-                    saved, _ = save(rows, meta, argv, args.out, args.gpus)  # kept if a later part is cut short
-        except Interrupted as stop:  # the workers are stopped; what finished before this part is saved
-            print(f"twinflash: bench ring interrupted ({stop.signal_name}); "
-                  f"{f'the parts that finished are in {saved}' if saved else 'nothing written'}", file=sys.stderr)
+                    save(rows, meta, argv, args.out, args.gpus)  # kept if a later part is cut short
+        except Interrupted as stop:  # the workers are stopped: keep every row they finished, name the rest
+            worker_meta, finished = rows_finished_before(Path(tmp), worker, worker_tasks, stop.signal_name,
+                                                         {row["id"] for row in rows})
+            path = report(merge_rows(rows, finished), meta | worker_meta, argv, args.out, args.gpus)
+            print(f"twinflash: bench ring interrupted ({stop.signal_name}); the rows measured before it are in {path}",
+                  file=sys.stderr)
             return stop.exit_code
     report(rows, meta, argv, args.out, args.gpus)
     return 0
