@@ -207,6 +207,8 @@ def test_jax_ring_rows_measure_exposed_communication_and_bandwidth(variant):
     assert row["ms"] > 0 and row["compute_only_ms"] > 0
     assert row["exposed_comm_ms"] == pytest.approx(row["ms"] - row["compute_only_ms"])
     assert row["comm_busy_ms"] > 0 and row["wire_GBps"] > 0
+    assert set(row["phase_s"]) == {"compile_and_time", "comm_trace", "compile_and_time_local_copies"}
+    assert all(seconds > 0 for seconds in row["phase_s"].values())
     local_kv = 2 * 16 * 2 * 16  # K and V: 16 local tokens x 2 heads x 16 dims
     hops = 4 if variant == "ring" else 3
     assert row["bytes_sent_per_rank"] == jax_ring_bytes_per_rank(task, 4) == (2 * 3 * 2 + hops * 4) * local_kv

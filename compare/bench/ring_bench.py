@@ -54,6 +54,7 @@ METHOD = {
                  "and the bytes it sent; JAX, NCCL kernels on GPU 0 in a jax.profiler trace of one call and the "
                  "bytes from the shapes; a lower bound (includes waiting for slower peers)",
     "peer": "torch context_parallel + cuDNN SDPA as the project's anchor script cp_cudnn.py",
+    "phase_s": "JAX rows: wall seconds of each phase of the row (compilations included), where the bench's time goes",
 }
 
 

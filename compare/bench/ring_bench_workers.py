@@ -303,15 +303,22 @@ def jax_measure(task, plan, devices, mesh):
         timed_fwd_bwd.step = step
         return timing
 
+    # wall seconds of each phase (compilation included), so a slow part of the bench can be named
+    began = time.perf_counter()
     ms, iters = timed_fwd_bwd()
+    phase_s = {"compile_and_time": time.perf_counter() - began}
     if task["kind"] == "jax-flash-1gpu":
-        return {"ms": ms, "iters": iters}
+        return {"ms": ms, "iters": iters, "phase_s": phase_s}
+    began = time.perf_counter()
     busy_s = _jax_comm_busy_s(timed_fwd_bwd.step)
+    phase_s["comm_trace"] = time.perf_counter() - began
+    began = time.perf_counter()
     compute_ms, _ = timed_fwd_bwd(local_copies=True)
+    phase_s["compile_and_time_local_copies"] = time.perf_counter() - began
     sent = jax_ring_bytes_per_rank(task, len(devices))
     return {"ms": ms, "iters": iters, "compute_only_ms": compute_ms, "exposed_comm_ms": ms - compute_ms,
             "comm_busy_ms": busy_s * 1e3, "bytes_sent_per_rank": sent,
-            "wire_GBps": sent / busy_s / 1e9 if busy_s else None}
+            "wire_GBps": sent / busy_s / 1e9 if busy_s else None, "phase_s": phase_s}
 
 
 def _jax_comm_busy_s(step) -> float:
