@@ -46,8 +46,7 @@ def tokens(batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
 
 
 def load(hf_dir, implementation: str) -> transformers.LlamaForCausalLM:
-    return transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation=implementation,
-                                                         dtype=torch.float32)
+    return transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation=implementation)  # float32
 
 
 def _numpy(x: torch.Tensor) -> np.ndarray:

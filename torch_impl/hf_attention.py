@@ -161,11 +161,12 @@ def twinflash_mask(*, mask_function=None, attention_mask: torch.Tensor | None = 
     transformers asks for its bidirectional mask. Called with keywords only (4.53 passes cache_position where
     5.x passes q_length and q_offset); a packing overlay found from position_ids is judged by the attention, which
     sees the position_ids (module docstring)."""
-    from transformers.masking_utils import bidirectional_mask_function
+    from transformers import masking_utils
 
     if q_length is None and cache_position is not None:
         q_length = len(cache_position)
-    return TwinflashMask(causal=mask_function is not bidirectional_mask_function,
+    bidirectional = getattr(masking_utils, "bidirectional_mask_function", None)  # absent from 4.53
+    return TwinflashMask(causal=mask_function is not bidirectional,
                          problem=_mask_problem(attention_mask, q_length, kwargs))
 
 
