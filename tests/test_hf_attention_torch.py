@@ -14,6 +14,10 @@ mask` measures it), so the check can fail.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -267,3 +271,37 @@ def test_bad_input_on_one_rank_is_refused_by_every_rank(p4, name, line):
 def test_negative_control_ring_without_its_mask_fails_on_every_rank(p4):
     for results in _results(p4, "mask-not-registered"):
         assert results["raised"].startswith("twin_ring: got no mask from twinflash's mask function")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The README's example, as written, under torchrun: 2 CPU processes over gloo
+# ---------------------------------------------------------------------------------------------------------------
+
+README = ROOT / "torch_impl" / "README.md"
+EXAMPLE_SECTION = "## Hugging Face transformers (`hf_attention.py`)"
+
+
+def readme_example() -> str:
+    """The Python block of torch_impl/README.md's transformers section."""
+    section = README.read_text(encoding="utf-8").split(EXAMPLE_SECTION, 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs_as_written(hf_dir, tmp_path):
+    """Its three steps run on 2 ranks, and its first loss (the full sequence's, from the shares) is HF sdpa's."""
+    script = tmp_path / "hf_ring.py"
+    script.write_text(readme_example())
+    seq_len = 64
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), str(hf_dir), str(seq_len)], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = re.findall(r"^step (\d): loss (\S+)$", done.stdout, re.MULTILINE)
+    assert [step for step, _ in losses] == ["0", "1", "2"], done.stdout
+    torch.manual_seed(0)  # the example's first batch
+    ids = torch.randint(97, (1, seq_len))
+    expected = load(hf_dir, "sdpa")(input_ids=ids, labels=ids).loss.item()
+    assert abs(float(losses[0][1]) - expected) <= RELATIVE_TOL * expected
