@@ -14,6 +14,7 @@ mask` measures it), so the check can fail.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -305,3 +306,100 @@ def test_the_readme_example_runs_as_written(hf_dir, tmp_path):
     ids = torch.randint(97, (1, seq_len))
     expected = load(hf_dir, "sdpa")(input_ids=ids, labels=ids).loss.item()
     assert abs(float(losses[0][1]) - expected) <= RELATIVE_TOL * expected
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `twinflash bench hf` on CPU: HF's model with our ring beside our torch model, from an HF directory
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_bench_hf_rows_agree_with_our_model(hf_dir, tmp_path):
+    """Both rows on 2 gloo ranks from the same HF directory (converted for ours): the first step's full loss and
+    gradient norm agree within the module's float32 tolerance, and the JSON holds the speeds."""
+    out = tmp_path / "hf.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-m", "compare.cli", "bench", "hf", "--model", str(hf_dir), "--seq-len",
+                           "64", "--warmup", "1", "--steps", "1", "--out", str(out)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {row["kind"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"hf", "ours"} and rows["hf"]["tokens_per_s"] > 0
+    assert rows["hf"]["loss_rel_diff_vs_ours"] <= RELATIVE_TOL
+    assert rows["hf"]["grad_norm_rel_diff_vs_ours"] <= RELATIVE_TOL
+    assert 1 < rows["ours"]["loss"] < 20  # random weights, ln(97) ~ 4.6: not a loss of zeros or NaN
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["bench"], "`twinflash bench hf` (HF transformers' Llama with our ring beside our torch model"),
+    (["bench", "hf", "--seq-len", "30"], "twinflash: error: sequence length 30 does not split into the zigzag layout "
+                                         "over 2 devices: it must be a multiple of 4 (e.g. 28 or 32)"),
+    (["bench", "hf", "--seq-len", "64,128"], "twinflash: error: --seq-len takes one length, got 2"),
+])
+def test_bench_hf_bad_input_is_one_line(capsys, argv, line):
+    from compare.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and line in err, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPUs: the Llama-3.2-1B shape, HF's model with our ring on 2 GPUs (NCCL, bf16) against HF's sdpa
+# ---------------------------------------------------------------------------------------------------------------
+
+GPU_SEQ = 4096
+
+
+def _errors(got: dict, exact: dict) -> dict:
+    """Max |logits error|, |loss error| and the largest relative L2 error of a parameter's gradient."""
+    grads = max(float((got["grads"][n].float() - g).norm() / g.norm().clamp_min(1e-30))
+                for n, g in exact["grads"].items())
+    return {"logits": float((got["logits"].float() - exact["logits"]).abs().max()),
+            "loss": abs(got["loss"] - exact["loss"]), "grads": grads}
+
+
+def case_gpu_1b(rank, world, *, hf_dir, seq_len):
+    """On each rank: HF sdpa in float32 (the exact answer), HF sdpa in bf16 and HF + twin_ring in bf16 on the ring
+    of both GPUs; each bf16 run's errors against float32."""
+    device = torch.device("cuda", rank)
+    ids = torch.randint(0, 128256, (1, seq_len), generator=torch.Generator().manual_seed(2)).to(device)
+    ring = hf_attention.register()
+
+    def run(implementation, dtype):
+        model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation=implementation)
+        model.to(device, dtype)
+        batch = ring.shard(ids, labels=ids) if implementation == hf_attention.RING else {"input_ids": ids,
+                                                                                       "labels": ids}
+        out = model(**batch)
+        out.loss.backward()
+        if implementation == hf_attention.RING:
+            ring.sum_gradients(model)
+            logits, loss = ring.gather_logits(out.logits), ring.full_loss(out.loss).item()
+        else:
+            logits, loss = out.logits, out.loss.item()
+        return {"logits": logits.detach().float(), "loss": loss,
+                "grads": {n: p.grad.float() for n, p in model.named_parameters()}}
+
+    exact = run("sdpa", torch.float32)
+    return {"sdpa_bf16": _errors(run("sdpa", torch.bfloat16), exact),
+            "ours_bf16": _errors(run(hf_attention.RING, torch.bfloat16), exact)}
+
+
+@pytest.mark.gpu
+def test_gpu_1b_ring_on_2_gpus_matches_sdpa_by_the_flash_rule(tmp_path):
+    """Ours in bf16 within twice sdpa's own bf16 error (against float32 sdpa) plus a floor of a bf16 ulp's order:
+    the rule of tests/ring_twins.py, here on the whole model (logits, loss, every gradient)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from weights import PRESETS
+
+    config = transformers.LlamaConfig.from_dict(PRESETS["llama3.2-1b"].to_hf_dict("float32"))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    per_rank = run_on_ranks(2, {"1b": ("case_gpu_1b", {"hf_dir": str(tmp_path), "seq_len": GPU_SEQ})},
+                            module=__name__, comm_backend="nccl", timeout=900)
+    floors = {"logits": 2e-2, "loss": 2e-3, "grads": 2e-2}
+    for results in _results(per_rank, "1b"):
+        for name, floor in floors.items():
+            ours, sdpa = results["ours_bf16"][name], results["sdpa_bf16"][name]
+            assert ours <= 2 * sdpa + floor, f"{name}: ours {ours:.3g}, sdpa bf16 {sdpa:.3g}"
