@@ -2,10 +2,13 @@
 registration with transformers' supported API, the mask they go with, and the helpers that shard a batch for the
 ring and put the loss, logits and gradients of the shards back together.
 
-    ring = register()                 # "twinflash" (one device) and "twinflash_ring" (the ring over the world)
-    model = LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="twinflash_ring")
+    ring = register()             # "twin_attention" (one device) and "twin_ring" (the ring over the world)
+    model = LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="twin_ring")
     loss = model(**ring.shard(tokens, labels=tokens)).loss      # this rank's share of the full-sequence loss
     loss.backward(); ring.sum_gradients(model)                  # every rank now holds the full loss's gradients
+
+The names hold no "flash": transformers 5 takes any implementation name containing it for a flash-attention kernel
+to fetch from its hub (`is_flash_attention_requested`), and fails to load the model.
 
 How transformers calls an attention implementation (4.53 to 5.x, read in their sources): each layer calls
 `fn(module, query, key, value, attention_mask, dropout=, scaling=, **kwargs)` with query [B, H, S, D] and key /
@@ -25,9 +28,8 @@ attention_mask with a zero), a prepared 4-D mask, sliding windows and mask overl
 earlier tokens (generation: these implementations compute whole sequences), and position_ids other than the
 layout's positions of this rank (packed documents, or a batch not sharded by `HFRing.shard`).
 
-The loss on shards: labels are shifted on the full sequence BEFORE it is sharded (`weights.training`'s next-token
-targets: the token before a shard boundary predicts the first token of the next shard, which lives on another
-rank), passed as HF's `shift_labels`, with `num_items_in_batch` the full batch's count of predicted tokens; HF's
+The loss on shards: labels are shifted on the full sequence BEFORE it is sharded (the token before a shard
+boundary predicts the first token of the next shard, which lives on another rank), passed as HF's `shift_labels`, with `num_items_in_batch` the full batch's count of predicted tokens; HF's
 loss on a rank is then its share of the full-sequence mean, and the shares sum to it over the ranks.
 
 transformers is not a dependency of the rest of torch_impl: this module is imported only by those who use it, and
@@ -85,7 +87,7 @@ class TwinflashMask:
 
 @dataclasses.dataclass(frozen=True)
 class HFRing:
-    """The ring `register` set up for "twinflash_ring", and the helpers that put a batch on it and back."""
+    """The ring `register` set up for "twin_ring", and the helpers that put a batch on it and back."""
     group: dist.ProcessGroup | None
     layout: str
     variant: str
@@ -189,10 +191,22 @@ def _first_layer_checks(mask: TwinflashMask, query: torch.Tensor, position_ids: 
         raise ValueError(f"{RING if ring is not None else ONE_DEVICE}: {_PROBLEMS[found[0]]}{where}")
 
 
-def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask, dropout: float = 0.0, scaling: float | None = None, *, ring: HFRing | None,
-               backend: str, **kwargs) -> tuple[torch.Tensor, None]:
-    """One layer's attention as transformers calls it (module docstring); `ring` None is "twinflash"."""
+class _Implementation:
+    """One layer's attention as transformers calls it (module docstring): "twin_ring" on `ring`, or
+    "twin_attention" where `ring` is None."""
+
+    def __init__(self, ring: HFRing | None, backend: str):
+        self.ring, self.backend = ring, backend
+
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+                 ) -> tuple[torch.Tensor, None]:
+        return _attention(module, query, key, value, attention_mask, dropout, scaling, self.ring, self.backend,
+                          kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, dropout, scaling, ring: HFRing | None, backend: str,
+               kwargs: dict) -> tuple[torch.Tensor, None]:
     name = RING if ring is not None else ONE_DEVICE
     if not isinstance(attention_mask, TwinflashMask):
         if attention_mask is None:
@@ -218,26 +232,15 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out, None
 
 
-class _Implementation:
-    """`_attention` bound to one implementation's settings, as transformers calls it."""
-
-    def __init__(self, ring: HFRing | None, backend: str):
-        self.ring, self.backend = ring, backend
-
-    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        return _attention(module, query, key, value, attention_mask, dropout, scaling, ring=self.ring,
-                          backend=self.backend, **kwargs)
-
-
 def attention_function(ring: HFRing | None = None, backend: str = "triton"):
-    """The attention function of "twinflash" (`ring` None) or of "twinflash_ring" on `ring`, for
+    """The attention function of "twin_attention" (`ring` None) or of "twin_ring" on `ring`, for
     `AttentionInterface.register`; it works only beside `twinflash_mask` registered under the same name."""
     return _Implementation(ring, backend)
 
 
 def register(*, group: dist.ProcessGroup | None = None, layout: str = "zigzag", variant: str = "ring",
              backend: str = "triton") -> HFRing:
-    """Registers "twinflash" (our `flash_attention`, one device) and "twinflash_ring" (our `ring_attention` over
+    """Registers "twin_attention" (our `flash_attention`, one device) and "twin_ring" (our `ring_attention` over
     `group`, default the world, on inputs sharded in `layout`) with transformers' AttentionInterface, and their
     mask function with AttentionMaskInterface; returns the ring's helpers. `backend` picks the kernels (a
     `torch_impl.kernels.flash_attention` backend: "triton", ours; "reference", plain math). A second call
