@@ -29,8 +29,9 @@ earlier tokens (generation: these implementations compute whole sequences), and 
 layout's positions of this rank (packed documents, or a batch not sharded by `HFRing.shard`).
 
 The loss on shards: labels are shifted on the full sequence BEFORE it is sharded (the token before a shard
-boundary predicts the first token of the next shard, which lives on another rank), passed as HF's `shift_labels`, with `num_items_in_batch` the full batch's count of predicted tokens; HF's
-loss on a rank is then its share of the full-sequence mean, and the shares sum to it over the ranks.
+boundary predicts the first token of the next shard, which lives on another rank), passed as HF's `shift_labels`,
+with `num_items_in_batch` the full batch's count of predicted tokens; HF's loss on a rank is then its share of the
+full-sequence mean, and the shares sum to it over the ranks.
 
 transformers is not a dependency of the rest of torch_impl: this module is imported only by those who use it, and
 `register` refuses an installed transformers outside TRANSFORMERS_RANGE with one line (the `hf` extra pins it).
