@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from compare.args import OneLineParser, integer, lengths, recorded_command, with_error_contract
+from compare.args import OneLineParser, integer, lengths, number, recorded_command, with_error_contract
 from compare.bench.common import default_out_path, write_json
 from compare.launch import Interrupted, interruptible, owned_process, torchrun_launcher
 from weights import BadInputError, ConvertedCheckpoint, convert_hf_checkpoint, export_hf_checkpoint, open_weights
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS["torch"], default="triton")
     parser.add_argument("--warmup", type=integer(1), default=2, help="untimed steps (the first compiles kernels)")
     parser.add_argument("--steps", type=integer(1), default=5, help="timed steps")
-    parser.add_argument("--launch-timeout-s", type=float, default=1800.0)
+    parser.add_argument("--launch-timeout-s", type=number(0, above=True), default=1800.0)
     parser.add_argument("--out", type=Path, help="JSON path (default out/hf-<date>-<gpu>.json)")
     parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
     return parser
