@@ -124,7 +124,7 @@ def ring_attention_fn(mesh: Mesh, *, backend: str = "pallas", variant: str = "ri
                          mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
 
-def sequence_parallel_fn(mesh: Mesh, *, scheme: str = "ring", ulysses_degree: int | None = None,
+def sequence_parallel_fn(mesh: Mesh, scheme: str = "ring", ulysses_degree: int | None = None, *,
                          backend: str = "pallas", variant: str = "ring") -> AttentionFn:
     """The model's attention function in `scheme` (`weights.sequence_parallel`) over the `sp` axis, on the same
     global q/k/v as `ring_attention_fn` (which the ring scheme is): `sequence_parallel_attention` in `jax.shard_map`

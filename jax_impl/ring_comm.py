@@ -10,10 +10,11 @@ schedules the collectives, so each returns its result).
       all_to_all(x, split_axis, concat_axis)  x split along `split_axis`, part j to rank j; the parts received
                                     concatenated along `concat_axis` in rank order (`jax_impl/ulysses.py`).
   MeshRing(axis_name, local_copies) the ring of a `jax.shard_map` mesh axis (jax.lax.ppermute / all_gather /
-                                    psum_scatter / all_to_all); rank is the traced `jax.lax.axis_index`. With `local_copies` every
-                                    collective becomes a local array of the same size (results wrong by design): the
-                                    benchmark's ring minus its communication, for measuring how much communication
-                                    the overlap leaves exposed (twin of the torch Ring's `local_copies`).
+                                    psum_scatter / all_to_all); rank is the traced `jax.lax.axis_index`. With
+                                    `local_copies` every collective becomes a local array of the same size (results
+                                    wrong by design): the benchmark's ring minus its communication, for measuring
+                                    how much communication the overlap leaves exposed (twin of the torch Ring's
+                                    `local_copies`).
 
 The schedule never asks which kind of ring it runs on, so any `Ring` runs it unchanged: the tests drive every rank's
 exact schedule on one device through a lockstep `Ring` (tests/ring_lockstep.py), which is how the interpreted Mosaic

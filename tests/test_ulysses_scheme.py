@@ -8,9 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from weights import preset
 from weights.attention import ring_bytes_sent
 from weights.errors import BadInputError
 from weights.layout import rank_positions
+from weights.parallel import MeshShape, step_comm_bytes
 from weights.sequence_parallel import (SchemeDegrees, check_heads, gathered_chunk_order, kv_head_slots,
                                        scheme_degrees, sequence_parallel_bytes_sent)
 
@@ -114,3 +116,22 @@ def test_hybrid_bytes_are_its_all_to_alls_plus_the_ring_of_the_groups_tokens():
     group_kv = 2 * 2 * (2 * 64) * (8 // 2) * 128  # K and V: the group's tokens, this device's KV heads
     ring = ring_bytes_sent(group_kv, 4, compute_bytes=2, variant="ring", backward=True)
     assert sequence_parallel_bytes_sent(degrees, variant="ring", backward=True, **SHAPES) == ulysses_only + ring
+
+
+@pytest.mark.parametrize("remat, exchange_forwards, ring_forwards", [("off", 1, 1), ("save-attention", 2, 1),
+                                                                     ("full", 2, 2)])
+def test_a_steps_attention_bytes_follow_the_scheme_and_the_checkpointing(remat, exchange_forwards, ring_forwards):
+    """`step_comm_bytes` of a hybrid step: every layer's call; checkpointing reruns the all-to-alls (the layer's
+    rerun needs the exchanged q/k/v and out) and, with "full", the ring's forward too."""
+    config = preset("llama3.2-1b")
+    mesh = MeshShape(fsdp=2, sp=4)
+    step = step_comm_bytes(config, seq_len=8192, batch=2, mesh=mesh, compute_bytes=2, train=True, remat=remat,
+                           parameter_gathers=1, gradient_bytes=4, sp_scheme="hybrid", ulysses_degree=2)
+    per_layer = sequence_parallel_bytes_sent(
+        scheme_degrees("hybrid", 4, 2), batch=1, local_tokens=2048, heads=config.num_heads,
+        kv_heads=config.num_kv_heads, head_dim=config.head_dim, compute_bytes=2, variant="ring", backward=True,
+        exchange_forwards=exchange_forwards, ring_forwards=ring_forwards)
+    assert step["attention"] == config.num_layers * per_layer
+    ring = step_comm_bytes(config, seq_len=8192, batch=2, mesh=mesh, compute_bytes=2, train=True, remat=remat,
+                           parameter_gathers=1, gradient_bytes=4)
+    assert ring["parameters"] == step["parameters"] and ring["attention"] != step["attention"]

@@ -29,6 +29,8 @@ from torch_impl.ring_attention import gather_from_ring, shard_for_ring
 from torch_impl.ring_comm import CommLog
 from torch_impl.ulysses import sequence_parallel_attention, sequence_parallel_groups
 from ulysses_twins import FOUR_DEVICES, NEGATIVE_CONTROL, OUR_KERNELS_BF16, TWO_DEVICES, SchemeCase, ids
+from weights.layout import gather_sequence
+from weights.parallel import MeshShape
 from weights.sequence_parallel import scheme_degrees, sequence_parallel_bytes_sent
 
 
@@ -51,6 +53,21 @@ def case_scheme(rank, world, *, case: SchemeCase, backend="reference", device="c
                                            variant=attention.variant, return_lse=True, backend=backend)
     out.backward(dout)
     return {name: _numpy(t) for name, t in zip(NAMES, (out, lse, q.grad, k.grad, v.grad))}
+
+
+def case_training_fn(rank, world, *, case: SchemeCase, mesh: str):
+    """`case_scheme` through the training's attention function (`torch_impl.parallel.sequence_parallel_fn` on an
+    (fsdp, sp) DeviceMesh): each sp group runs the case on its own."""
+    from torch_impl.parallel import make_mesh, sequence_parallel_fn
+
+    device_mesh = make_mesh(MeshShape.parse(mesh), "cpu")
+    attention_fn = sequence_parallel_fn(device_mesh, case.scheme, case.ulysses_degree, backend="reference")
+    q, k, v, dout = (shard_for_ring(x, device_mesh["sp"].get_group(), case.attention.layout)
+                     for x in _inputs(case.attention, "cpu"))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = attention_fn(q, k, v)
+    out.backward(dout)
+    return {name: _numpy(t) for name, t in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad))}
 
 
 def case_negative_control(rank, world, *, wrong: str):
@@ -136,7 +153,12 @@ ERRORS = {
     "hybrid-kv-heads": ("case_expect_error", dict(scheme="hybrid", ulysses_degree=2, heads=6, kv_heads=3)),
     "hybrid-degree": ("case_expect_error", dict(scheme="hybrid", ulysses_degree=4, heads=4, kv_heads=4)),
 }
+TRAINING_FN = {  # (mesh, case): the training's attention function; the sp groups of fsdp=2 x sp=2 are {0, 1}, {2, 3}
+    "training-fn-hybrid": ("fsdp=1,sp=4", SchemeCase("hybrid", 2, RingCase(4, True, "zigzag", "ring", kv_heads=1))),
+    "training-fn-ulysses": ("fsdp=2,sp=2", SchemeCase("ulysses", 2, RingCase(2, True, "zigzag", "ring", kv_heads=1))),
+}
 OTHER = {**VOLUME, **ERRORS,
+         **{name: ("case_training_fn", dict(mesh=mesh, case=case)) for name, (mesh, case) in TRAINING_FN.items()},
          **{f"negative-{wrong}": ("case_negative_control", dict(wrong=wrong)) for wrong in ("token-order", "kv-heads")},
          **{f"layer-{scheme}": ("case_end_to_end", dict(scheme=scheme, ulysses_degree=degree))
             for scheme, degree in (("ulysses", 4), ("hybrid", 2))}}
@@ -220,6 +242,21 @@ def test_layer_gradients_end_to_end(p4, scheme):
         np.testing.assert_allclose(results[name]["y"], _numpy(y), **FP32_TOL, err_msg=f"rank {rank} y")
         for i, (got, want) in enumerate(zip(results[name]["grads"], expected)):
             np.testing.assert_allclose(got, want, **FP32_TOL, err_msg=f"rank {rank} grad {i}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TRAINING_FN))
+def test_training_attention_fn_matches_single_device(p4, name):
+    """`sequence_parallel_fn` on the training's DeviceMesh: the scheme over each sp group, the hybrid's subgroups
+    made by the sp ranks (out and gradients; the model's attention function returns no lse)."""
+    mesh, case = TRAINING_FN[name]
+    expected = _single_device_fp32(case.attention)
+    sp = MeshShape.parse(mesh).sp
+    for ranks in (range(r, r + sp) for r in range(0, 4, sp)):
+        _check_no_errors([p4[r] for r in ranks], name)
+        for key in ("out", "dq", "dk", "dv"):
+            got = gather_sequence([p4[r][name][key] for r in ranks], case.attention.layout, axis=1)
+            np.testing.assert_allclose(got, expected[key], **FP32_TOL, err_msg=f"ranks {list(ranks)} {key}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

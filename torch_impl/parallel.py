@@ -84,7 +84,7 @@ def ring_attention_fn(mesh: DeviceMesh, *, backend: str = "triton", variant: str
                              variant=variant, backend=backend, check_ranks=False, compile_merge=compile_merge)
 
 
-def sequence_parallel_fn(mesh: DeviceMesh, *, scheme: str = "ring", ulysses_degree: int | None = None,
+def sequence_parallel_fn(mesh: DeviceMesh, scheme: str = "ring", ulysses_degree: int | None = None, *,
                          backend: str = "triton", variant: str = "ring", compile_merge: bool = False) -> AttentionFn:
     """The model's attention function in `scheme` (`weights.sequence_parallel`) over the `sp` sub-group, on the same
     local q/k/v as `ring_attention_fn` (which the ring scheme is): `sequence_parallel_attention` over the groups of
