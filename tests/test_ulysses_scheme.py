@@ -56,7 +56,7 @@ def test_each_device_receives_the_kv_heads_its_query_heads_read(heads, kv_heads,
     ("tree", 4, None, "must be one of ring, ulysses, hybrid, got 'tree'"),
     ("hybrid", 4, None, "needs its Ulysses degree U"),
     ("hybrid", 8, 3, r"degree 3 over sp=8 must divide sp and lie strictly between 1 and sp \(one of 2, 4\)"),
-    ("hybrid", 2, 2, r"sp=2 has none: run --sp-scheme ring or ulysses"),
+    ("hybrid", 2, 2, r"sp=2 has none: take the ring or the ulysses scheme"),
     ("ulysses", 4, 2, "the ulysses scheme over sp=4 has Ulysses degree 4, got 2"),
     ("ring", 4, 2, "the ring scheme over sp=4 has Ulysses degree 1, got 2"),
 ])

@@ -78,14 +78,14 @@ def scheme_degrees(scheme: str, sp: int, ulysses_degree: int | None = None) -> S
     if fixed is not None:
         if ulysses_degree not in (None, fixed):
             raise BadInputError(f"the {scheme} scheme over sp={sp} has Ulysses degree {fixed}, got {ulysses_degree} "
-                                "(a degree between: --sp-scheme hybrid)")
+                                "(a degree in between is the hybrid scheme's)")
         return SchemeDegrees(scheme, fixed, sp // fixed)
     if ulysses_degree is None:
         raise BadInputError("the hybrid scheme needs its Ulysses degree U (--ulysses-degree)")
     divisors = [u for u in range(2, sp) if sp % u == 0]
     if ulysses_degree not in divisors:
         works = (f"one of {', '.join(map(str, divisors))}" if divisors else
-                 f"sp={sp} has none: run --sp-scheme ring or ulysses")
+                 f"sp={sp} has none: take the ring or the ulysses scheme")
         raise BadInputError(f"hybrid Ulysses degree {ulysses_degree} over sp={sp} must divide sp and lie strictly "
                             f"between 1 and sp ({works})")
     return SchemeDegrees(scheme, ulysses_degree, sp // ulysses_degree)
