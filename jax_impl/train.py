@@ -78,7 +78,7 @@ from jax_impl import checkpointing
 from jax_impl.attention import AttentionFn
 from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, stack_layers, unstack_layers
 from jax_impl.parallel import (make_mesh, mesh_shape, overlap_compiler_options, parameter_shardings, put_sharded,
-                               ring_attention_fn, sharded_batch)
+                               sequence_parallel_fn, sharded_batch)
 from jax_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_for_backward
@@ -155,13 +155,13 @@ class StepSpec:
     ring_variant: str
     loss_chunk_tokens: int
     optimizer: OptimizerConfig
-    # the decoder layers' linears in FP8 (`convert_to_fp8`, weights/fp8.py's recipe)
-    fp8: bool = False
+    fp8: bool = False  # the decoder layers' linears in FP8 (`convert_to_fp8`, weights/fp8.py's recipe)
     # a LAYER_WEIGHTS key: where a checkpointed step makes the layers' compute weights (the other keys are the
     # structures issue 19 replaced: tests/test_train_memory.py's negative controls)
     layer_weights: str = "in-layer"
     # a step whose loss or grad norm is not finite returns the state it was given (--skip-non-finite-steps)
     skip_non_finite: bool = False
+    sp_scheme: tuple[str, int | None] = ("ring", None)  # (--sp-scheme, --ulysses-degree) of sequence_parallel_fn
     # XLA options the step is compiled with (`jax_impl.parallel.overlap_compiler_options`): (name, value) pairs
     compiler_options: tuple[tuple[str, bool], ...] = ()
     # a hashable callable that wraps the model's attention function (`fn -> fn`): the harness's hook for its
@@ -192,7 +192,8 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
         copy = structure == "stacked-copy"
         weights = {name: (p.astype(dtype) if copy else p) if is_stacked(name) else compute(p)
                    for name, p in params.items()}
-    attention = ring_attention_fn(spec.mesh, backend=spec.attention_backend, variant=spec.ring_variant)
+    attention = sequence_parallel_fn(spec.mesh, *spec.sp_scheme, backend=spec.attention_backend,
+                                     variant=spec.ring_variant)
     if spec.attention_wrapper is not None:
         attention = spec.attention_wrapper(attention)
     llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer)
@@ -433,12 +434,12 @@ def step_spec(settings: TrainSettings, config: LlamaConfig, mesh: Mesh) -> StepS
                     attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
                     loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
                     optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps,
+                    sp_scheme=(settings.sp_scheme, settings.ulysses_degree),
                     compiler_options=overlap_compiler_options(mesh.devices.flat[0].platform, settings.xla_overlap,
                                                               os.environ.get("XLA_FLAGS", "")))
 
 
-def _print_to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+_print_to_stderr = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,

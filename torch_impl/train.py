@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from torch_impl import checkpointing
 from torch_impl.model import DTYPES, Llama, convert_to_fp8
-from torch_impl.parallel import load_local_shards, local_batch, make_mesh, ring_attention_fn, shard_model
+from torch_impl.parallel import load_local_shards, local_batch, make_mesh, sequence_parallel_fn, shard_model
 from torch_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, RandomWeights, open_weights
 from weights.fp8 import fallback_line, fp8_linears
@@ -392,9 +392,11 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
     source = open_weights(settings.model, settings.seed)
     config = source.config
     fast = device.type == "cuda" and not settings.eager  # inductor and fused kernels: GPUs only
+    attention = sequence_parallel_fn(mesh, settings.sp_scheme, settings.ulysses_degree,  # the sp ranks together
+                                     backend=settings.attention_backend, variant=settings.ring_variant,
+                                     compile_merge=fast)
     with torch.device("meta"):
-        llama = Llama(config, ring_attention_fn(mesh, backend=settings.attention_backend,
-                                                variant=settings.ring_variant, compile_merge=fast))
+        llama = Llama(config, attention)
     if settings.fp8:  # before FSDP, which then shards and gathers the Float8Linears' plain weights
         convert_to_fp8(llama, fp8_linears(config)[0])
         if dist.get_rank() == 0 and fallback_line(config) is not None:

@@ -28,6 +28,8 @@ class TrainSettings:
                    preset weights
     attention_backend, ring_variant   kernel of each ring step ("triton"/"pallas" or "reference") and ring
                    algorithm ("ring" or "allgather")
+    sp_scheme, ulysses_degree  the sequence-parallel scheme over sp ("ring", "ulysses" or "hybrid") and the hybrid's
+                   Ulysses degree (weights/sequence_parallel.py)
     loss_chunk_tokens  positions per logits chunk of the loss (None: 256 Mi logits per chunk)
     ckpt_dir, ckpt_every, keep, resume  checkpoints: every N steps and at the end of the run, the last K kept,
                    --resume continues from the latest one
@@ -58,6 +60,8 @@ class TrainSettings:
     activation_checkpointing: str = "off"  # a weights.parallel.REMAT_MODES key
     attention_backend: str = "triton"
     ring_variant: str = "ring"
+    sp_scheme: str = "ring"
+    ulysses_degree: int | None = None
     loss_chunk_tokens: int | None = None
     ckpt_dir: Path | None = None
     ckpt_every: int | None = None

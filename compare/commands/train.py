@@ -26,8 +26,8 @@ backward, halved by the mask). MFU = model FLOPs per second / (`weights.flops.PE
 989 TFLOP/s, the dense bf16 peak of an H100/H200 SXM.
 
 Bad input (mesh not matching the device count, a sequence length the layout cannot take, a batch the fsdp axis
-cannot split, an incompatible checkpoint, outputs that exist) is refused before any process starts: one line,
-exit 2, nothing written.
+cannot split, an sp scheme the mesh or the heads cannot take, an incompatible checkpoint, outputs that exist) is
+refused before any process starts: one line, exit 2, nothing written.
 
 Interruption (`compare/launch.py`'s process model): SIGINT or SIGTERM to this command stops every process of the
 run and prints `twinflash: interrupted at step N; last checkpoint: PATH` (N: the steps done, PATH: the newest
@@ -61,6 +61,7 @@ from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
 from weights.flops import PEAK_FLOPS_PER_DEVICE, model_flops_per_token
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig, default_optimizer, defaults_help
+from weights.sequence_parallel import SCHEMES, check_heads, scheme_degrees
 from weights.settings import TrainSettings
 from weights.training import (ATTENTION_BACKENDS, BACKENDS, check_attention_backend, check_batch_shape,
                               checkpoint_to_resume, run_metadata)
@@ -107,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{backend}: {', '.join(names)}" for backend, names in ATTENTION_BACKENDS.items())
                         + "; default ours, the first")
     parser.add_argument("--ring-variant", choices=("ring", "allgather"), default="ring")
+    parser.add_argument("--sp-scheme", choices=SCHEMES, default="ring", help="sequence parallelism over sp: ring, "
+                        "ulysses (all-to-all of the heads) or hybrid (Ulysses in groups of --ulysses-degree, a ring)")
+    parser.add_argument("--ulysses-degree", type=integer(1), help="hybrid: adjacent devices per all-to-all")
     parser.add_argument("--loss-chunk-tokens", type=integer(1), help="positions per logits chunk of the loss")
     parser.add_argument("--ckpt-dir", type=Path, help="checkpoint directory (created, with its parents)")
     parser.add_argument("--ckpt-every", type=integer(1), help="steps between checkpoints (always one at the end)")
@@ -150,7 +154,8 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
         batch=args.batch or mesh.fsdp, dtype=args.dtype, fp8=args.fp8, data=args.data, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing,
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
-        ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
+        ring_variant=args.ring_variant, sp_scheme=args.sp_scheme, ulysses_degree=args.ulysses_degree,
+        loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
         ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume, stop_at=args.stop_at, out=args.out,
         export_dir=args.export_dir, plan_memory=args.plan_memory, eager=args.eager,
         profile=args.profile, skip_non_finite_steps=args.skip_non_finite_steps, xla_overlap=args.xla_overlap)
@@ -201,10 +206,14 @@ def _checkpointing(backend: str):
 
 def check_shape(settings: TrainSettings, device_count: int) -> LlamaConfig:
     """The model's config, after the checks that need neither data nor checkpoints: mesh vs devices, batch and
-    sequence length vs mesh and layout, model name (all a --plan-memory run needs)."""
+    sequence length vs mesh and layout, the sp scheme vs mesh and heads, model name (all a --plan-memory run
+    needs)."""
     settings.mesh.check_devices(device_count)
     check_batch_shape(settings.batch, settings.seq_len, settings.mesh)
-    return open_weights(settings.model, settings.seed).config
+    degrees = scheme_degrees(settings.sp_scheme, settings.mesh.sp, settings.ulysses_degree)
+    config = open_weights(settings.model, settings.seed).config
+    check_heads(degrees.ulysses, config.num_heads, config.num_kv_heads)
+    return config
 
 
 def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool = True, checksums: bool = True
