@@ -8,6 +8,9 @@ Sq > Sk) gets output 0 and log-sum-exp -inf; that row is found from the mask, ne
 in q, k or v always reaches the output. lse is [B, H, Sq], float32, natural log of the softmax
 denominator of the scaled scores.
 
+Packed documents (`weights/documents.py`): `reference_attention` takes segment ids, the pair functions the key
+spans they become (`jax_impl/documents.py`); a pair masks by them, intersected with the causal rule.
+
 The model calls an `AttentionFn`: `fn(q, k, v) -> out`, causal, default scale 1/sqrt(D), output in q's
 dtype. The kernel and ring modules provide drop-in replacements with that signature.
 """
@@ -20,33 +23,42 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jax_impl.documents import Spans, checked_segment_ids, document_spans, visible_keys
+
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def _grouped_scores(q: jax.Array, k: jax.Array, softmax_scale: float, causal: bool) -> jax.Array:
+def _visible(sq: int, sk: int, causal: bool, spans: Spans | None) -> jax.Array | None:
+    """bool mask broadcastable to the scores [B, Hkv, G, Sq, Sk] (None: every pair attends): the causal rule
+    and/or the documents' key spans."""
+    visible = None
+    if causal:
+        visible = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
+    if spans is not None:
+        in_span = visible_keys(spans, sk)[:, None, None]
+        visible = in_span if visible is None else in_span & visible
+    return visible
+
+
+def _grouped_scores(q: jax.Array, k: jax.Array, softmax_scale: float, visible: jax.Array | None) -> jax.Array:
     """Scaled scores [B, Hkv, G, Sq, Sk] with masked entries at -inf."""
     b, sq, h, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, sq, hkv, h // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k) * jnp.asarray(softmax_scale, q.dtype)
-    if causal:
-        sk = k.shape[1]
-        visible = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq)
-        scores = jnp.where(visible, scores, -jnp.inf)
-    return scores
+    return scores if visible is None else jnp.where(visible, scores, -jnp.inf)
 
 
-def _rows_with_a_key(sq: int, sk: int, causal: bool) -> jax.Array:
-    """bool [Sq, 1]: the queries that see at least one key. Their softmax rows are computed as they are, so a NaN
-    in the inputs reaches the output; only the other rows are set to 0 and -inf."""
-    rows = jnp.arange(sq)[:, None]
-    return rows + (sk - sq) >= 0 if causal else jnp.full(rows.shape, sk > 0)
+def _rows_with_a_key(visible: jax.Array | None) -> jax.Array:
+    """bool [..., Sq, 1]: the queries that see at least one key, found from the mask. Their softmax rows are
+    computed as they are, so a NaN in the inputs reaches the output; only the other rows are set to 0 and -inf."""
+    return jnp.array(True) if visible is None else jnp.any(visible, axis=-1, keepdims=True)
 
 
-def _softmax_with_lse(scores: jax.Array, causal: bool) -> tuple[jax.Array, jax.Array]:
+def _softmax_with_lse(scores: jax.Array, visible: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """float32 (probs, lse); rows with no visible key get probs 0 and lse -inf."""
     scores = scores.astype(jnp.float32)
-    sees = _rows_with_a_key(scores.shape[-2], scores.shape[-1], causal)
+    sees = _rows_with_a_key(visible)
     # the inner wheres keep a row without keys finite, so that its (unused) gradient is 0, not NaN
     row_max = jnp.where(sees, jnp.max(scores, axis=-1, keepdims=True), 0.0)
     exp = jnp.exp(scores - row_max)
@@ -57,17 +69,19 @@ def _softmax_with_lse(scores: jax.Array, causal: bool) -> tuple[jax.Array, jax.A
 
 
 def reference_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale: float,
-                                out_dtype=None) -> tuple[jax.Array, jax.Array]:
-    """Pair-level forward computed in float32: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq])."""
+                                out_dtype=None, spans: Spans | None = None) -> tuple[jax.Array, jax.Array]:
+    """Pair-level forward computed in float32: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq]).
+    `spans`: the documents' key spans (`jax_impl.documents`), intersected with the causal rule when causal."""
     b, sq, h, d = q.shape
-    scores = _grouped_scores(q.astype(jnp.float32), k.astype(jnp.float32), softmax_scale, causal)
-    probs, lse = _softmax_with_lse(scores, causal)
+    visible = _visible(sq, k.shape[1], causal, spans)
+    scores = _grouped_scores(q.astype(jnp.float32), k.astype(jnp.float32), softmax_scale, visible)
+    probs, lse = _softmax_with_lse(scores, visible)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32)).reshape(b, sq, h, d)
     return out.astype(out_dtype or q.dtype), lse.reshape(b, h, sq)
 
 
 def reference_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
-                                 lse: jax.Array, *, causal: bool, softmax_scale: float
+                                 lse: jax.Array, *, causal: bool, softmax_scale: float, spans: Spans | None = None
                                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pair-level backward in float32 from (possibly globally merged) out and lse: (dq, dk, dv), float32.
 
@@ -78,9 +92,10 @@ def reference_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v:
     hkv = k.shape[2]
     g = h // hkv
     f32 = jnp.float32
-    scores = _grouped_scores(q.astype(f32), k.astype(f32), softmax_scale, causal)
+    visible = _visible(sq, k.shape[1], causal, spans)
+    scores = _grouped_scores(q.astype(f32), k.astype(f32), softmax_scale, visible)
     lse_g = lse.astype(f32).reshape(b, hkv, g, sq)[..., None]
-    sees = _rows_with_a_key(sq, k.shape[1], causal)
+    sees = _rows_with_a_key(visible)
     probs = jnp.where(sees, jnp.exp(scores - jnp.where(sees, lse_g, 0.0)), 0.0)
     dout_g = dout.astype(f32).reshape(b, sq, hkv, g, d)
     delta = jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1).transpose(0, 2, 1).reshape(b, hkv, g, sq)
@@ -93,13 +108,20 @@ def reference_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v:
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                        softmax_scale: float | None = None, return_lse: bool = False):
+                        softmax_scale: float | None = None, return_lse: bool = False, segment_ids=None):
     """Naive attention in q's dtype (matmuls in that dtype, softmax in float32, as HF's eager attention);
     differentiable through ordinary autodiff. This is the "naive same-dtype implementation" of the kernel
-    tests' error rule and the model's default attention."""
+    tests' error rule and the model's default attention. `segment_ids` [B, S] (self-attention, Sq == Sk): packed
+    documents (`weights/documents.py`), each attending only to itself."""
     b, sq, h, d = q.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    probs, lse = _softmax_with_lse(_grouped_scores(q, k, scale, causal), causal)
+    spans = None
+    if segment_ids is not None:
+        if k.shape[1] != sq:
+            raise ValueError(f"segment_ids need self-attention (Sq == Sk), got Sq={sq}, Sk={k.shape[1]}")
+        spans = document_spans(checked_segment_ids(segment_ids, b, sq), causal=causal)
+    visible = _visible(sq, k.shape[1], causal, spans)
+    probs, lse = _softmax_with_lse(_grouped_scores(q, k, scale, visible), visible)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(q.dtype), v).reshape(b, sq, h, d)
     if return_lse:
         return out, lse.reshape(b, h, sq)

@@ -13,7 +13,7 @@ from weights.parallel import MESH_AXES, MeshShape, parameter_shard_axes, paramet
 from weights.schedule import OptimizerConfig
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_layout_partitions_the_sequence(layout, world):
     seq_len = 48
@@ -28,6 +28,7 @@ def test_layout_partitions_the_sequence(layout, world):
 def test_zigzag_pairs_early_and_late_chunks():
     assert rank_positions(16, 4, 0, "zigzag").tolist() == [0, 1, 14, 15]
     assert rank_positions(16, 4, 3, "zigzag").tolist() == [6, 7, 8, 9]
+    assert rank_positions(12, 4, 1, "striped").tolist() == [1, 5, 9]
     # causal work per rank (sum of visible keys) is balanced in zigzag, not in contiguous
     work = {layout: [int((rank_positions(64, 4, r, layout) + 1).sum()) for r in range(4)]
             for layout in ("zigzag", "contiguous")}
@@ -44,7 +45,7 @@ def test_unsplittable_lengths_name_the_lengths_that_work():
     with pytest.raises(LayoutError, match="multiple of 8 .e.g. 96 or 104"):
         rank_positions(100, 4, 0, "zigzag")
     with pytest.raises(LayoutError, match="unknown layout"):
-        rank_positions(8, 2, 0, "striped")
+        rank_positions(8, 2, 0, "diagonal")
 
 
 def test_mesh_parsing_and_device_check():

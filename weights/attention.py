@@ -25,7 +25,8 @@ import dataclasses
 from weights.layout import LAYOUTS, LayoutError, check_split
 
 VARIANTS = ("ring", "allgather")
-SOURCES = ("same", "earlier", "later")  # the rank a ring step's K/V block comes from, against the local rank
+SOURCES = ("same", "earlier", "later")
+BLOCK_LAYOUTS = ("contiguous", "zigzag")  # the layouts whose steps `ring_block` tells as slices  # the rank a ring step's K/V block comes from, against the local rank
 FLOAT32_BYTES = 4  # the ring's dK/dV accumulators travel in float32 whatever the compute dtype
 
 
@@ -108,6 +109,9 @@ def source_of(rank: int, source: int) -> str:
 def ring_block(causal: bool, layout: str, source: str, local_len: int) -> RingBlock | None:
     """The work of the local queries against a K/V block from the "same", an "earlier" or a "later" rank (the
     table in the module docstring); None when the mask hides all of it."""
+    if layout not in BLOCK_LAYOUTS:
+        raise ValueError(f"ring_block covers the {' and '.join(BLOCK_LAYOUTS)} layouts; {layout!r} runs on key spans "
+                         "(weights/documents.py)")
     if not causal:
         return RingBlock(ALL, ALL, False)
     if source == "same":

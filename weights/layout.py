@@ -6,6 +6,10 @@ Layouts:
   zigzag      the sequence in 2P equal chunks; rank r holds chunk r followed by chunk 2P-1-r. Under a causal mask
               every rank then does the same amount of work (an early chunk paired with a late one), which is why
               it is the default for causal attention.
+  striped     rank r holds positions r, r + P, r + 2P, ... (Striped Attention, Brandon et al. 2023): every
+              document of packed sequences is split evenly over the ranks, so their work stays equal for any
+              document lengths, where zigzag's does not (`weights/documents.py`); the rings run it through the
+              document kernels (a sequence without documents is one document).
 
 A rank's local tokens are always in increasing position order, so causal masking inside one rank's block is the
 ordinary lower-triangular mask. Lengths that do not split evenly are refused with a message naming the lengths
@@ -18,7 +22,7 @@ import numpy as np
 
 from weights.errors import BadInputError
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
 class LayoutError(BadInputError):
@@ -51,6 +55,8 @@ def rank_positions(seq_len: int, world: int, rank: int, layout: str) -> np.ndarr
     if layout == "contiguous":
         local = seq_len // world
         return np.arange(rank * local, (rank + 1) * local, dtype=np.int64)
+    if layout == "striped":
+        return np.arange(rank, seq_len, world, dtype=np.int64)
     chunk = seq_len // (2 * world)
     first = np.arange(rank * chunk, (rank + 1) * chunk, dtype=np.int64)
     second_start = (2 * world - 1 - rank) * chunk
@@ -59,7 +65,8 @@ def rank_positions(seq_len: int, world: int, rank: int, layout: str) -> np.ndarr
 
 def position_runs(seq_len: int, world: int, rank: int, layout: str) -> tuple[tuple[slice, int], ...]:
     """(local rows, end position + 1) of each run of consecutive positions among rank `rank`'s tokens: one run for
-    contiguous, two for zigzag. An all-gathered ring computes each run against the key prefix up to its end."""
+    contiguous, two for zigzag, one per token for striped (which the rings run on key spans instead). An
+    all-gathered ring computes each run against the key prefix up to its end."""
     positions = rank_positions(seq_len, world, rank, layout)
     breaks = np.flatnonzero(np.diff(positions) != 1) + 1
     starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [positions.size]])

@@ -28,6 +28,11 @@ Backends (`backend=`, `weights.training.ATTENTION_BACKENDS["jax"]`):
     the input dtype and returns bf16/fp16 outputs and gradients, so fp32 out/gradients requested by the
     pair contract are exact casts of half-precision results (the ring accumulates them with that rounding).
 
+Packed documents (`weights/documents.py`): `flash_attention(..., segment_ids=)` turns them into key spans
+(`jax_impl/documents.py`, traceable), which the pair functions take as `spans=` (the ring's per-step spans); the
+portable kernels and "reference" take them, "pallas" then runs the portable family, every other backend refuses
+them with one ValueError naming those that take them (the Mosaic kernels have no span path yet).
+
 Block sizes (`config=`, every entry point): those of the Pallas kernel family serving the call, a `PortableConfig`
 or a `HopperConfig` (the other family's is a ValueError naming both, and so is any config for "reference" and
 "cudnn"); None picks the family's heuristic (`portable.config.default_config`, `hopper.config.default_config`: for
@@ -54,6 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_impl.attention import reference_attention_backward, reference_attention_forward
+from jax_impl.documents import Spans, causally_limited, checked_segment_ids, document_spans
 from jax_impl.kernels.hopper.backward import hopper_backward
 from jax_impl.kernels.hopper import config as hopper_config
 from jax_impl.kernels.hopper.config import HopperConfig, hopper_unsupported, smem_limit
@@ -73,6 +79,7 @@ BACKENDS = ATTENTION_BACKENDS["jax"]
 # its retuned blocks (2026-11-21, non-causal, Hkv=8, where Mosaic runs 410).
 HOPPER_DEFAULT_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+DOCUMENT_BACKENDS = ("pallas", "pallas_portable", "reference")  # those that take documents (`_check_spans`)
 MAX_HEAD_DIM = 256
 
 
@@ -86,10 +93,10 @@ def _on_hopper() -> bool:
     return jax.default_backend() == "gpu" and getattr(device, "compute_capability", None) == "9.0"
 
 
-def _uses_hopper(backend: str, q) -> bool:
+def _uses_hopper(backend: str, q, documents: bool = False) -> bool:
     """Which Pallas kernel family serves this call: True for the Hopper family (Mosaic GPU), False for the portable
-    one (Triton lowering)."""
-    if backend == "pallas_portable":
+    one (Triton lowering), which alone takes documents."""
+    if backend == "pallas_portable" or (documents and backend == "pallas"):
         return False
     unsupported = hopper_unsupported(q, q.shape[3])
     if backend == "pallas_hopper":
@@ -110,18 +117,19 @@ def _uses_hopper(backend: str, q) -> bool:
     return q.shape[3] in HOPPER_DEFAULT_HEAD_DIMS
 
 
-def runs_hopper_kernels(backend: str, q) -> bool:
+def runs_hopper_kernels(backend: str, q, documents: bool = False) -> bool:
     """Whether the Hopper family (Mosaic GPU kernels) serves `backend`'s calls on inputs like q (the ring then runs
     its blocks in as few kernel shapes as it can: `ring_attention._kernel_pieces`)."""
-    return backend in ("pallas", "pallas_hopper") and _uses_hopper(backend, q)
+    return backend in ("pallas", "pallas_hopper") and _uses_hopper(backend, q, documents)
 
 
-def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None) -> PortableConfig | HopperConfig:
+def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None,
+                   documents: bool = False) -> PortableConfig | HopperConfig:
     """The config of the Pallas kernel family serving this call (a `HopperConfig` for the Hopper family, else a
     `PortableConfig`): `config` if given, else the family's heuristic for q's head dim and dtype, and for the Hopper
     family the forward's out dtype (None: q's; the ring's fp32 partials take more shared memory) and the device's
     shared memory."""
-    uses_hopper = _uses_hopper(backend, q)
+    uses_hopper = _uses_hopper(backend, q, documents)
     if config is None:
         return (hopper_config.default_config(q.shape[3], dtype=q.dtype, out_dtype=out_dtype,
                                              limit=smem_limit(interpret)) if uses_hopper
@@ -160,6 +168,29 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be a positive Python number or None, got {softmax_scale!r}")
     return float(softmax_scale)
+
+
+def _check_spans(spans, q, backend: str) -> None:
+    """Documents' key spans (`jax_impl.documents.Spans`, int32 [B, Sq] each) and a backend that takes them: the
+    portable family (also through "pallas") and the reference."""
+    if spans is None:
+        return
+    if backend not in DOCUMENT_BACKENDS:
+        raise ValueError(f"backend {backend!r} does not take documents; the portable family does (backend "
+                         f"'pallas_portable', or 'pallas', which then runs it), and so does 'reference'")
+    if not isinstance(spans, Spans):
+        raise ValueError(f"spans must be a jax_impl.documents.Spans, got {type(spans).__name__}")
+    for name, x in zip(spans._fields, spans):
+        if getattr(x, "dtype", None) != jnp.int32 or tuple(x.shape) != tuple(q.shape[:2]):
+            got = f"{x.dtype} {tuple(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+            raise ValueError(f"spans.{name} must be an int32 array [B, Sq] = {tuple(q.shape[:2])}, got {got}")
+
+
+def _document_mask(causal: bool, spans, seq_k: int):
+    """(causal, spans) as the kernels take them: with documents, the causal rule folded into the spans."""
+    if spans is None or not causal:
+        return causal, spans
+    return False, causally_limited(spans, seq_k)
 
 
 def _check_causal(causal) -> bool:
@@ -235,77 +266,84 @@ def _cudnn_backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
 # --- pair-level API ---------------------------------------------------------------------------------------------
 
 def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale=None,
-                            out_dtype=None, backend: str = "pallas", config: PortableConfig | HopperConfig | None = None
-                            ) -> tuple[jax.Array, jax.Array]:
+                            out_dtype=None, backend: str = "pallas", config: PortableConfig | HopperConfig | None = None,
+                            spans: Spans | None = None) -> tuple[jax.Array, jax.Array]:
     """One attention pair's forward: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq] float32).
     `softmax_scale=None` means 1/sqrt(D). Not differentiable itself: pair it with `flash_attention_backward`.
-    `config`: the Pallas kernels' block sizes, None for the heuristic (module doc)."""
+    `config`: the Pallas kernels' block sizes, None for the heuristic (module doc). `spans`: the documents' key
+    spans of the pair (`jax_impl.documents`), intersected with the causal rule when `causal`."""
     _check_backend(backend, config)
     _validate_qkv(q, k, v)
-    causal = _check_causal(causal)
+    _check_spans(spans, q, backend)
+    causal, spans = _document_mask(_check_causal(causal), spans, k.shape[1])
     scale = _resolve_scale(softmax_scale, q.shape[3])
     out_dtype = _resolve_out_dtype(out_dtype, q.dtype)
     if backend == "reference":
-        return reference_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+        return reference_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype,
+                                           spans=spans)
     if backend == "cudnn":
         return _cudnn_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
     interpret = _interpret()
-    config = _pallas_config(backend, q, config, interpret=interpret, out_dtype=out_dtype)
+    config = _pallas_config(backend, q, config, interpret=interpret, out_dtype=out_dtype,
+                            documents=spans is not None)
     if isinstance(config, HopperConfig):
         return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config,
                               interpret=interpret)
     return portable_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config.forward,
-                            interpret=interpret)
+                            interpret=interpret, spans=spans)
 
 
 def flash_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
                              lse: jax.Array, *, causal: bool, softmax_scale=None, backend: str = "pallas",
-                             config: PortableConfig | HopperConfig | None = None
+                             config: PortableConfig | HopperConfig | None = None, spans: Spans | None = None
                              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One attention pair's backward: (dq, dk, dv) in float32, shaped like q, k, v (dk/dv per KV head).
 
     `out` and `lse` may be the globally merged ones of a ring step (any float dtype): delta = rowsum(dout*out)
     is computed from the given out, and P = exp(S - lse) is then this pair's share of the global softmax.
-    `config`: the Pallas kernels' block sizes, None for the heuristic (module doc).
+    `config` and `spans` as for `flash_attention_forward`.
     """
     _check_backend(backend, config)
     _validate_qkv(q, k, v)
     _validate_backward_inputs(dout, q, out, lse)
-    causal = _check_causal(causal)
+    _check_spans(spans, q, backend)
+    causal, spans = _document_mask(_check_causal(causal), spans, k.shape[1])
     scale = _resolve_scale(softmax_scale, q.shape[3])
     if backend == "reference":
-        return reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+        return reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                            spans=spans)
     if backend == "cudnn":
         return _cudnn_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
     interpret = _interpret()
-    config = _pallas_config(backend, q, config, interpret=interpret)
+    config = _pallas_config(backend, q, config, interpret=interpret, documents=spans is not None)
     if isinstance(config, HopperConfig):
         return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, config=config,
                                interpret=interpret)
     return portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                             dkdv_config=config.backward_dkdv, dq_config=config.backward_dq, interpret=interpret)
+                             dkdv_config=config.backward_dkdv, dq_config=config.backward_dq, interpret=interpret,
+                             spans=spans)
 
 
 # --- differentiable API -----------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention_with_lse(q, k, v, causal, softmax_scale, backend, config):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention_with_lse(q, k, v, spans, causal, softmax_scale, backend, config):
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend,
-                                   config=config)
+                                   config=config, spans=spans)
 
 
-def _attention_fwd(q, k, v, causal, softmax_scale, backend, config):
+def _attention_fwd(q, k, v, spans, causal, softmax_scale, backend, config):
     out, lse = keep_for_backward(*flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                                          backend=backend, config=config))
-    return (out, lse), (q, k, v, out, lse)
+                                                          backend=backend, config=config, spans=spans))
+    return (out, lse), (q, k, v, spans, out, lse)
 
 
 def _attention_bwd(causal, softmax_scale, backend, config, residuals, cotangents):
-    q, k, v, out, lse = residuals
+    q, k, v, spans, out, lse = residuals
     dout, _ = cotangents  # lse is non-differentiable: flash_attention hands it out under stop_gradient
     dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                          backend=backend, config=config)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+                                          backend=backend, config=config, spans=spans)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None  # the spans are integers
 
 
 _attention_with_lse.defvjp(_attention_fwd, _attention_bwd)
@@ -313,7 +351,7 @@ _attention_with_lse.defvjp(_attention_fwd, _attention_bwd)
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, softmax_scale=None,
                     return_lse: bool = False, backend: str = "pallas",
-                    config: PortableConfig | HopperConfig | None = None):
+                    config: PortableConfig | HopperConfig | None = None, segment_ids=None):
     """FlashAttention: out [B, Sq, H, D] in q's dtype (and lse [B, H, Sq] float32 with return_lse=True).
 
     q [B, Sq, H, D], k/v [B, Sk, Hkv, D] with H a multiple of Hkv (GQA, K/V not repeated); bf16, fp16 or
@@ -324,13 +362,21 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     Differentiable in q, k, v (custom VJP running the backward kernels). The returned lse is wrapped in
     `stop_gradient`: it is for inspection and merging, and gradients flow only through out. Works under jit
     and inside `jax.shard_map`. `backend`: one of BACKENDS, "pallas" by default; `config`: the Pallas kernels'
-    block sizes, None for the heuristic (see module doc).
+    block sizes, None for the heuristic (see module doc). `segment_ids` [B, S] (self-attention, Sq == Sk):
+    packed documents (`weights/documents.py`), each token attending only within its own; the portable family and
+    "reference" take them ("pallas" then runs the portable family).
     """
     _check_backend(backend, config)
     _validate_qkv(q, k, v)
     causal = _check_causal(causal)
     scale = _resolve_scale(softmax_scale, q.shape[3])
-    out, lse = _attention_with_lse(q, k, v, causal, scale, backend, config)
+    spans = None
+    if segment_ids is not None:
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"segment_ids need self-attention (Sq == Sk), got Sq={q.shape[1]}, Sk={k.shape[1]}")
+        spans = document_spans(checked_segment_ids(segment_ids, q.shape[0], q.shape[1]), causal=False)
+        _check_spans(spans, q, backend)
+    out, lse = _attention_with_lse(q, k, v, spans, causal, scale, backend, config)
     if return_lse:
         return out, lax.stop_gradient(lse)
     return out

@@ -3,7 +3,7 @@ arithmetic, the `pallas_call` output spec that declares its varying mesh axes, a
 and backward share. Twin of `torch_impl/kernels/tiles.py`.
 
 Portable (Pallas Triton lowering): head dim and block fitting, the fp32-accumulating matmuls, the visibility mask,
-the causal block ranges and the grid's index maps.
+the causal block ranges, the documents' span block ranges and the grid's index maps.
 
 Hopper (Pallas Mosaic GPU): the GPU interpreter switch, register-layout hints, the Q K^T wgmma, a query tile's K/V
 step range, the TMA producer loop and every Mosaic kernel's launch. Pallas's Mosaic GPU interpreter (CPU tests,
@@ -160,6 +160,33 @@ def q_block_range(k_first, block_k: int, block_q: int, *, causal: bool, offset: 
     return start, jnp.maximum(full_start, start)
 
 
+def edge_padded_spans(spans, size: int) -> tuple[jax.Array, jax.Array]:
+    """(start, end) of documents' spans [B, rows] padded to `size` rows with copies of the last row's: a padded row
+    then leaves every bound of a block's spans as it is (`span_block_range`), and its results are sliced off."""
+    def pad(x):
+        return x if x.shape[1] == size else jnp.pad(x, ((0, 0), (0, size - x.shape[1])), mode="edge")
+    return pad(spans.start), pad(spans.end)
+
+
+def span_block_range(span_start: jax.Array, span_end: jax.Array, block: int):
+    """For a block of rows with spans [span_start, span_end) (documents, `weights/documents.py`): (first,
+    full_first, full_end, end) in units of `block` columns. Blocks [first, end) hold every column any row sees
+    (none when every span is empty), [full_first, full_end) those every row sees whole (no mask needed); the rest
+    of [first, end) needs the mask."""
+    lowest_start, highest_start = jnp.min(span_start), jnp.max(span_start)
+    lowest_end, highest_end = jnp.min(span_end), jnp.max(span_end)
+    first = index_div(lowest_start, block)
+    end = jnp.where(highest_end > lowest_start, index_div(highest_end + block - 1, block), first)
+    full_first = jnp.clip(index_div(highest_start + block - 1, block), first, end)
+    full_end = jnp.clip(index_div(lowest_end, block), full_first, end)
+    return first, full_first, full_end, end
+
+
+def in_spans(span_start: jax.Array, span_end: jax.Array, pos: jax.Array) -> jax.Array:
+    """Which (row, column) pairs attend with documents: the column in the row's span (broadcast shapes)."""
+    return (pos >= span_start) & (pos < span_end)
+
+
 def program_q_block(causal: bool, num_q_blocks: int):
     """This program's query block; causal grids run in reverse so the longest programs are scheduled first."""
     i = pl.program_id(0)
@@ -169,6 +196,14 @@ def program_q_block(causal: bool, num_q_blocks: int):
 def q_block_index(causal: bool, num_q_blocks: int, i):
     """Index-map twin of `program_q_block` (index maps see grid indices, not program_id)."""
     return num_q_blocks - 1 - i if causal else i
+
+
+def query_block_map(causal: bool, num_q_blocks: int):
+    """BlockSpec index map of a block of a per-row array [B, Sq] (documents' key spans) on a grid over (query
+    block, batch, head)."""
+    def rows_map(i, b, h):
+        return b, q_block_index(causal, num_q_blocks, i)
+    return rows_map
 
 
 def query_grid_maps(causal: bool, num_q_blocks: int, group: int):

@@ -21,6 +21,11 @@ Without CUDA, Triton's interpreter runs the portable kernels on CPU when TRITON_
 imported triton: the `twinflash` CLI and tests/conftest.py set it when there is no CUDA GPU; otherwise a call with
 CPU tensors raises one line naming that fix (`tiles.interpreter_problem`).
 
+Packed documents (`weights/documents.py`): `flash_attention(..., segment_ids=)` turns them into key spans
+(`torch_impl/documents.py`), which the pair functions take as `spans=` (the ring's per-step spans); the portable
+kernels and "reference" take them, "triton" then runs the portable family, every other backend refuses them with
+one ValueError naming those that take them (the Gluon kernels have no span path yet).
+
 Launch shapes (`config=`, every entry point): those of the kernel family serving the call, a `PortableConfig`
 (`kernels/portable/config.py`: one `KernelConfig` per kernel) or a `HopperConfig` (`kernels/hopper/config.py`: the
 forward's shape and, in its `backward` field, the backward's); the other family's is a ValueError naming both, and
@@ -37,6 +42,7 @@ import math
 import torch
 
 from torch_impl.attention import reference_attention_backward, reference_attention_forward
+from torch_impl.documents import Spans, causally_limited, checked_segment_ids, document_spans
 from torch_impl.kernels.hopper.backward import hopper_backward
 from torch_impl.kernels.hopper.config import HopperBackwardConfig, HopperConfig, hopper_unsupported
 from torch_impl.kernels.hopper.forward import hopper_forward
@@ -52,6 +58,7 @@ aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
 
 BACKENDS = ATTENTION_BACKENDS["torch"]
 _TRITON_BACKENDS = ("triton", "triton_portable", "triton_hopper")
+DOCUMENT_BACKENDS = ("triton", "triton_portable", "reference")  # those that take documents (`_check_spans`)
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -60,8 +67,9 @@ _FLASH_ATTN_MISSING = "backend 'flash_attn' needs the optional flash-attn packag
 
 # ----------------------------------------------------------------------------------------------- validation
 
-def _validate(q, k, v, *, causal, softmax_scale, backend, config) -> float:
-    """Check shapes, dtypes, devices, the config and the backend's own limits; return the softmax scale to use."""
+def _validate(q, k, v, *, causal, softmax_scale, backend, config, spans=None) -> float:
+    """Check shapes, dtypes, devices, the documents' spans, the config and the backend's own limits; return the
+    softmax scale to use."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -80,12 +88,31 @@ def _validate(q, k, v, *, causal, softmax_scale, backend, config) -> float:
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    _check_config(config, backend, q, k, v)
+    _check_spans(spans, q, backend)
+    _check_config(config, backend, q, k, v, spans is not None)
     _check_backend_limits(backend, q, (k, v), causal)
     return scale
 
 
-def _check_config(config, backend, q, k, v) -> None:
+def _check_spans(spans, q, backend) -> None:
+    """Documents' key spans (`torch_impl.documents.Spans`, int32 [B, Sq] each on q's device) and a backend that
+    takes them: the portable kernels (also through "triton") and the reference."""
+    if spans is None:
+        return
+    if backend not in DOCUMENT_BACKENDS:
+        raise ValueError(f"backend {backend!r} does not take documents; the portable family does (backend "
+                         f"'triton_portable', or 'triton', which then runs it), and so does 'reference'")
+    if not isinstance(spans, Spans):
+        raise ValueError(f"spans must be a torch_impl.documents.Spans, got {type(spans).__name__}")
+    for name, t in zip(spans._fields, spans):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != tuple(q.shape[:2]):
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"spans.{name} must be an int32 tensor [B, Sq] = {tuple(q.shape[:2])}, got {got}")
+        if t.device != q.device:
+            raise ValueError(f"spans.{name} is on {t.device} but q is on {q.device}")
+
+
+def _check_config(config, backend, q, k, v, documents) -> None:
     """A config must be the one of the kernel family that serves the call (`_uses_hopper`)."""
     if config is None:
         return
@@ -93,7 +120,7 @@ def _check_config(config, backend, q, k, v) -> None:
         raise ValueError(f"config sets our Triton kernels' launch shapes; backend={backend!r} takes none")
     if not isinstance(config, (PortableConfig, HopperConfig)):
         raise ValueError(f"config must be a PortableConfig, a HopperConfig or None, got {type(config).__name__}")
-    check_config_family(config, uses_hopper=_uses_hopper(backend, q, k, v), hopper_config=HopperConfig,
+    check_config_family(config, uses_hopper=_uses_hopper(backend, q, k, v, documents), hopper_config=HopperConfig,
                         portable_config=PortableConfig, backend=backend)
     if isinstance(config, HopperConfig):
         if config.backward is not None and not isinstance(config.backward, HopperBackwardConfig):
@@ -243,42 +270,54 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _uses_hopper(backend, q, k, v) -> bool:
+def _uses_hopper(backend, q, k, v, documents) -> bool:
     """Which kernel family serves a Triton backend's call, both directions: the forced one, or for "triton" the
-    Hopper kernels where they run the inputs (sm_90, Triton 3.6, D 64/128, 16-bit), else the portable ones. On H200
+    Hopper kernels where they run the inputs (sm_90, Triton 3.6, D 64/128, 16-bit, no documents), else the portable
+    ones. On H200
     the Hopper forward ran 587-609 TF/s at D=128, 16k (compare/results/kernels-gluon-2026-11-22-h200), its
     warp-specialised backward 520-540 TF/s against the portable one's 377-395 at D=128, 426-429 against 332-337 at
     D=64 (compare/results/kernels-gluon-backward-2026-11-23-h200-h13d)."""
     if backend == "triton":
-        return hopper_unsupported(q, k, v) is None
+        return not documents and hopper_unsupported(q, k, v) is None
     return backend == "triton_hopper"
 
 
-def _forward(q, k, v, causal, scale, out_dtype, backend, config):
+def _document_mask(causal, spans, seq_k):
+    """(causal, spans) as the kernels take them: with documents, the causal rule folded into the spans."""
+    if spans is None or not causal:
+        return causal, spans
+    return False, causally_limited(spans, seq_k)
+
+
+def _forward(q, k, v, causal, scale, out_dtype, backend, config, spans=None):
+    causal, spans = _document_mask(causal, spans, k.shape[1])
     if backend in _TRITON_BACKENDS:
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        if _uses_hopper(backend, q, k, v):
+        if _uses_hopper(backend, q, k, v, spans is not None):
             return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config)
         return portable_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype,
-                                config=None if config is None else config.forward)
+                                config=None if config is None else config.forward, spans=spans)
     if backend == "reference":
-        return reference_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+        return reference_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype,
+                                           spans=spans)
     if backend == "flash_attn":
         return _flash_attn_forward(q, k, v, causal, scale, out_dtype)
     return _sdpa_forward(q, k, v, causal, scale, out_dtype, backend)
 
 
-def _backward(dout, q, k, v, out, lse, causal, scale, backend, config, grad_dtype):
+def _backward(dout, q, k, v, out, lse, causal, scale, backend, config, grad_dtype, spans=None):
+    causal, spans = _document_mask(causal, spans, k.shape[1])
     if backend in _TRITON_BACKENDS:
         # dout joins q, k, v as a tensor-core operand, so it takes their dtype.
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout.to(q.dtype), q, k, v, out))
-        if _uses_hopper(backend, q, k, v):
+        if _uses_hopper(backend, q, k, v, spans is not None):
             return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype,
                                    config=None if config is None else config.backward)
         return portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype,
-                                 config=config)
+                                 config=config, spans=spans)
     if backend == "reference":
-        grads = reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+        grads = reference_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                             spans=spans)
     elif backend == "flash_attn":
         grads = _flash_attn_backward(dout, q, k, v, out, lse, causal, scale)
     else:
@@ -288,10 +327,10 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, config, grad_dtyp
 
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend, config):
-        out, lse = keep_for_backward(lambda: _forward(q, k, v, causal, scale, q.dtype, backend, config))
+    def forward(ctx, q, k, v, causal, scale, backend, config, spans):
+        out, lse = keep_for_backward(lambda: _forward(q, k, v, causal, scale, q.dtype, backend, config, spans))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.backend, ctx.config = causal, scale, backend, config
+        ctx.causal, ctx.scale, ctx.backend, ctx.config, ctx.spans = causal, scale, backend, config, spans
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -299,15 +338,15 @@ class _FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend, ctx.config,
-                               grad_dtype=q.dtype)
-        return dq, dk, dv, None, None, None, None
+                               grad_dtype=q.dtype, spans=ctx.spans)
+        return dq, dk, dv, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------ public API
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     softmax_scale: float | None = None, return_lse: bool = False, backend: str = "triton",
-                    config: PortableConfig | HopperConfig | None = None):
+                    config: PortableConfig | HopperConfig | None = None, segment_ids: torch.Tensor | None = None):
     """Differentiable attention softmax(q k^T * scale) v, memory linear in the sequence length.
 
     q [B, Sq, H, D]; k, v [B, Sk, Hkv, D] with H a multiple of Hkv (grouped-query attention: query head h
@@ -316,10 +355,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     `softmax_scale` defaults to 1/sqrt(D). `causal=True` with Sq != Sk aligns the LAST query with the LAST
     key (bottom-right, like flash-attn 2.1+): query i sees key j iff j <= i + Sk - Sq; a query that sees no
     key (only possible when Sq > Sk) gets output 0, lse -inf and zero gradients. `config`: the launch shapes of
-    the kernel family serving the call, None for the family's own choice (module doc).
+    the kernel family serving the call, None for the family's own choice (module doc). `segment_ids` [B, S]
+    (self-attention, Sq == Sk): packed documents (`weights/documents.py`), each token attending only within its
+    own; the portable family and "reference" take them ("triton" then runs the portable family).
     """
-    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config)
-    out, lse = _FlashAttentionFunction.apply(q, k, v, bool(causal), scale, backend, config)
+    spans = None
+    if segment_ids is not None:
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"segment_ids need self-attention (Sq == Sk), got Sq={q.shape[1]}, Sk={k.shape[1]}")
+        spans = document_spans(checked_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device), causal=False)
+    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config,
+                      spans=spans)
+    out, lse = _FlashAttentionFunction.apply(q, k, v, bool(causal), scale, backend, config, spans)
     return (out, lse) if return_lse else out
 
 
@@ -332,30 +379,34 @@ def exact_output_dtype(backend: str, dtype: torch.dtype) -> torch.dtype:
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                             softmax_scale: float | None, out_dtype: torch.dtype | None = None,
-                            backend: str = "triton", config: PortableConfig | HopperConfig | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            backend: str = "triton", config: PortableConfig | HopperConfig | None = None,
+                            spans: Spans | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pair-level forward, not differentiable: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq]
     float32). A ring asks for float32 `out` so partial outputs merge by lse without rounding. `config` as for
-    `flash_attention`."""
-    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config)
+    `flash_attention`. `spans`: the documents' key spans of the pair (`torch_impl.documents`), intersected with
+    the causal rule when `causal`."""
+    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config,
+                      spans=spans)
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"out_dtype must be one of bfloat16, float16, float32 or None, got {out_dtype}")
     with torch.no_grad():
-        return _forward(q, k, v, bool(causal), scale, out_dtype or q.dtype, backend, config)
+        return _forward(q, k, v, bool(causal), scale, out_dtype or q.dtype, backend, config, spans)
 
 
 def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool, softmax_scale: float | None,
-                             backend: str = "triton", config: PortableConfig | HopperConfig | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             backend: str = "triton", config: PortableConfig | HopperConfig | None = None,
+                             spans: Spans | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pair-level backward: (dq, dk, dv), float32, so a ring can accumulate them across steps.
 
     `out` and `lse` may be the GLOBAL ones (merged over all key blocks): delta = rowsum(dout * out) is then
     the global one and P = exp(S - lse) this pair's share of the global softmax, so the per-pair gradients
-    sum to the full gradient. The kernels take dout in q's dtype (a matmul operand next to q, k, v). `config` as
-    for `flash_attention`.
+    sum to the full gradient. The kernels take dout in q's dtype (a matmul operand next to q, k, v). `config` and
+    `spans` as for `flash_attention_forward`.
     """
-    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config)
+    scale = _validate(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend, config=config,
+                      spans=spans)
     _validate_backward(dout, q, out, lse)
     with torch.no_grad():
-        return _backward(dout, q, k, v, out, lse, bool(causal), scale, backend, config, grad_dtype=torch.float32)
+        return _backward(dout, q, k, v, out, lse, bool(causal), scale, backend, config, grad_dtype=torch.float32,
+                         spans=spans)

@@ -92,13 +92,40 @@ def store_tile(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D
 
 
 @triton.jit
-def visible_keys(cols, rows, seq_k, diagonal, CAUSAL: tl.constexpr):
-    """[rows, cols] mask of the keys each query row sees: keys before seq_k and, if CAUSAL, at most `diagonal`
-    past the row (bottom-right alignment)."""
-    visible = cols[None, :] < seq_k
-    if CAUSAL:
-        visible = visible & (cols[None, :] <= rows[:, None] + diagonal)
+def visible_keys(cols, rows, seq_k, diagonal, span_start, span_end, CAUSAL: tl.constexpr, SPANS: tl.constexpr):
+    """[rows, cols] mask of the keys each query row sees: with SPANS those in the row's key span
+    [span_start, span_end) (documents, `weights/documents.py`; spans end at seq_k at the latest), else keys before
+    seq_k and, if CAUSAL, at most `diagonal` past the row (bottom-right alignment)."""
+    if SPANS:
+        visible = (cols[None, :] >= span_start[:, None]) & (cols[None, :] < span_end[:, None])
+    else:
+        visible = cols[None, :] < seq_k
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + diagonal)
     return visible
+
+
+@triton.jit
+def load_spans(start_ptr, end_ptr, rows, n_rows, n_cols):
+    """The spans [start, end) of a block of rows (int32 [rows]; rows past n_rows read as empty) and their bounds
+    over the real rows: (start, end, lowest start, highest start, lowest end, highest end)."""
+    valid = rows < n_rows
+    start = tl.load(start_ptr + rows, mask=valid, other=0)
+    end = tl.load(end_ptr + rows, mask=valid, other=0)
+    return (start, end, tl.min(tl.where(valid, start, n_cols)), tl.max(tl.where(valid, start, 0)),
+            tl.min(tl.where(valid, end, n_cols)), tl.max(tl.where(valid, end, 0)))
+
+
+@triton.jit
+def span_blocks(lowest_start, highest_start, lowest_end, highest_end, BLOCK: tl.constexpr):
+    """(first, full_first, full_end, end), multiples of BLOCK, for a block of rows whose spans have these bounds:
+    blocks [first, end) hold every column any row sees (none when every span is empty), and [full_first, full_end)
+    the blocks every row sees whole (no mask needed); the rest of [first, end) needs the mask."""
+    first = lowest_start // BLOCK * BLOCK
+    end = tl.where(highest_end > lowest_start, (highest_end + BLOCK - 1) // BLOCK * BLOCK, first)
+    full_first = tl.minimum(tl.maximum((highest_start + BLOCK - 1) // BLOCK * BLOCK, first), end)
+    full_end = tl.minimum(tl.maximum(lowest_end // BLOCK * BLOCK, full_first), end)
+    return first, full_first, full_end, end
 
 
 @triton.jit
@@ -144,6 +171,15 @@ def key_range(row0, seq_k, diagonal, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
         full_end = seq_k // BLOCK_N * BLOCK_N
         end = seq_k
     return full_end, end
+
+
+def spans_or_none(spans, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (start, end) tensors a kernel's span pointers take: the spans', or for a call without documents an empty
+    int32 tensor that the kernel (SPANS off) never reads."""
+    if spans is not None:
+        return spans.start.contiguous(), spans.end.contiguous()
+    unused = torch.empty(0, dtype=torch.int32, device=device)
+    return unused, unused
 
 
 def seq_bucket(seq_q: int, seq_k: int) -> int:

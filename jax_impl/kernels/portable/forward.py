@@ -13,6 +13,9 @@ Kernel shape (one program = one block of `block_q` query rows of one (batch, hea
     never visited;
   - causal grids run the query blocks in reverse, so the longest programs start first and the short ones
     fill the tail.
+Documents (`spans`, `weights/documents.py`): each row sees its key span instead of the causal rule; a program
+visits the key blocks between its rows' lowest start and highest end, those inside every row's span unmasked, the
+rest masked, and never loads the blocks outside (padded rows repeat the last row's span, so they move no bound).
 Tails: the wrapper pads Sq/Sk to the block multiple and D to a power of two (>= 16, Triton's smallest dot);
 padded keys are masked by position, padded query rows are sliced off.
 """
@@ -29,13 +32,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_impl.kernels.portable.config import KernelConfig
-from jax_impl.kernels.tiles import (LN2, LOG2E, dot_precision, fit_block, has_masked_blocks, kv_block_range, matmul,
-                                    matmul_nt, output_struct, pad_axis, padded_head_dim, program_q_block,
-                                    query_grid_maps, round_up, visible)
+from jax_impl.kernels.tiles import (LN2, LOG2E, dot_precision, edge_padded_spans, fit_block, has_masked_blocks,
+                                    in_spans, kv_block_range, matmul, matmul_nt, output_struct, pad_axis,
+                                    padded_head_dim, program_q_block, query_block_map, query_grid_maps, round_up,
+                                    span_block_range, visible)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, causal: bool, scale_log2: float, block_k: int,
-                    offset: int, seq_k: int, num_q_blocks: int, num_k_blocks: int, precision):
+def _forward_kernel(*refs, causal: bool, spans: bool, scale_log2: float, block_k: int, offset: int, seq_k: int,
+                    num_q_blocks: int, num_k_blocks: int, precision):
+    if spans:
+        q_ref, k_ref, v_ref, span_start_ref, span_end_ref, out_ref, lse_ref = refs
+        span_start, span_end = span_start_ref[...], span_end_ref[...]
+    else:
+        q_ref, k_ref, v_ref, out_ref, lse_ref = refs
     block_q, head_dim = q_ref.shape
     q_first = program_q_block(causal, num_q_blocks) * block_q
     q = q_ref[...]
@@ -49,7 +58,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, causal: bool, scal
         scores = matmul_nt(q, k, precision) * scale_log2
         if masked:
             k_pos = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-            scores = jnp.where(visible(q_pos, k_pos, causal=causal, offset=offset, seq_k=seq_k), scores, -jnp.inf)
+            seen = (in_spans(span_start[:, None], span_end[:, None], k_pos) if spans
+                    else visible(q_pos, k_pos, causal=causal, offset=offset, seq_k=seq_k))
+            scores = jnp.where(seen, scores, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
         if masked:
             # A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
@@ -65,11 +76,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, causal: bool, scal
     carry = (jnp.zeros((block_q, head_dim), jnp.float32),
              jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    n_full, n_end = kv_block_range(q_first, block_q, block_k, causal=causal, offset=offset, seq_k=seq_k,
-                                   num_k_blocks=num_k_blocks)
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-    if has_masked_blocks(causal, seq_k, block_k):
-        carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+    if spans:  # documents: key blocks outside every row's span are skipped, those inside all of them unmasked
+        first, full_first, full_end, end = span_block_range(span_start, span_end, block_k)
+        carry = lax.fori_loop(first, full_first, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(full_first, full_end, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(full_end, end, functools.partial(step, masked=True), carry)
+    else:
+        n_full, n_end = kv_block_range(q_first, block_q, block_k, causal=causal, offset=offset, seq_k=seq_k,
+                                       num_k_blocks=num_k_blocks)
+        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+        if has_masked_blocks(causal, seq_k, block_k):
+            carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
     acc, row_max, row_sum = carry
 
     seen = row_sum > 0  # False only for rows that see no key (causal with Sq > Sk): out 0, lse -inf
@@ -79,8 +96,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, causal: bool, scal
 
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "out_dtype", "config", "interpret"))
 def portable_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale: float, out_dtype,
-                     config: KernelConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """Pallas forward on validated inputs: (out [B, Sq, H, D] in `out_dtype`, lse [B, H, Sq] float32)."""
+                     config: KernelConfig, interpret: bool, spans=None) -> tuple[jax.Array, jax.Array]:
+    """Pallas forward on validated inputs: (out [B, Sq, H, D] in `out_dtype`, lse [B, H, Sq] float32). `spans`:
+    the documents' key spans (`jax_impl.documents.Spans`), which replace the causal rule (the caller folds it in:
+    `causal` is then False)."""
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -95,22 +114,27 @@ def portable_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, 
     v = pad_axis(pad_axis(v, 1, k_len), 3, dim)
 
     q_map, kv_map, lse_map = query_grid_maps(causal, num_q_blocks, group)
+    inputs = [q, k, v]
+    in_specs = [pl.BlockSpec((pl.squeezed, block_q, pl.squeezed, dim), q_map),
+                pl.BlockSpec((pl.squeezed, k_len, pl.squeezed, dim), kv_map),
+                pl.BlockSpec((pl.squeezed, k_len, pl.squeezed, dim), kv_map)]
+    if spans is not None:
+        inputs += edge_padded_spans(spans, q_len)
+        in_specs += [pl.BlockSpec((pl.squeezed, block_q), query_block_map(causal, num_q_blocks))] * 2
     kernel = functools.partial(
-        _forward_kernel, causal=causal, scale_log2=softmax_scale * LOG2E, block_k=block_k,
+        _forward_kernel, causal=causal, spans=spans is not None, scale_log2=softmax_scale * LOG2E, block_k=block_k,
         offset=seq_k - seq_q, seq_k=seq_k, num_q_blocks=num_q_blocks, num_k_blocks=num_k_blocks,
         precision=dot_precision(q.dtype))
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),
-        in_specs=[pl.BlockSpec((pl.squeezed, block_q, pl.squeezed, dim), q_map),
-                  pl.BlockSpec((pl.squeezed, k_len, pl.squeezed, dim), kv_map),
-                  pl.BlockSpec((pl.squeezed, k_len, pl.squeezed, dim), kv_map)],
+        in_specs=in_specs,
         out_specs=[pl.BlockSpec((pl.squeezed, block_q, pl.squeezed, dim), q_map),
                    pl.BlockSpec((pl.squeezed, pl.squeezed, block_q), lse_map)],
-        out_shape=[output_struct((batch, q_len, heads, dim), out_dtype, q, k, v),
-                   output_struct((batch, heads, q_len), jnp.float32, q, k, v)],
+        out_shape=[output_struct((batch, q_len, heads, dim), out_dtype, *inputs),
+                   output_struct((batch, heads, q_len), jnp.float32, *inputs)],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="twinflash_forward",
-    )(q, k, v)
+    )(*inputs)
     return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]

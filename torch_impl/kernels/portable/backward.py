@@ -12,7 +12,9 @@ Three launches, all of them deterministic:
 Both main kernels split their loop like the forward: blocks fully visible and in bounds run without masks,
 the causal diagonal and the sequence tails run masked. P = exp2(S * scale * log2(e) - lse * log2(e)) is
 recomputed from the saved lse; rows that see no key (lse = -inf) and padding rows use lse = +inf, so their P
-is exactly 0. Gradients accumulate in float32 and are written in the requested dtype.
+is exactly 0. Gradients accumulate in float32 and are written in the requested dtype. With documents (SPANS) the
+dQ kernel walks key blocks as the forward does, and the dK/dV kernel the query blocks between its keys' query
+spans (`weights/documents.py`), those that see all of its keys unmasked; blocks without a pair are never loaded.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import triton.language as tl
 
 from torch_impl.kernels.portable.config import (DKDV_SHAPES, DQ_SHAPES, PortableConfig, autotuned,
                                                 dkdv_shared_bytes, dq_shared_bytes, launch)
+from torch_impl.documents import Spans, query_spans
 from torch_impl.kernels.tiles import (INTERPRETED, LOG2E, dot_precision, key_range, key_scores, key_tile_pointers,
-                                      load_tile, query_block_program, round_to, row_delta, seq_bucket, store_tile,
-                                      visible_keys)
+                                      load_spans, load_tile, query_block_program, round_to, row_delta, seq_bucket,
+                                      span_blocks, spans_or_none, store_tile, visible_keys)
 
 
 @triton.jit
@@ -51,9 +54,10 @@ def key_block_program(n_kv_heads, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qh, stride_dos, stride_doh,
-                cols, offs_m, offs_d, start, end, seq_q, diagonal, qk_scale,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                key_start_base, key_end_base, cols, offs_m, offs_d, start, end, seq_q, diagonal, qk_scale,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, SPANS: tl.constexpr, GROUP: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
     """Accumulate dk (unscaled) and dv of one key block over the query blocks in [start, end) (multiples of
     BLOCK_M) of every query head of the group, transposed (keys on the rows) so K and V are the resident
     operands. One flat loop over (query block, head in group): a nested head loop costs registers."""
@@ -66,7 +70,11 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
         lse2, delta = load_row_stats(lse_base + head_in_group * seq_q + rows,
                                       delta_base + head_in_group * seq_q + rows, rows, seq_q, MASKED)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
-        if MASKED and CAUSAL:
+        if MASKED and SPANS:  # rows past seq_q read as empty spans
+            span_start = tl.load(key_start_base + rows, mask=rows < seq_q, other=0)
+            span_end = tl.load(key_end_base + rows, mask=rows < seq_q, other=0)
+            p_t = tl.where((cols[:, None] >= span_start[None, :]) & (cols[:, None] < span_end[None, :]), p_t, 0.0)
+        elif MASKED and CAUSAL:
             p_t = tl.where(cols[:, None] <= rows[None, :] + diagonal, p_t, 0.0)
         do = load_tile(do_ptrs, rows, seq_q, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
         dv = tl.dot(round_to(p_t, do_base.dtype.element_ty, EMULATE), do, dv, input_precision=DOT_PRECISION)
@@ -78,13 +86,14 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
 
 @autotuned(DKDV_SHAPES, (32, 64), dkdv_shared_bytes)
 @triton.jit
-def _dkdv_kernel(Q, K, V, DOut, Lse, Delta, DK, DV,
+def _dkdv_kernel(Q, K, V, DOut, Lse, Delta, DK, DV, KeyStart, KeyEnd, QueryStart, QueryEnd,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                  n_kv_heads, seq_q, seq_k, softmax_scale, SEQ_BUCKET,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 SPANS: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     batch, kv_head, col0 = key_block_program(n_kv_heads, BLOCK_N)
     cols = col0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -115,15 +124,29 @@ def _dkdv_kernel(Q, K, V, DOut, Lse, Delta, DK, DV,
     delta_base = Delta + (batch * n_kv_heads * GROUP + first_head).to(tl.int64) * seq_q
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    key_start_base = KeyStart + batch.to(tl.int64) * seq_q
+    key_end_base = KeyEnd + batch.to(tl.int64) * seq_q
+    if SPANS:  # documents: the query blocks that see none of these keys are skipped, those that see all unmasked
+        spans_col0 = batch.to(tl.int64) * seq_k
+        _, _, lowest_start, highest_start, lowest_end, highest_end = load_spans(
+            QueryStart + spans_col0, QueryEnd + spans_col0, cols, seq_k, seq_q)
+        first, full_start, full_end, end = span_blocks(lowest_start, highest_start, lowest_end, highest_end, BLOCK_M)
+    else:  # the query tail past seq_q is masked too
+        full_start = tl.minimum(full_start, padded_end)
+        full_end = tl.maximum(full_start, in_bounds_end)
+        end = padded_end
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qh, stride_dos,
-                         stride_doh, cols, offs_m, offs_d, first, tl.minimum(full_start, padded_end), seq_q, diagonal,
-                         qk_scale, True, CAUSAL, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, EMULATE, DOT_PRECISION)
+                         stride_doh, key_start_base, key_end_base, cols, offs_m, offs_d, first, full_start, seq_q,
+                         diagonal, qk_scale, True, CAUSAL, SPANS, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, EMULATE,
+                         DOT_PRECISION)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qh, stride_dos,
-                         stride_doh, cols, offs_m, offs_d, full_start, in_bounds_end, seq_q, diagonal,
-                         qk_scale, False, CAUSAL, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, EMULATE, DOT_PRECISION)
+                         stride_doh, key_start_base, key_end_base, cols, offs_m, offs_d, full_start, full_end, seq_q,
+                         diagonal, qk_scale, False, CAUSAL, SPANS, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, EMULATE,
+                         DOT_PRECISION)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qh, stride_dos,
-                         stride_doh, cols, offs_m, offs_d, tl.maximum(full_start, in_bounds_end), padded_end, seq_q,
-                         diagonal, qk_scale, True, CAUSAL, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, EMULATE, DOT_PRECISION)
+                         stride_doh, key_start_base, key_end_base, cols, offs_m, offs_d, full_end, end, seq_q,
+                         diagonal, qk_scale, True, CAUSAL, SPANS, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, EMULATE,
+                         DOT_PRECISION)
 
     dk_ptrs = (DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
                + cols.to(tl.int64)[:, None] * stride_dks + offs_d[None, :])
@@ -135,9 +158,9 @@ def _dkdv_kernel(Q, K, V, DOut, Lse, Delta, DK, DV,
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
-              start, end, seq_k, diagonal, qk_scale,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_N: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              start, end, seq_k, diagonal, span_start, span_end, qk_scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, SPANS: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dq (unscaled) of one query block over key blocks [start, end). P is recomputed from the saved
     row statistics (lse2 in log2 units), so masked keys are zeroed after the exp2 rather than set to -inf before."""
     k_ptrs, v_ptrs = key_tile_pointers(k_base, v_base, stride_ks, stride_vs, start + offs_n, offs_d)
@@ -146,7 +169,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs
                                  DOT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
-            p = tl.where(visible_keys(cols, offs_m, seq_k, diagonal, CAUSAL), p, 0.0)
+            p = tl.where(visible_keys(cols, offs_m, seq_k, diagonal, span_start, span_end, CAUSAL, SPANS), p, 0.0)
         v = load_tile(v_ptrs, cols, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, EMULATE)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -158,13 +181,14 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs
 
 @autotuned(DQ_SHAPES, (64, 32), dq_shared_bytes)
 @triton.jit
-def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
+def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ, KeyStart, KeyEnd,
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                stride_dqb, stride_dqs, stride_dqh,
                n_heads, seq_q, seq_k, softmax_scale, SEQ_BUCKET,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-               EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               SPANS: tl.constexpr, EMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     batch, head, kv_head, row0 = query_block_program(n_heads, GROUP, BLOCK_M, CAUSAL)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -181,16 +205,27 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
 
     diagonal = seq_k - seq_q
-    full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     qk_scale = softmax_scale * LOG2E
+    if SPANS:  # documents: as the forward, key blocks outside every row's span skipped
+        spans_row0 = batch.to(tl.int64) * seq_q
+        span_start, span_end, lowest_start, highest_start, lowest_end, highest_end = load_spans(
+            KeyStart + spans_row0, KeyEnd + spans_row0, offs_m, seq_q, seq_k)
+        first, full_first, full_end, end = span_blocks(lowest_start, highest_start, lowest_end, highest_end, BLOCK_N)
+    else:  # no documents: the unmasked blocks start at key 0
+        span_start, span_end = 0, 0
+        full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
+        first, full_first = 0, 0
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
-                   0, full_end, seq_k, diagonal, qk_scale,
-                   False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
+                   first, full_first, seq_k, diagonal, span_start, span_end, qk_scale,
+                   True, CAUSAL, SPANS, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
-                   full_end, end, seq_k, diagonal, qk_scale,
-                   True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
+                   full_first, full_end, seq_k, diagonal, span_start, span_end, qk_scale,
+                   False, CAUSAL, SPANS, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                   full_end, end, seq_k, diagonal, span_start, span_end, qk_scale,
+                   True, CAUSAL, SPANS, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
     dq_ptrs = (DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
                + offs_m.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :])
     store_tile(dq_ptrs, dq * softmax_scale, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, EMULATE)
@@ -198,9 +233,11 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ,
 
 def portable_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype,
-                      config: PortableConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      config: PortableConfig | None = None, spans: Spans | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on validated inputs: (dq, dk, dv) in grad_dtype; autotuned, or with the
-    backward entries of `config` when given."""
+    backward entries of `config` when given. `spans` as for `portable_forward` (the dK/dV kernel walks the query
+    spans derived from them)."""
     batch, seq_q, n_heads, head_dim = q.shape
     seq_k, n_kv_heads = k.shape[1], k.shape[2]
     block_d = triton.next_power_of_2(head_dim)
@@ -211,7 +248,9 @@ def portable_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=grad_dtype, device=q.device)
     shared = dict(GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal,
-                  EMULATE=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype))
+                  SPANS=spans is not None, EMULATE=INTERPRETED, DOT_PRECISION=dot_precision(q.dtype))
+    key_start, key_end = spans_or_none(spans, q.device)
+    query_start, query_end = spans_or_none(None if spans is None else query_spans(spans, seq_k), q.device)
     bucket = seq_bucket(seq_q, seq_k)
     dkdv_config, dq_config = (None, None) if config is None else (config.backward_dkdv, config.backward_dq)
 
@@ -219,7 +258,8 @@ def portable_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         return (triton.cdiv(seq_k, meta["BLOCK_N"]), batch * n_kv_heads)
 
     launch(
-        _dkdv_kernel, dkdv_grid, dkdv_config, q, k, v, dout, lse, delta, dk, dv,
+        _dkdv_kernel, dkdv_grid, dkdv_config, q, k, v, dout, lse, delta, dk, dv, key_start, key_end, query_start,
+        query_end,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
@@ -229,7 +269,7 @@ def portable_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads)
 
     launch(
-        _dq_kernel, dq_grid, dq_config, q, k, v, dout, lse, delta, dq,
+        _dq_kernel, dq_grid, dq_config, q, k, v, dout, lse, delta, dq, key_start, key_end,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),

@@ -85,9 +85,9 @@ def fitting(shared_bytes):
 
 def autotuned(gpu_shapes, interpreter_blocks, shared_bytes):
     """The autotune decorator of a kernel tiled by BLOCK_M x BLOCK_N: configs from `autotune_configs`, pruned by
-    `fitting(shared_bytes)`, tuned per head dim, mask and sequence bucket."""
+    `fitting(shared_bytes)`, tuned per head dim, mask (causal, documents' spans) and sequence bucket."""
     return triton.autotune(configs=autotune_configs(gpu_shapes, interpreter_blocks),
-                           key=["HEAD_DIM", "CAUSAL", "SEQ_BUCKET"],
+                           key=["HEAD_DIM", "CAUSAL", "SPANS", "SEQ_BUCKET"],
                            prune_configs_by={"early_config_prune": fitting(shared_bytes)})
 
 

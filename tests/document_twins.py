@@ -1,0 +1,107 @@
+"""The one test base of packed documents in the twin kernels, read by tests/test_document_attention_torch.py and
+tests/test_document_attention_jax.py: the cases both run (documents of length 1, odd lengths, one document, a batch
+whose rows pack different documents), the inputs (tests/kernel_twins.py's), the exact answer of the same documents
+attended ONE AT A TIME (float64, `kernel_twins.float64_attention` on each document's slice, so it shares no masking
+code with the kernels), the negative control's documents and the block-skip case.
+
+Tolerances (kernel_twins' docstring has the reasons; each applies per document, as the answer is made):
+  The flash rule (bf16/fp16): each of out, lse, dq, dk, dv within 2x the error of the naive same-dtype attention,
+    also attending one document at a time, plus KERNEL_ATOL (1e-4: a document of length 1 has the exact answer
+    out = v, dq = dk = 0, which the naive attention reproduces exactly and ours up to float32 summation order).
+  FP32_TOL (fp32 inputs): exact float32 arithmetic in another summation order.
+A dropped boundary lets a query see a whole other document's keys, so it moves results by whole score terms; the
+negative control asserts the flash rule fails for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from kernel_twins import NAMES, KernelCase, float64_attention, inputs
+
+from weights.documents import segment_ids_from_lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentCase:
+    """Self-attention over packed sequences: row b of the batch packs documents of `lengths[b]` (each row's sum is
+    the sequence length)."""
+
+    lengths: tuple[tuple[int, ...], ...]
+    heads: int = 4
+    kv_heads: int = 2
+    dim: int = 32
+
+    @property
+    def seq(self) -> int:
+        return sum(self.lengths[0])
+
+    @property
+    def kernel_case(self) -> KernelCase:
+        return KernelCase(self.seq, self.seq, self.heads, self.kv_heads, self.dim, batch=len(self.lengths))
+
+    @property
+    def id(self) -> str:
+        return "-".join("_".join(map(str, row)) for row in self.lengths) + f"-h{self.heads}kv{self.kv_heads}-d{self.dim}"
+
+
+CASES = [
+    DocumentCase(((1, 20, 33, 1, 20), (40, 35))),      # length 1 at both ends of a document run, odd lengths, batch
+    DocumentCase(((75,),), heads=2, kv_heads=2),       # one document: the plain causal / full attention
+    DocumentCase(((1,) * 9 + (40,),), kv_heads=1, dim=64),  # a run of single tokens, then a long document, GQA 4:1
+    DocumentCase(((37, 2, 58),), heads=2, kv_heads=1, dim=128),  # documents crossing every block boundary
+]
+FP32_CASES = [DocumentCase(((1, 20, 33, 1, 20), (40, 35))), DocumentCase(((9, 50, 1),), dim=96)]
+NEGATIVE_CONTROL = DocumentCase(((30, 40, 27),))
+DROPPED_BOUNDARY = 1  # the negative control merges documents 1 and 2 of its only row
+# Two documents of 64, each a whole number of every kernel's blocks (`SKIP_BLOCKS`): NaN in one document must not
+# reach the other's results, which it would through P V (0 * NaN) if a kernel loaded a tile of it.
+SKIP_CASE = DocumentCase(((64, 64),), heads=2, kv_heads=1)
+SKIP_BLOCKS = {"forward": (64, 32), "backward_dkdv": (32, 64), "backward_dq": (64, 32)}  # (query, key) rows
+
+
+def ids(cases: list[DocumentCase]) -> list[str]:
+    return [case.id for case in cases]
+
+
+def segment_ids(case: DocumentCase) -> np.ndarray:
+    """int32 [B, S]: the case's documents as segment ids."""
+    return np.stack([segment_ids_from_lengths(list(row)) for row in case.lengths])
+
+
+def merged_boundary(ids: np.ndarray, document: int) -> np.ndarray:
+    """`ids` with documents `document` and `document + 1` of every row made one (the negative control)."""
+    return np.where(ids > document, ids - 1, ids)
+
+
+def document_slices(case: DocumentCase) -> list[tuple[int, slice]]:
+    """(batch row, positions) of every document of the case."""
+    slices = []
+    for row, lengths in enumerate(case.lengths):
+        ends = np.cumsum(lengths)
+        slices += [(row, slice(int(end - length), int(end))) for length, end in zip(lengths, ends)]
+    return slices
+
+
+def case_inputs(case: DocumentCase, dtype: str, seed: int = 0) -> list[np.ndarray]:
+    """q, k, v, dout (kernel_twins.inputs) of the case's packed sequences."""
+    return inputs(case.kernel_case, dtype, seed)
+
+
+def one_at_a_time(case: DocumentCase, attend, q, k, v, dout) -> dict[str, np.ndarray]:
+    """{NAMES: float64 numpy} of `attend(q, k, v, dout) -> {NAMES}` run on each document's slice alone and put back
+    in place (lse [B, H, S], the rest [B, S, heads, D])."""
+    result = {"out": np.zeros(q.shape), "dq": np.zeros(q.shape), "dk": np.zeros(k.shape), "dv": np.zeros(v.shape),
+              "lse": np.zeros((q.shape[0], q.shape[2], q.shape[1]))}
+    for row, positions in document_slices(case):
+        part = attend(*(x[row:row + 1, positions] for x in (q, k, v, dout)))
+        for name in NAMES:
+            index = (row, slice(None), positions) if name == "lse" else (row, positions)
+            result[name][index] = np.asarray(part[name], np.float64)[0]
+    return result
+
+
+def exact(case: DocumentCase, q, k, v, dout, causal: bool) -> dict[str, np.ndarray]:
+    """The float64 answer of the documents attended one at a time."""
+    return one_at_a_time(case, lambda *x: float64_attention(*x, causal), q, k, v, dout)

@@ -1,0 +1,190 @@
+"""Packed documents through the JAX attention (`flash_attention(..., segment_ids=)`, the pair functions' `spans`):
+the portable Pallas kernels (interpret mode on CPU) and the reference against the same documents attended one at a
+time, by the flash rule (bf16/fp16) and in fp32; the negative control (a dropped boundary fails); blocks with no
+pair skipped, not masked; segment ids traced under jit; the families that do not take documents refuse them. Twin
+of tests/test_document_attention_torch.py; the cases, the answer and the tolerances (with their reasons) are
+tests/document_twins.py's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import document_twins as twins
+import jax
+import jax.numpy as jnp
+import kernel_twins
+import numpy as np
+import pytest
+
+from jax_impl.attention import reference_attention, reference_attention_backward, reference_attention_forward
+from jax_impl.documents import Spans
+from jax_impl.kernels.flash_attention import flash_attention, flash_attention_backward, flash_attention_forward
+from jax_impl.kernels.portable.config import KernelConfig, PortableConfig
+
+# Interpret-mode kernels are tiny loops; XLA's CPU optimisation passes dominate their compile time.
+FAST_COMPILE = ({"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+                if jax.default_backend() == "cpu" else {})
+NAMES = kernel_twins.NAMES
+
+
+def _arrays(arrays, dtype):
+    return [jnp.asarray(x).astype(dtype) for x in arrays]
+
+
+def _with_grads(attention, q, k, v, dout, *extra):
+    """{NAMES: float64 numpy} of `attention(q, k, v, *extra) -> (out, lse)` under jit, gradients of
+    sum(out * dout)."""
+    def run(q, k, v, dout, *extra):
+        (out, lse), pullback = jax.vjp(lambda q, k, v: attention(q, k, v, *extra), q, k, v)
+        return (out, lse, *pullback((dout, jnp.zeros_like(lse))))
+    results = jax.jit(run, compiler_options=FAST_COMPILE)(q, k, v, dout, *extra)
+    return {name: np.asarray(x, np.float64) for name, x in zip(NAMES, results)}
+
+
+def _ours(q, k, v, dout, causal, segment_ids, backend="pallas", config=None):
+    """flash_attention with the segment ids traced (a jit argument)."""
+    def attend(q, k, v, ids):
+        return flash_attention(q, k, v, causal=causal, return_lse=True, backend=backend, config=config,
+                               segment_ids=ids)
+    return _with_grads(attend, q, k, v, dout, jnp.asarray(segment_ids))
+
+
+def _naive(case, arrays, causal, dtype):
+    """The naive same-dtype attention (`reference_attention`), one document at a time."""
+    def attend(q, k, v, dout):
+        return _with_grads(lambda q, k, v: reference_attention(q, k, v, causal=causal, return_lse=True),
+                           *_arrays((q, k, v, dout), dtype))
+    return twins.one_at_a_time(case, attend, *arrays)
+
+
+def _violations(case, dtype, causal, segment_ids):
+    arrays = twins.case_inputs(case, dtype)
+    ours = _ours(*_arrays(arrays, dtype), causal, segment_ids)
+    return kernel_twins.flash_rule_violations(ours, _naive(case, arrays, causal, dtype),
+                                              twins.exact(case, *arrays, causal))
+
+
+@pytest.mark.parametrize("case", twins.CASES, ids=twins.ids(twins.CASES))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_documents_match_one_at_a_time_by_the_flash_rule(dtype, causal, case):
+    violations = _violations(case, dtype, causal, twins.segment_ids(case))
+    assert not violations, f"(ours, naive) errors beyond the rule: {violations}"
+
+
+@pytest.mark.parametrize("backend", ["pallas_portable", "reference"])
+@pytest.mark.parametrize("case", twins.FP32_CASES, ids=twins.ids(twins.FP32_CASES))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_documents_fp32_match_one_at_a_time(causal, case, backend):
+    arrays = twins.case_inputs(case, "float32")
+    ours = _ours(*_arrays(arrays, jnp.float32), causal, twins.segment_ids(case), backend=backend)
+    kernel_twins.assert_fp32_close(ours, twins.exact(case, *arrays, causal))
+
+
+def test_a_dropped_boundary_fails_the_rule():
+    """Negative control: the same comparison catches one boundary missing from the segment ids."""
+    case = twins.NEGATIVE_CONTROL
+    merged = twins.merged_boundary(twins.segment_ids(case), twins.DROPPED_BOUNDARY)
+    assert _violations(case, "bfloat16", True, merged)
+
+
+@pytest.mark.parametrize("poisoned", [0, 1], ids=["first-poisoned", "second-poisoned"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_blocks_without_a_pair_are_skipped(causal, poisoned):
+    """NaN in one document's q, k, v and dout leaves the other's results finite and unchanged: no kernel loads a
+    tile of it (a masked tile would still multiply its NaN V or dO by a zero P)."""
+    case = twins.SKIP_CASE
+    config = PortableConfig(*(KernelConfig(*twins.SKIP_BLOCKS[name], 4, 1)
+                              for name in ("forward", "backward_dkdv", "backward_dq")))
+    ids = twins.segment_ids(case)
+    arrays = twins.case_inputs(case, "float32")
+    clean = _ours(*_arrays(arrays, jnp.float32), causal, ids, config=config)
+    rows = ids[0] == poisoned
+    for x in arrays:
+        x[:, rows] = np.nan
+    dirty = _ours(*_arrays(arrays, jnp.float32), causal, ids, config=config)
+    for name in NAMES:
+        tokens = 2 if name == "lse" else 1  # lse is [B, H, S]
+        assert not np.isfinite(np.compress(rows, dirty[name], tokens)).any(), name  # the poison took
+        np.testing.assert_array_equal(np.compress(~rows, dirty[name], tokens), np.compress(~rows, clean[name], tokens),
+                                      err_msg=name)
+
+
+def _random_spans(batch, seq_q, seq_k, seed):
+    """Monotone key spans that are no documents' (empty rows, rows with end < start, a span ending at seq_k)."""
+    rng = np.random.default_rng(seed)
+    start = np.sort(rng.integers(0, seq_k, (batch, seq_q)), axis=1)
+    end = np.sort(rng.integers(0, seq_k + 1, (batch, seq_q)), axis=1)
+    end[:, -1] = seq_k
+    return Spans(*(jnp.asarray(x, jnp.int32) for x in (start, end)))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_pair_functions_take_any_monotone_spans(causal):
+    """The ring's contract: the pair forward and backward on spans of any monotone shape, Sq != Sk, the causal rule
+    folded in, match the reference pair functions (fp32, FP32_TOL) with the kernels' block ranges exercised."""
+    case = kernel_twins.KernelCase(45, 70, 4, 2, 32, batch=2)
+    q, k, v, dout = _arrays(kernel_twins.inputs(case, "float32"), jnp.float32)
+    spans = _random_spans(2, 45, 70, seed=1)
+    scale = 1 / math.sqrt(32)
+    got, want = {}, {}
+    for result, backend in ((got, "pallas_portable"), (want, "reference")):
+        out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=jnp.float32,
+                                           backend=backend, spans=spans)
+        dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                              backend=backend, spans=spans)
+        result.update(zip(NAMES, (np.asarray(x, np.float64) for x in (out, lse, dq, dk, dv))))
+    assert np.isneginf(want["lse"]).any()  # some rows see no key: their lse -inf, out and dq 0
+    kernel_twins.assert_fp32_close(got, want)
+
+
+def test_reference_pair_functions_mask_by_spans():
+    """The reference's span mask is the contract's: a span covering every key changes nothing."""
+    q, k, v, dout = _arrays(kernel_twins.inputs(kernel_twins.KernelCase(20, 20, 2, 1, 32), "float32"), jnp.float32)
+    full = Spans(jnp.zeros((1, 20), jnp.int32), jnp.full((1, 20), 20, jnp.int32))
+    with_spans = reference_attention_forward(q, k, v, causal=True, softmax_scale=0.2, spans=full)
+    plain = reference_attention_forward(q, k, v, causal=True, softmax_scale=0.2)
+    for got, want in zip(with_spans, plain):
+        np.testing.assert_array_equal(got, want)
+    grads = reference_attention_backward(dout, q, k, v, *plain, causal=True, softmax_scale=0.2, spans=full)
+    for got, want in zip(grads, reference_attention_backward(dout, q, k, v, *plain, causal=True, softmax_scale=0.2)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("backend, message", [
+    ("pallas_hopper", "backend 'pallas_hopper' does not take documents; the portable family does"),
+    ("cudnn", "backend 'cudnn' does not take documents"),
+])
+def test_families_without_documents_refuse_them(backend, message):
+    q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        flash_attention(q, q, q, backend=backend, segment_ids=jnp.zeros((1, 8), jnp.int32))
+
+
+@pytest.mark.parametrize("segment_ids, message", [
+    (np.array([[0, 0, 1, 0]]), "non-decreasing .* decrease after position 2"),
+    (np.zeros((1, 3), np.int32), r"shape \[batch, seq\] = \(1, 4\)"),
+    (np.zeros((1, 4), np.float32), "must be integers"),
+])
+def test_bad_segment_ids_are_one_line(segment_ids, message):
+    q = jnp.zeros((1, 4, 2, 32))
+    with pytest.raises(ValueError, match=message):
+        flash_attention(q, q, q, backend="reference", segment_ids=jnp.asarray(segment_ids))
+
+
+def test_documents_need_self_attention():
+    q, k = jnp.zeros((1, 4, 2, 32)), jnp.zeros((1, 5, 2, 32))
+    with pytest.raises(ValueError, match="Sq == Sk"):
+        flash_attention(q, k, k, segment_ids=jnp.zeros((1, 4), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(4096,), (1, 777, 3000, 318), (128,) * 32], ids=["one", "mixed", "short"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_documents_on_the_gpu_by_the_flash_rule(dim, lengths):
+    """Real sizes: bf16, "pallas" (the portable family once documents are given), documents as the corpus packs
+    them and many short ones, by the flash rule against the documents one at a time."""
+    case = twins.DocumentCase((lengths,), heads=8, kv_heads=2, dim=dim)
+    violations = _violations(case, "bfloat16", True, twins.segment_ids(case))
+    assert not violations, f"(ours, naive) errors beyond the rule: {violations}"
