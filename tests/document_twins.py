@@ -1,14 +1,18 @@
-"""The one test base of packed documents in the twin kernels, read by tests/test_document_attention_torch.py and
-tests/test_document_attention_jax.py: the cases both run (documents of length 1, odd lengths, one document, a batch
-whose rows pack different documents), the inputs (tests/kernel_twins.py's), the exact answer of the same documents
-attended ONE AT A TIME (float64, `kernel_twins.float64_attention` on each document's slice, so it shares no masking
-code with the kernels), the negative control's documents and the block-skip case.
+"""The one test base of packed documents in the twin kernels and rings, read by tests/test_document_attention_*.py
+and tests/test_document_ring_*.py (torch and JAX): the cases both run (documents of length 1, odd lengths, one
+document, a batch whose rows pack different documents; in the rings every layout and variant, documents longer than
+a device's shard and lengths that split into no number of chunks), the inputs (tests/kernel_twins.py's), the exact
+answer of the same documents attended ONE AT A TIME (float64, `kernel_twins.float64_attention` on each document's
+slice, so it shares no masking code with the kernels), the negative control's documents and the block-skip case.
 
 Tolerances (kernel_twins' docstring has the reasons; each applies per document, as the answer is made):
   The flash rule (bf16/fp16): each of out, lse, dq, dk, dv within 2x the error of the naive same-dtype attention,
     also attending one document at a time, plus KERNEL_ATOL (1e-4: a document of length 1 has the exact answer
     out = v, dq = dk = 0, which the naive attention reproduces exactly and ours up to float32 summation order).
-  FP32_TOL (fp32 inputs): exact float32 arithmetic in another summation order.
+  FP32_TOL (fp32 inputs): exact float32 arithmetic in another summation order (the rings' partials merged by lse
+    in float32 too: observed <= 3e-6).
+  The rings' bf16 results by `ring_twins.assert_flash_rule` (its BF16_ATOL, reasons there): one bf16 rounding of
+    the float32-merged output, as the kernels'.
 A dropped boundary lets a query see a whole other document's keys, so it moves results by whole score terms; the
 negative control asserts the flash rule fails for it.
 """
@@ -20,7 +24,9 @@ import dataclasses
 import numpy as np
 from kernel_twins import NAMES, KernelCase, float64_attention, inputs
 
+from weights.attention import VARIANTS
 from weights.documents import segment_ids_from_lengths
+from weights.layout import LAYOUTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +49,8 @@ class DocumentCase:
 
     @property
     def id(self) -> str:
-        return "-".join("_".join(map(str, row)) for row in self.lengths) + f"-h{self.heads}kv{self.kv_heads}-d{self.dim}"
+        documents = "-".join("_".join(map(str, row)) for row in self.lengths)
+        return f"{documents}-h{self.heads}kv{self.kv_heads}-d{self.dim}"
 
 
 CASES = [
@@ -61,8 +68,46 @@ SKIP_CASE = DocumentCase(((64, 64),), heads=2, kv_heads=1)
 SKIP_BLOCKS = {"forward": (64, 32), "backward_dkdv": (32, 64), "backward_dq": (64, 32)}  # (query, key) rows
 
 
-def ids(cases: list[DocumentCase]) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class DocumentRingCase:
+    """One ring call over `world` devices on the packed sequences of `documents`."""
+
+    world: int
+    layout: str
+    variant: str
+    causal: bool = True
+    dtype: str = "float32"
+    documents: DocumentCase = DocumentCase(((1, 13, 7, 20, 7), (30, 18)))
+
+    @property
+    def id(self) -> str:
+        return f"p{self.world}-{self.layout}-{self.variant}-{'causal' if self.causal else 'full'}-{self.dtype}"
+
+
+# 48 tokens on 4 devices: shards of 12, zigzag chunks of 6; documents of length 1, lengths that split into no
+# number of chunks (7, 13), longer than a shard (20, 30). fp32 with the reference pair backend: every layout,
+# variant and mask; bf16 through our kernels (interpreted on CPU): one case per layout.
+RING_FP32 = [DocumentRingCase(4, layout, variant, causal) for layout in LAYOUTS for variant in VARIANTS
+             for causal in (True, False)]
+RING_OURS_BF16 = [DocumentRingCase(4, "zigzag_stripes", "ring", dtype="bfloat16"),
+                  DocumentRingCase(4, "zigzag", "ring", dtype="bfloat16"),
+                  DocumentRingCase(4, "contiguous", "allgather", dtype="bfloat16"),
+                  DocumentRingCase(4, "zigzag_stripes", "allgather", causal=False, dtype="bfloat16")]
+RING_NEGATIVE = DocumentRingCase(4, "zigzag_stripes", "ring")  # its second row's boundary dropped: must fail FP32_TOL
+# run without segment ids: zigzag_stripes on the spans of one document
+RING_ONE_DOCUMENT = DocumentRingCase(4, "zigzag_stripes", "ring", documents=DocumentCase(((48,), (48,))))
+
+
+def ids(cases: list) -> list[str]:
     return [case.id for case in cases]
+
+
+def ring_segment_ids(case: DocumentRingCase, *, dropped_boundary: bool = False) -> np.ndarray:
+    """The ring case's segment ids [B, S]; with `dropped_boundary` its last row's two documents made one."""
+    ids = segment_ids(case.documents)
+    if dropped_boundary:
+        ids[-1] = ids[-1, 0]
+    return ids
 
 
 def segment_ids(case: DocumentCase) -> np.ndarray:

@@ -50,7 +50,7 @@ def _ours(q, k, v, dout, causal, segment_ids, backend="pallas", config=None):
     return _with_grads(attend, q, k, v, dout, jnp.asarray(segment_ids))
 
 
-def _naive(case, arrays, causal, dtype):
+def naive_one_at_a_time(case, arrays, causal, dtype):
     """The naive same-dtype attention (`reference_attention`), one document at a time."""
     def attend(q, k, v, dout):
         return _with_grads(lambda q, k, v: reference_attention(q, k, v, causal=causal, return_lse=True),
@@ -61,7 +61,7 @@ def _naive(case, arrays, causal, dtype):
 def _violations(case, dtype, causal, segment_ids):
     arrays = twins.case_inputs(case, dtype)
     ours = _ours(*_arrays(arrays, dtype), causal, segment_ids)
-    return kernel_twins.flash_rule_violations(ours, _naive(case, arrays, causal, dtype),
+    return kernel_twins.flash_rule_violations(ours, naive_one_at_a_time(case, arrays, causal, dtype),
                                               twins.exact(case, *arrays, causal))
 
 

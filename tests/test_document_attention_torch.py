@@ -39,7 +39,7 @@ def _ours(q, k, v, dout, causal, segment_ids, backend="triton", config=None):
                                                                                               v.grad))}
 
 
-def _naive(case, arrays, causal, dtype):
+def naive_one_at_a_time(case, arrays, causal, dtype):
     """The naive same-dtype attention (`reference_attention`), one document at a time."""
     def attend(q, k, v, dout):
         q, k, v, dout = _tensors((q, k, v, dout), dtype)
@@ -54,7 +54,7 @@ def _naive(case, arrays, causal, dtype):
 def _violations(case, dtype, causal, segment_ids):
     arrays = twins.case_inputs(case, dtype)
     ours = _ours(*_tensors(arrays, dtype), causal, segment_ids)
-    return kernel_twins.flash_rule_violations(ours, _naive(case, arrays, causal, dtype),
+    return kernel_twins.flash_rule_violations(ours, naive_one_at_a_time(case, arrays, causal, dtype),
                                               twins.exact(case, *arrays, causal))
 
 

@@ -13,7 +13,7 @@ from weights.parallel import MESH_AXES, MeshShape, parameter_shard_axes, paramet
 from weights.schedule import OptimizerConfig
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "zigzag_stripes"])
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_layout_partitions_the_sequence(layout, world):
     seq_len = 48
@@ -28,7 +28,9 @@ def test_layout_partitions_the_sequence(layout, world):
 def test_zigzag_pairs_early_and_late_chunks():
     assert rank_positions(16, 4, 0, "zigzag").tolist() == [0, 1, 14, 15]
     assert rank_positions(16, 4, 3, "zigzag").tolist() == [6, 7, 8, 9]
-    assert rank_positions(12, 4, 1, "striped").tolist() == [1, 5, 9]
+    # stripes of gcd(48 / 8, 128) = 2 tokens in 3 groups of 8 stripes; rank 1 holds stripes 1 and 6 of each
+    assert rank_positions(48, 4, 1, "zigzag_stripes").tolist() == [2, 3, 12, 13, 18, 19, 28, 29, 34, 35, 44, 45]
+    assert rank_positions(4096, 2, 0, "zigzag_stripes")[126:130].tolist() == [126, 127, 384, 385]  # tile stripes
     # causal work per rank (sum of visible keys) is balanced in zigzag, not in contiguous
     work = {layout: [int((rank_positions(64, 4, r, layout) + 1).sum()) for r in range(4)]
             for layout in ("zigzag", "contiguous")}

@@ -367,7 +367,7 @@ def _qkv(seq_q=8, heads=4, seq_kv=8, kv_heads=2):
 
 
 @pytest.mark.parametrize("tensors, keywords, message", [
-    (_qkv(), dict(layout="striped"), "layout must be one of contiguous, zigzag, got 'striped'"),
+    (_qkv(), dict(layout="striped"), "layout must be one of contiguous, zigzag, zigzag_stripes, got 'striped'"),
     (_qkv(), dict(variant="ulysses"), "variant must be one of ring, allgather, got 'ulysses'"),
     (_qkv(kv_heads=3), {}, "q's 4 heads must be a multiple of k's 3 heads"),
     (_qkv(seq_q=6), {}, "must agree in batch, local sequence length and head_dim"),

@@ -34,6 +34,11 @@ of consecutive positions among the local queries (one for contiguous, two for zi
 call, to the key prefix that ends at its last position, with the bottom-right-aligned causal mask; no merge is
 needed. Its backward gathers K/V again (instead of keeping P copies alive) and reduce-scatters float32 dK/dV.
 
+Packed documents (`segment_ids`, `weights/documents.py`), and the zigzag_stripes layout with or without them: every
+step is the whole K/V block on its key spans (`_step_pair`), which come from the segment ids of the local tokens and
+of the block (they travel with it, or are all-gathered with K/V) at both ranks' positions; the allgather variant
+makes one call per rank on the spans of the whole sequence.
+
 Only the Hkv K/V heads travel (GQA is never expanded on the wire). With `check_ranks` (the default) every call
 first all-gathers a few integers describing each rank's arguments (shapes, dtypes, causal, layout, variant, scale),
 so a rank whose input differs makes every rank raise the same ValueError instead of hanging in a transfer; this
@@ -49,13 +54,16 @@ import functools
 import math
 import struct
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from torch_impl.documents import Spans, checked_segment_ids, key_spans
 from torch_impl.kernels.flash_attention import exact_output_dtype, flash_attention_backward, flash_attention_forward
 from torch_impl.remat import keep_for_backward
 from torch_impl.ring_comm import CommLog, Ring
-from weights.attention import ALL, VARIANTS, check_ring_choices, check_ring_shapes, ring_block, source_of
+from weights.attention import (ALL, BLOCK_LAYOUTS, VARIANTS, RingBlock, check_ring_choices, check_ring_shapes,
+                               ring_block, source_of)
 from weights.layout import LAYOUTS, check_split, inverse_order, layout_order, position_runs, rank_positions
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -70,6 +78,29 @@ class _RingConfig:
     softmax_scale: float
     backend: str
     compile_merge: bool
+    documents: bool  # every step on key spans (`_step_pair`): segment ids given, or the zigzag_stripes layout
+
+
+@functools.lru_cache(maxsize=32)
+def _layout_positions(seq_len: int, world: int, layout: str, device: torch.device) -> torch.Tensor:
+    """int32 [P, S_local]: every rank's positions (`weights.layout.rank_positions`), where the spans look keys up."""
+    table = np.stack([rank_positions(seq_len, world, rank, layout) for rank in range(world)])
+    return torch.from_numpy(table.astype(np.int32)).to(device)
+
+
+def _step_pair(ring: Ring, cfg: _RingConfig, step: int, local_len: int, ids=None, block_ids=None
+               ) -> tuple[RingBlock, Spans | None] | None:
+    """The work of ring step `step`, whose K/V block is rank (rank - step) mod P's: the local rows x block columns
+    and causal flag of `weights.attention.ring_block`, or with documents the whole block with the step's key spans
+    (segment ids `ids` of the local tokens and `block_ids` of the block's, looked up at both ranks' positions); None
+    when the mask hides all of it."""
+    source = (ring.rank - step) % ring.world
+    if cfg.documents:
+        positions = _layout_positions(local_len * ring.world, ring.world, cfg.layout, ids.device)
+        spans = key_spans(ids, positions[ring.rank], block_ids, positions[source], causal=cfg.causal)
+        return RingBlock(ALL, ALL, False), spans
+    block = ring_block(cfg.causal, cfg.layout, source_of(ring.rank, source), local_len)
+    return None if block is None else (block, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -98,47 +129,55 @@ def _compiled_merge():
     return torch.compile(_merge)
 
 
-def _ring_forward(ring: Ring, cfg: _RingConfig, q, k, v):
+def _ring_forward(ring: Ring, cfg: _RingConfig, q, k, v, ids):
     """(out, lse float32) of the local queries. Partial outputs come in the backend's `exact_output_dtype`; they
     accumulate in float32, except where no row is merged twice (two ranks, or one) and the partials are in q's
-    dtype already: the accumulator is then q's dtype, rounded once per merged row as the final cast would."""
-    local_len = q.shape[1]
+    dtype already: the accumulator is then q's dtype, rounded once per merged row as the final cast would. With
+    documents the segment ids travel with their K/V block."""
     partial_dtype = exact_output_dtype(cfg.backend, q.dtype) if ring.world > 1 else q.dtype
     acc_dtype = q.dtype if ring.world <= 2 and partial_dtype == q.dtype else torch.float32
     merge = _compiled_merge() if cfg.compile_merge else _merge
     acc_out = acc_lse = None
-    k_block, v_block = k, v
+    blocks = _travelling(k, v, ids)
     for step in range(ring.world):
-        incoming = ring.exchange([k_block, v_block]) if step + 1 < ring.world else None
-        block = ring_block(cfg.causal, cfg.layout, source_of(ring.rank, (ring.rank - step) % ring.world), local_len)
-        if block is not None:
+        incoming = ring.exchange(blocks) if step + 1 < ring.world else None
+        k_block, v_block, *block_ids = blocks
+        pair = _step_pair(ring, cfg, step, q.shape[1], ids, *block_ids)
+        if pair is not None:
+            block, spans = pair
             out, lse = flash_attention_forward(
                 q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols], causal=block.causal,
-                softmax_scale=cfg.softmax_scale, out_dtype=partial_dtype, backend=cfg.backend)
+                softmax_scale=cfg.softmax_scale, out_dtype=partial_dtype, backend=cfg.backend, spans=spans)
             if step == 0:  # always the whole diagonal block
                 acc_out, acc_lse = out.to(acc_dtype), lse
             else:
                 merge(acc_out[:, block.rows], acc_lse[:, :, block.rows], out, lse)
         if incoming is not None:
-            k_block, v_block = incoming.wait()
+            blocks = incoming.wait()
     return acc_out, acc_lse
 
 
-def _ring_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse):
+def _travelling(k, v, ids) -> list[torch.Tensor]:
+    """What goes around the ring with each block: K, V and, with documents, the block's segment ids."""
+    return [k, v] if ids is None else [k, v, ids]
+
+
+def _ring_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse, ids):
     """(dq, dk, dv) float32; dk/dv accumulators travel with their K/V block and end at their owner."""
-    local_len = q.shape[1]
     dq = dk_acc = dv_acc = None
-    k_block, v_block = k, v
+    blocks = _travelling(k, v, ids)
     returning = None  # the accumulators of the block that arrives next, on their way
     for step in range(ring.world):
-        incoming = ring.exchange([k_block, v_block]) if step + 1 < ring.world else None
-        block = ring_block(cfg.causal, cfg.layout, source_of(ring.rank, (ring.rank - step) % ring.world), local_len)
+        incoming = ring.exchange(blocks) if step + 1 < ring.world else None
+        k_block, v_block, *block_ids = blocks
+        pair = _step_pair(ring, cfg, step, q.shape[1], ids, *block_ids)
         grads = None
-        if block is not None:
+        if pair is not None:
+            block, spans = pair
             grads = flash_attention_backward(
                 dout[:, block.rows], q[:, block.rows], k_block[:, block.cols], v_block[:, block.cols],
                 out[:, block.rows], lse[:, :, block.rows], causal=block.causal, softmax_scale=cfg.softmax_scale,
-                backend=cfg.backend)
+                backend=cfg.backend, spans=spans)
         if step == 0:  # the whole diagonal block: its gradients start the accumulators
             dq, dk_acc, dv_acc = grads
         else:
@@ -150,7 +189,7 @@ def _ring_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse):
         if ring.world > 1:
             returning = ring.exchange([dk_acc, dv_acc])
         if incoming is not None:
-            k_block, v_block = incoming.wait()
+            blocks = incoming.wait()
     if returning is not None:  # the last hop brings each rank its own block's accumulators
         dk_acc, dv_acc = returning.wait()
     return dq, dk_acc, dv_acc
@@ -176,32 +215,39 @@ def _gather_in_position_order(ring: Ring, cfg: _RingConfig, tensors: list[torch.
     return [p.wait().movedim(0, 1).flatten(1, 2).index_select(1, slots) for p in pending]
 
 
-def _query_runs(ring: Ring, cfg: _RingConfig, local_len: int) -> tuple[tuple[slice, int, bool], ...]:
-    """(local rows, key prefix length, causal) of the kernel calls: one per run of consecutive positions."""
+def _query_runs(ring: Ring, cfg: _RingConfig, local_len: int, ids=None, ids_all=None
+                ) -> tuple[tuple[slice, int, bool, Spans | None], ...]:
+    """(local rows, key prefix length, causal, spans) of the kernel calls: one per run of consecutive positions, or
+    with documents one call on the key spans of the local tokens (segment ids `ids`) in the whole sequence
+    (`ids_all`, position order)."""
     seq_len = local_len * ring.world
+    if cfg.documents:
+        positions = _layout_positions(seq_len, ring.world, cfg.layout, ids.device)
+        every = torch.arange(seq_len, dtype=torch.int32, device=ids.device)
+        return ((ALL, seq_len, False, key_spans(ids, positions[ring.rank], ids_all, every, causal=cfg.causal)),)
     if not cfg.causal:
-        return ((ALL, seq_len, False),)
-    return tuple((rows, end, True) for rows, end in position_runs(seq_len, ring.world, ring.rank, cfg.layout))
+        return ((ALL, seq_len, False, None),)
+    return tuple((rows, end, True, None) for rows, end in position_runs(seq_len, ring.world, ring.rank, cfg.layout))
 
 
-def _allgather_forward(ring: Ring, cfg: _RingConfig, q, k, v):
+def _allgather_forward(ring: Ring, cfg: _RingConfig, q, k, v, ids):
     """(out in q's dtype, lse float32) of the local queries."""
-    k_all, v_all = _gather_in_position_order(ring, cfg, [k, v])
+    k_all, v_all, *ids_all = _gather_in_position_order(ring, cfg, _travelling(k, v, ids))
     parts = [flash_attention_forward(q[:, rows], k_all[:, :end], v_all[:, :end], causal=causal,
-                                     softmax_scale=cfg.softmax_scale, backend=cfg.backend)
-             for rows, end, causal in _query_runs(ring, cfg, q.shape[1])]
+                                     softmax_scale=cfg.softmax_scale, backend=cfg.backend, spans=spans)
+             for rows, end, causal, spans in _query_runs(ring, cfg, q.shape[1], ids, *ids_all)]
     return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)
 
 
-def _allgather_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse):
-    k_all, v_all = _gather_in_position_order(ring, cfg, [k, v])
+def _allgather_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse, ids):
+    k_all, v_all, *ids_all = _gather_in_position_order(ring, cfg, _travelling(k, v, ids))
     slots = _position_slots(k_all.shape[1], ring.world, cfg.layout, k.device)
     dq = torch.empty_like(q, dtype=torch.float32)
     dk_all, dv_all = (torch.zeros_like(x, dtype=torch.float32) for x in (k_all, v_all))  # layout order
-    for rows, end, causal in _query_runs(ring, cfg, q.shape[1]):
+    for rows, end, causal, spans in _query_runs(ring, cfg, q.shape[1], ids, *ids_all):
         dq[:, rows], dk, dv = flash_attention_backward(
             dout[:, rows], q[:, rows], k_all[:, :end], v_all[:, :end], out[:, rows], lse[:, :, rows],
-            causal=causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend)
+            causal=causal, softmax_scale=cfg.softmax_scale, backend=cfg.backend, spans=spans)
         dk_all.index_add_(1, slots[:end], dk)
         dv_all.index_add_(1, slots[:end], dv)
     # [B, S_total, ...] in layout order -> [P, B, S_local, ...] (a view when B == 1), summed over ranks, own slice
@@ -215,15 +261,15 @@ def _allgather_backward(ring: Ring, cfg: _RingConfig, dout, q, k, v, out, lse):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, cfg: _RingConfig):
+    def forward(ctx, q, k, v, ids, ring: Ring, cfg: _RingConfig):
         def attend():
             run = _allgather_forward if cfg.variant == "allgather" and ring.world > 1 else _ring_forward
             with ring.draining():
-                out, lse = run(ring, cfg, q, k, v)
+                out, lse = run(ring, cfg, q, k, v, ids)
             return out.to(q.dtype), lse
 
         out, lse = keep_for_backward(attend)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, ids)
         ctx.ring, ctx.cfg = ring, cfg
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -231,12 +277,12 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, ids = ctx.saved_tensors
         ring, cfg = ctx.ring, ctx.cfg
         run = _allgather_backward if cfg.variant == "allgather" and ring.world > 1 else _ring_backward
         with ring.draining():
-            dq, dk, dv = run(ring, cfg, dout.contiguous(), q, k, v, out, lse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            dq, dk, dv = run(ring, cfg, dout.contiguous(), q, k, v, out, lse, ids)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -247,9 +293,10 @@ def _code(value, choices) -> int:
     return choices.index(value) if value in choices else -1
 
 
-def _agreement_fields(q, k, v, causal, layout, variant, softmax_scale) -> dict[str, tuple[int, ...]]:
+def _agreement_fields(q, k, v, causal, layout, variant, softmax_scale, segment_ids
+                      ) -> dict[str, tuple[int, ...]]:
     """Fixed-length integer encodings of everything that must be equal on all ranks."""
-    fields = {}
+    fields = {"segment_ids": (int(segment_ids is not None),)}
     for name, x in (("q", q), ("k", k), ("v", v)):
         dims = tuple(x.shape)[:_MAX_DIMS]
         fields[f"{name} shape"] = (x.ndim, *dims, *(-1,) * (_MAX_DIMS - len(dims)))
@@ -272,6 +319,8 @@ def _describe(name: str, code: tuple[int, ...]) -> str:
         return repr(choices[code[0]]) if code[0] >= 0 else "unknown"
     if name == "softmax_scale":
         return repr(struct.unpack("<d", struct.pack("<q", code[1]))[0]) if code[0] else "None"
+    if name == "segment_ids":
+        return "given" if code[0] else "None"
     return str(bool(code[0]))
 
 
@@ -288,6 +337,19 @@ def _check_agreement(ring: Ring, fields: dict[str, tuple[int, ...]]) -> None:
         if len(set(values)) > 1:
             per_rank = ", ".join(f"{_describe(name, c)} on rank {r}" for r, c in enumerate(values))
             raise ValueError(f"ring_attention arguments differ across the {ring.world} ranks: {name} is {per_rank}")
+
+
+def _local_segment_ids(segment_ids, q, check_values: bool) -> torch.Tensor:
+    """int32 [B, S_local] segment ids of the local tokens: the given ones (their local order, increasing positions,
+    must be non-decreasing: checked with `check_values`, a host copy), or one document for a layout that runs on
+    key spans without documents."""
+    if segment_ids is None:
+        return torch.zeros(q.shape[:2], dtype=torch.int32, device=q.device)
+    if check_values:
+        return checked_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
+    if not isinstance(segment_ids, torch.Tensor) or tuple(segment_ids.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"segment_ids must be a tensor [B, S_local] = {tuple(q.shape[:2])}")
+    return segment_ids.to(device=q.device, dtype=torch.int32).contiguous()
 
 
 def _check_local_shapes(q, k, v, world: int, layout: str) -> None:
@@ -308,8 +370,10 @@ def _check_local_shapes(q, k, v, world: int, layout: str) -> None:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                    causal: bool = True, layout: str = "zigzag", variant: str = "ring", return_lse: bool = False,
                    softmax_scale: float | None = None, backend: str = "triton", check_ranks: bool = True,
-                   compile_merge: bool = False, local_copies: bool = False, comm_log: CommLog | None = None):
-    """Attention over a sequence sharded across the ranks of `group`; see the module docstring.
+                   compile_merge: bool = False, local_copies: bool = False, comm_log: CommLog | None = None,
+                   segment_ids: torch.Tensor | None = None):
+    """Attention over a sequence sharded across the ranks of `group`; see the module docstring. `segment_ids`
+    [B, S_local]: this rank's tokens' documents (`weights/documents.py`, in the layout's order like q).
 
     Raises ValueError (on every rank alike) for bad or, with `check_ranks`, cross-rank-inconsistent arguments,
     LayoutError (a ValueError) when the local length does not split in `layout` (zigzag needs an even local length).
@@ -319,12 +383,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     ring = Ring(group, q.device, local_copies=local_copies, log=comm_log)
     if ring.world > 1 and check_ranks:
-        _check_agreement(ring, _agreement_fields(q, k, v, causal, layout, variant, softmax_scale))
+        _check_agreement(ring, _agreement_fields(q, k, v, causal, layout, variant, softmax_scale, segment_ids))
     check_ring_choices(layout, variant)
     _check_local_shapes(q, k, v, ring.world, layout)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    cfg = _RingConfig(bool(causal), layout, variant, scale, backend, compile_merge)
-    out, lse = _RingAttention.apply(q, k, v, ring, cfg)
+    documents = segment_ids is not None or layout not in BLOCK_LAYOUTS
+    cfg = _RingConfig(bool(causal), layout, variant, scale, backend, compile_merge, documents)
+    ids = _local_segment_ids(segment_ids, q, check_ranks) if documents else None
+    out, lse = _RingAttention.apply(q, k, v, ids, ring, cfg)
     return (out, lse) if return_lse else out
 
 

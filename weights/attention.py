@@ -25,8 +25,8 @@ import dataclasses
 from weights.layout import LAYOUTS, LayoutError, check_split
 
 VARIANTS = ("ring", "allgather")
-SOURCES = ("same", "earlier", "later")
-BLOCK_LAYOUTS = ("contiguous", "zigzag")  # the layouts whose steps `ring_block` tells as slices  # the rank a ring step's K/V block comes from, against the local rank
+SOURCES = ("same", "earlier", "later")  # the rank a ring step's K/V block comes from, against the local rank
+BLOCK_LAYOUTS = ("contiguous", "zigzag")  # the layouts whose steps `ring_block` tells as slices
 FLOAT32_BYTES = 4  # the ring's dK/dV accumulators travel in float32 whatever the compute dtype
 
 

@@ -24,10 +24,13 @@ from QUERY SPANS (`query_spans`: the rows that see key j are a run too, since bo
 visited tile without a pair (`tile_pairs` is the exact table) is possible only where a query block's rows skip a
 document, which happens in a ring where a document of fewer tokens than devices has none on this device.
 
-Balance: the work of a device is the number of visited tiles, summed over its ring steps (`ring_work`). With
-documents, zigzag's pairing of an early and a late chunk no longer evens it (work follows each token's offset in
-its document, not its position); the `striped` layout (`weights.layout`) gives device r every P-th token, so each
-document of any length is split evenly over the devices.
+Balance: the work of a device is the number of tiles it visits, summed over its ring steps (`ring_work`). With
+documents, zigzag's pairing of an early and a late chunk no longer evens it: work follows each token's offset in
+its document, not its position. The `zigzag_stripes` layout (`weights.layout`) deals the sequence out in stripes of
+one tile, zigzag-wise in groups of 2P, so a long document's work is spread over the devices tile by tile, while a
+short one stays whole on one device, its tiles as full as zigzag's (dealing single tokens, as Striped Attention
+does, balances as well but multiplies the tiles of short documents by up to P). `compare/bench/document_balance.py`
+measures both layouts on the corpus's documents and on many short ones.
 """
 
 from __future__ import annotations
@@ -56,6 +59,19 @@ def document_offsets(segment_ids: np.ndarray) -> np.ndarray:
     positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
     starts = np.concatenate([np.ones((ids.shape[0], 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
     return positions - np.maximum.accumulate(np.where(starts, positions, 0), axis=1)
+
+
+def causal_pairs(segment_ids: np.ndarray) -> np.ndarray:
+    """float64 [B]: the causal attention of each packed sequence counted as FlashAttention counts one sequence,
+    half its square: the sum of L^2 / 2 over its documents' lengths L (S^2 / 2 for one document). What MFU credits
+    (`weights.flops.model_flops_per_token`): the attention really done, not the whole sequence's triangle."""
+    ids = np.asarray(segment_ids)
+    starts = np.concatenate([np.ones((ids.shape[0], 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    pairs = []
+    for row in starts:
+        bounds = np.append(np.flatnonzero(row), row.size)
+        pairs.append(float(np.sum(np.diff(bounds).astype(np.float64) ** 2) / 2))
+    return np.asarray(pairs)
 
 
 def segment_ids_from_lengths(lengths: list[int]) -> np.ndarray:
@@ -98,10 +114,14 @@ def _blocks(n: int, block: int) -> np.ndarray:
 
 def tile_pairs(key_start: np.ndarray, key_end: np.ndarray, seq_k: int, block_q: int, block_k: int) -> np.ndarray:
     """bool [B, Sq / block_q, Sk / block_k] (blocks rounded up): the exact block-skip table, which tiles hold at
-    least one attending pair."""
-    mask = visible(key_start, key_end, seq_k)
-    rows, cols = _blocks(mask.shape[1], block_q), _blocks(seq_k, block_k)
-    return np.logical_or.reduceat(np.logical_or.reduceat(mask, rows, axis=1), cols, axis=2)
+    least one attending pair (each row marks the key blocks its span touches; no [Sq, Sk] mask is built)."""
+    batch, seq_q = key_start.shape
+    touched = np.zeros((batch, -(-seq_q // block_q), -(-seq_k // block_k) + 1), np.int64)
+    rows, cols = np.nonzero(key_end > key_start)
+    first, last = key_start[rows, cols] // block_k, (key_end[rows, cols] - 1) // block_k
+    np.add.at(touched, (rows, cols // block_q, first), 1)
+    np.add.at(touched, (rows, cols // block_q, last + 1), -1)
+    return np.cumsum(touched, axis=2)[:, :, :-1] > 0
 
 
 def tiles_visited(key_start: np.ndarray, key_end: np.ndarray, seq_k: int, block_q: int, block_k: int) -> np.ndarray:

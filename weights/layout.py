@@ -6,10 +6,13 @@ Layouts:
   zigzag      the sequence in 2P equal chunks; rank r holds chunk r followed by chunk 2P-1-r. Under a causal mask
               every rank then does the same amount of work (an early chunk paired with a late one), which is why
               it is the default for causal attention.
-  striped     rank r holds positions r, r + P, r + 2P, ... (Striped Attention, Brandon et al. 2023): every
-              document of packed sequences is split evenly over the ranks, so their work stays equal for any
-              document lengths, where zigzag's does not (`weights/documents.py`); the rings run it through the
-              document kernels (a sequence without documents is one document).
+  zigzag_stripes  zigzag over stripes: the sequence in stripes of `stripe_tokens` (a kernel tile, 128, where the
+              length allows), dealt in groups of 2P, rank r holding stripes r and 2P-1-r of every group. Packed
+              documents then spread over the ranks tile by tile, so their work stays even for any document lengths,
+              where zigzag's pairing of two chunks does not (work follows each token's offset in its document, not
+              its position; `weights/documents.py`, `compare/bench/document_balance.py`); a stripe of a whole tile
+              keeps the kernels' tiles as full as zigzag's. The rings run it on key spans (a sequence without
+              documents is one document).
 
 A rank's local tokens are always in increasing position order, so causal masking inside one rank's block is the
 ordinary lower-triangular mask. Lengths that do not split evenly are refused with a message naming the lengths
@@ -18,11 +21,14 @@ that work (padding would change what a causal model computes at the end of the s
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from weights.errors import BadInputError
 
-LAYOUTS = ("contiguous", "zigzag", "striped")
+LAYOUTS = ("contiguous", "zigzag", "zigzag_stripes")
+STRIPE_TOKENS = 128  # zigzag_stripes' stripe: the portable kernels' tile edge on the GPU
 
 
 class LayoutError(BadInputError):
@@ -32,7 +38,7 @@ class LayoutError(BadInputError):
 def chunks_per_rank(layout: str) -> int:
     if layout not in LAYOUTS:
         raise LayoutError(f"unknown layout {layout!r} (choices: {', '.join(LAYOUTS)})")
-    return 2 if layout == "zigzag" else 1
+    return 1 if layout == "contiguous" else 2
 
 
 def check_split(seq_len: int, world: int, layout: str) -> None:
@@ -55,18 +61,22 @@ def rank_positions(seq_len: int, world: int, rank: int, layout: str) -> np.ndarr
     if layout == "contiguous":
         local = seq_len // world
         return np.arange(rank * local, (rank + 1) * local, dtype=np.int64)
-    if layout == "striped":
-        return np.arange(rank, seq_len, world, dtype=np.int64)
-    chunk = seq_len // (2 * world)
-    first = np.arange(rank * chunk, (rank + 1) * chunk, dtype=np.int64)
-    second_start = (2 * world - 1 - rank) * chunk
-    return np.concatenate([first, np.arange(second_start, second_start + chunk, dtype=np.int64)])
+    chunk = stripe_tokens(seq_len, world) if layout == "zigzag_stripes" else seq_len // (2 * world)
+    group = np.arange(chunk, dtype=np.int64)
+    starts = np.arange(0, seq_len, 2 * world * chunk)[:, None] + np.array([rank, 2 * world - 1 - rank]) * chunk
+    return (starts[..., None] + group).reshape(-1)
+
+
+def stripe_tokens(seq_len: int, world: int) -> int:
+    """zigzag_stripes' stripe length: STRIPE_TOKENS where it divides the seq_len / 2P tokens of a rank's half,
+    else their largest common divisor (down to single tokens, which balance as well and fill tiles less)."""
+    return math.gcd(seq_len // (2 * world), STRIPE_TOKENS)
 
 
 def position_runs(seq_len: int, world: int, rank: int, layout: str) -> tuple[tuple[slice, int], ...]:
     """(local rows, end position + 1) of each run of consecutive positions among rank `rank`'s tokens: one run for
-    contiguous, two for zigzag, one per token for striped (which the rings run on key spans instead). An
-    all-gathered ring computes each run against the key prefix up to its end."""
+    contiguous, two for zigzag, two per group of stripes for zigzag_stripes (which the rings run on key spans
+    instead). An all-gathered ring computes each run against the key prefix up to its end."""
     positions = rank_positions(seq_len, world, rank, layout)
     breaks = np.flatnonzero(np.diff(positions) != 1) + 1
     starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [positions.size]])

@@ -117,10 +117,10 @@ def _uses_hopper(backend: str, q, documents: bool = False) -> bool:
     return q.shape[3] in HOPPER_DEFAULT_HEAD_DIMS
 
 
-def runs_hopper_kernels(backend: str, q, documents: bool = False) -> bool:
+def runs_hopper_kernels(backend: str, q) -> bool:
     """Whether the Hopper family (Mosaic GPU kernels) serves `backend`'s calls on inputs like q (the ring then runs
     its blocks in as few kernel shapes as it can: `ring_attention._kernel_pieces`)."""
-    return backend in ("pallas", "pallas_hopper") and _uses_hopper(backend, q, documents)
+    return backend in ("pallas", "pallas_hopper") and _uses_hopper(backend, q)
 
 
 def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None,
@@ -266,8 +266,9 @@ def _cudnn_backward(dout, q, k, v, out, lse, *, causal, softmax_scale):
 # --- pair-level API ---------------------------------------------------------------------------------------------
 
 def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, softmax_scale=None,
-                            out_dtype=None, backend: str = "pallas", config: PortableConfig | HopperConfig | None = None,
-                            spans: Spans | None = None) -> tuple[jax.Array, jax.Array]:
+                            out_dtype=None, backend: str = "pallas",
+                            config: PortableConfig | HopperConfig | None = None, spans: Spans | None = None
+                            ) -> tuple[jax.Array, jax.Array]:
     """One attention pair's forward: (out [B, Sq, H, D] in `out_dtype` or q's dtype, lse [B, H, Sq] float32).
     `softmax_scale=None` means 1/sqrt(D). Not differentiable itself: pair it with `flash_attention_backward`.
     `config`: the Pallas kernels' block sizes, None for the heuristic (module doc). `spans`: the documents' key

@@ -168,18 +168,26 @@ def edge_padded_spans(spans, size: int) -> tuple[jax.Array, jax.Array]:
     return pad(spans.start), pad(spans.end)
 
 
-def span_block_range(span_start: jax.Array, span_end: jax.Array, block: int):
-    """For a block of rows with spans [span_start, span_end) (documents, `weights/documents.py`): (first,
+def span_block_range(span_start_ref, span_end_ref, block: int):
+    """For a block of rows with spans [start, end) in the two Refs (documents, `weights/documents.py`): (first,
     full_first, full_end, end) in units of `block` columns. Blocks [first, end) hold every column any row sees
     (none when every span is empty), [full_first, full_end) those every row sees whole (no mask needed); the rest
-    of [first, end) needs the mask."""
-    lowest_start, highest_start = jnp.min(span_start), jnp.max(span_start)
-    lowest_end, highest_end = jnp.min(span_end), jnp.max(span_end)
-    first = index_div(lowest_start, block)
-    end = jnp.where(highest_end > lowest_start, index_div(highest_end + block - 1, block), first)
-    full_first = jnp.clip(index_div(highest_start + block - 1, block), first, end)
-    full_end = jnp.clip(index_div(lowest_end, block), full_first, end)
-    return first, full_first, full_end, end
+    of [first, end) needs the mask.
+
+    Computed in a loop of one trip (none on the GPU, where Triton folds it): Pallas's interpreter types a value read
+    from a Ref outside every loop as varying over `jax.shard_map`'s mesh axes and refuses its arithmetic with
+    constants (which do not vary), while values read inside a loop body pass (the kernels' other reads all are,
+    or only feed dots)."""
+    def bounds(_, unused):
+        span_start, span_end = span_start_ref[...], span_end_ref[...]
+        lowest_start, highest_start = jnp.min(span_start), jnp.max(span_start)
+        lowest_end, highest_end = jnp.min(span_end), jnp.max(span_end)
+        first = index_div(lowest_start, block)
+        end = jnp.where(highest_end > lowest_start, index_div(highest_end + block - 1, block), first)
+        full_first = jnp.clip(index_div(highest_start + block - 1, block), first, end)
+        full_end = jnp.clip(index_div(lowest_end, block), full_first, end)
+        return first, full_first, full_end, end
+    return lax.fori_loop(0, traced(1), bounds, (traced(0),) * 4)
 
 
 def in_spans(span_start: jax.Array, span_end: jax.Array, pos: jax.Array) -> jax.Array:

@@ -79,7 +79,7 @@ def _dkdv_kernel(*refs, causal: bool, spans: bool, scale: float, block_q: int, g
 
     carry = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     if spans:  # documents: query blocks that see none of these keys are skipped, those that see all unmasked
-        bounds = span_block_range(query_start_ref[...], query_end_ref[...], block_q)
+        bounds = span_block_range(query_start_ref, query_end_ref, block_q)
         runs = tuple(zip(bounds, bounds[1:], (True, False, True)))
     else:
         start, full_start = q_block_range(k_first, block_k, block_q, causal=causal, offset=offset,
@@ -125,7 +125,7 @@ def _dq_kernel(*refs, causal: bool, spans: bool, scale: float, block_k: int, off
 
     dq = jnp.zeros(dq_ref.shape, jnp.float32)
     if spans:  # documents: as the forward, key blocks outside every row's span skipped
-        first, full_first, full_end, end = span_block_range(span_start, span_end, block_k)
+        first, full_first, full_end, end = span_block_range(span_start_ref, span_end_ref, block_k)
         dq = lax.fori_loop(first, full_first, functools.partial(step, masked=True), dq)
         dq = lax.fori_loop(full_first, full_end, functools.partial(step, masked=False), dq)
         dq = lax.fori_loop(full_end, end, functools.partial(step, masked=True), dq)

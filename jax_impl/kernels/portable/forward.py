@@ -77,7 +77,7 @@ def _forward_kernel(*refs, causal: bool, spans: bool, scale_log2: float, block_k
              jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     if spans:  # documents: key blocks outside every row's span are skipped, those inside all of them unmasked
-        first, full_first, full_end, end = span_block_range(span_start, span_end, block_k)
+        first, full_first, full_end, end = span_block_range(span_start_ref, span_end_ref, block_k)
         carry = lax.fori_loop(first, full_first, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(full_first, full_end, functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(full_end, end, functools.partial(step, masked=True), carry)
