@@ -63,7 +63,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -89,7 +88,7 @@ from weights.settings import TrainSettings
 from weights.checkpoint_integrity import set_aside
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
                               check_step_finite, checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens,
-                              host_peak_rss_bytes, run_metadata, valid_target_count)
+                              host_peak_rss_bytes, print_to_stderr, run_metadata, valid_target_count)
 
 State = dict[str, dict]
 StepCallback = Callable[..., None]
@@ -393,7 +392,7 @@ def _resume_point(settings: TrainSettings, meta: dict) -> tuple[Path | None, int
     latest, start = None, 0
     if jax.process_index() == 0:
         latest, start, passed_over = checkpoint_to_resume(settings, meta, checkpointing.completed_checkpoints,
-                                                          checkpointing.read_metadata, warn=_print_to_stderr)
+                                                          checkpointing.read_metadata, warn=print_to_stderr)
         set_aside(list(passed_over))  # before the manager lists the steps: the resumed run saves under their names
     if jax.process_count() > 1:
         start = int(multihost_utils.broadcast_one_to_all(np.int64(start)))
@@ -439,7 +438,6 @@ def step_spec(settings: TrainSettings, config: LlamaConfig, mesh: Mesh) -> StepS
                                                               os.environ.get("XLA_FLAGS", "")))
 
 
-_print_to_stderr = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
@@ -459,7 +457,7 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
     run = build_training(settings, devices)
     mesh, spec, state, meta = run.mesh, run.spec, run.state, run.meta
     if settings.fp8 and jax.process_index() == 0 and fallback_line(spec.config) is not None:
-        _print_to_stderr(fallback_line(spec.config))
+        print_to_stderr(fallback_line(spec.config))
     latest, start = _resume_point(settings, meta)
     manager = None if settings.ckpt_dir is None else checkpointing.open_manager(settings.ckpt_dir, settings.keep)
     try:
@@ -485,7 +483,7 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
                         peak_memory_bytes=peaks)
             skipped = check_step_finite(settings, step, loss, grad_norm, latest)  # raises unless skipping
             if skipped is not None:
-                _print_to_stderr(skipped)
+                print_to_stderr(skipped)
             if checkpoint_due(settings, step + 1, stop):
                 checkpointing.save_checkpoint(manager, step + 1, state, meta)
                 latest = settings.ckpt_dir / checkpointing.step_dir_name(step + 1)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -56,7 +55,7 @@ from weights.settings import TrainSettings
 from weights.checkpoint_integrity import set_aside
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
                               check_step_finite, checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens,
-                              host_peak_rss_bytes, run_metadata, valid_target_count)
+                              host_peak_rss_bytes, print_to_stderr, run_metadata, valid_target_count)
 
 
 def _chunk_cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -349,8 +348,6 @@ StepCallback = Callable[..., None]
 ProfileCallback = Callable[[dict], None]
 
 
-def _print_to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
@@ -400,7 +397,7 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
     if settings.fp8:  # before FSDP, which then shards and gathers the Float8Linears' plain weights
         convert_to_fp8(llama, fp8_linears(config)[0])
         if dist.get_rank() == 0 and fallback_line(config) is not None:
-            _print_to_stderr(fallback_line(config))
+            print_to_stderr(fallback_line(config))
     chunk_tokens = settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size)
     model = ShardedNextTokenLoss(llama, chunk_tokens, fused=fast)
     shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype],
@@ -422,7 +419,7 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
     # Rank 0 verifies the checkpoints' checksums (one pass over the files, not one per rank) and every rank resumes
     # from what it found.
     resume = [checkpoint_to_resume(settings, meta, checkpointing.completed_checkpoints, checkpointing.read_metadata,
-                                   warn=_print_to_stderr) if dist.get_rank() == 0 else None]
+                                   warn=print_to_stderr) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(resume, src=0)
     latest, start, passed_over = resume[0]
     if dist.get_rank() == 0:
@@ -454,7 +451,7 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
         # every rank reads the same gathered numbers, so every rank stops at the same step
         skipped = check_step_finite(settings, step, loss, grad_norm, latest)
         if skipped is not None and dist.get_rank() == 0:
-            _print_to_stderr(skipped)
+            print_to_stderr(skipped)
 
     for step in range(start, stop):
         profiler.begin(step)
