@@ -49,12 +49,13 @@ def test_hopper_takes_no_portable_config():
 
 def test_triton_backend_picks_one_family_for_both_directions(monkeypatch):
     q, k, v = (torch.randn(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3))
-    assert fa._uses_hopper("triton_hopper", q, k, v) and not fa._uses_hopper("triton_portable", q, k, v)
+    assert fa._uses_hopper("triton_hopper", q, k, v, False) and not fa._uses_hopper("triton_portable", q, k, v, False)
     monkeypatch.setattr(fa, "hopper_unsupported", lambda *_: None)  # as on an sm_90 GPU with Triton 3.6
-    assert fa._uses_hopper("triton", q, k, v)
-    assert not fa._uses_hopper("triton_portable", q, k, v)
+    assert fa._uses_hopper("triton", q, k, v, False)
+    assert not fa._uses_hopper("triton", q, k, v, True)  # documents: only the portable family takes them
+    assert not fa._uses_hopper("triton_portable", q, k, v, False)
     monkeypatch.setattr(fa, "hopper_unsupported", lambda *_: "needs an sm_90 (Hopper) GPU")
-    assert not fa._uses_hopper("triton", q, k, v)
+    assert not fa._uses_hopper("triton", q, k, v, False)
 
 
 def test_hopper_config_reaches_both_hopper_kernels(monkeypatch):

@@ -466,10 +466,10 @@ def test_compiled_merge_is_one_wrapper_for_every_call(monkeypatch):
     monkeypatch.setattr(ring_module.torch, "compile", lambda fn: wrapped.append(fn) or fn)
     ring_module._compiled_merge.cache_clear()
     cfg = ring_module._RingConfig(causal=True, layout="zigzag", variant="ring", softmax_scale=0.25,
-                                  backend="reference", compile_merge=True)
+                                  backend="reference", compile_merge=True, documents=False)
     q, k, v = (torch.randn(1, 8, 2, 32) for _ in range(3))
     for _ in range(2):
-        out, lse = ring_module._ring_forward(StandInRing(), cfg, q, k, v)
+        out, lse = ring_module._ring_forward(StandInRing(), cfg, q, k, v, None)
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert wrapped == [ring_module._merge]
     ring_module._compiled_merge.cache_clear()  # the next user compiles for real
