@@ -47,7 +47,7 @@ from packaging.version import Version
 
 from torch_impl.kernels.flash_attention import flash_attention
 from torch_impl.ring_attention import gather_from_ring, ring_attention
-from torch_impl.ring_comm import Ring
+from torch_impl.ring_comm import Ring, all_reduce_in_place
 from weights.attention import check_ring_choices
 from weights.layout import rank_positions
 from weights.training import IGNORE_INDEX
@@ -130,7 +130,7 @@ class HFRing:
         """The full-sequence loss: every rank's share summed (a collective; detached, for reporting)."""
         total = loss_share.detach().clone()
         if self.rank_and_world()[1] > 1:
-            dist.all_reduce(total, group=self.group)
+            all_reduce_in_place([total], self.group)
         return total
 
     def sum_gradients(self, model: torch.nn.Module) -> None:
@@ -140,10 +140,7 @@ class HFRing:
         averages."""
         if self.rank_and_world()[1] == 1:
             return
-        pending = [dist.all_reduce(p.grad, group=self.group, async_op=True)
-                   for p in model.parameters() if p.grad is not None]
-        for work in pending:
-            work.wait()
+        all_reduce_in_place([p.grad for p in model.parameters() if p.grad is not None], self.group)
 
 
 def _mask_problem(attention_mask, local_len: int | None, kwargs: dict) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -76,6 +77,28 @@ class CommLog:
             busy += max(0.0, end - max(begin, reach))
             reach = max(reach, end)
         return busy
+
+
+_RELEASE_POLL_S = 1e-4
+_RELEASE_TIMEOUT_S = 10.0  # a reference still held after this is the caller's own, not a worker's in passing
+
+
+def all_reduce_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Each tensor summed over `group`'s ranks, in place. Returns once the collectives are done and, for CPU
+    tensors (gloo), once gloo's worker threads hold no reference to them any more. Why the second wait: a gloo
+    worker drops its reference to a finished collective just after `wait()` returns; when that drop is the last
+    one, the worker frees the tensors, which takes the GIL, and if the caller has meanwhile reached interpreter
+    exit the worker thread is ended inside a destructor and the process aborts ("terminate called without an
+    active exception", pytorch/pytorch#179291; 1 run in 10 of torch_impl/README.md's example on a loaded 2-core
+    CPU). Waiting for the use counts to fall back makes the caller's reference the last one."""
+    before = [t._use_count() for t in tensors]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+    while works:
+        works.pop().wait()  # the popped handle is dropped here: the tensors are then the worker's and ours
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    while (any(not t.is_cuda and t._use_count() > count for t, count in zip(tensors, before))
+           and time.monotonic() < deadline):
+        time.sleep(_RELEASE_POLL_S)  # releases the GIL, which the worker may be waiting for
 
 
 _COMM_STREAMS_PER_DEVICE = 2  # the ring backward has two transfers in flight (K/V and dK/dV)
