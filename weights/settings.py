@@ -26,6 +26,8 @@ class TrainSettings:
     fp8            the decoder layers' linear matmuls in FP8 (needs bf16; the recipe: weights/fp8.py)
     data, seed     "text" (stdlib source, byte tokens) or "random" tokens; `seed` orders the data and makes
                    preset weights
+    pack           text only: the files as documents (`weights.data.packed_text_batches`): attention, the loss
+                   and RoPE positions stay inside each, the ring in `weights.parallel.PACKED_RING_LAYOUT`
     attention_backend, ring_variant   kernel of each ring step ("triton"/"pallas" or "reference") and ring
                    algorithm ("ring" or "allgather")
     loss_chunk_tokens  positions per logits chunk of the loss (None: 256 Mi logits per chunk)
@@ -54,6 +56,7 @@ class TrainSettings:
     fp8: bool = False
     data: str = "text"
     seed: int = 0
+    pack: bool = False
     optimizer: OptimizerConfig = OptimizerConfig()
     activation_checkpointing: str = "off"  # a weights.parallel.REMAT_MODES key
     attention_backend: str = "triton"

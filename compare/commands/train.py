@@ -20,6 +20,7 @@ resumed run repeats are dropped first.
 Model FLOPs (`weights.flops.model_flops_per_token`, forward + backward, no credit for recomputation), per trained
 sequence of S tokens:
   6 * N * S + 12 * layers * heads * head_dim * S^2 / 2
+(--pack: the sum of L^2 / 2 over its documents' lengths L for S^2 / 2, the attention really done)
 where N counts the parameters every token multiplies in a matmul (all but an untied input embedding table) and
 the second term is causal attention (QK^T and PV, 2 * 2 * S^2 * head_dim per head forward, x3 for forward +
 backward, halved by the mask). MFU = model FLOPs per second / (`weights.flops.PEAK_FLOPS_PER_DEVICE` * devices),
@@ -56,9 +57,10 @@ from compare.nodes import Nodes, add_arguments as add_node_arguments, from_args 
 from compare.nodes import launch_failure, torchrun_arguments
 from weights import PRESETS, BadInputError, LlamaConfig, open_weights
 from weights.atomic import check_output_dir, write_text_atomically
-from weights.data import training_batches
+from weights.data import training_batches, training_segment_ids
+from weights.documents import causal_pairs
 from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
-from weights.flops import PEAK_FLOPS_PER_DEVICE, model_flops_per_token
+from weights.flops import PEAK_FLOPS_PER_DEVICE, batch_model_flops
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig, default_optimizer, defaults_help
 from weights.settings import TrainSettings
@@ -90,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=integer(1),
                         help="sequences per step, all devices together (default: fsdp size)")
     parser.add_argument("--data", choices=("text", "random"), default="text")
+    parser.add_argument("--pack", action="store_true", help="the text corpus's files as packed documents: attention, "
+                        "loss and RoPE inside each, ring layout zigzag_stripes, MFU credits the attention done")
     parser.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="data order and preset weights")
     defaults = OptimizerConfig()
     parser.add_argument("--lr", type=number(0, above=True), help="peak learning rate (default: by model size, "
@@ -143,11 +147,13 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
         raise BadInputError("--resume needs --ckpt-dir")
     if args.profile and (args.out is None or (args.stop_at or args.steps) < 2):
         raise BadInputError("--profile needs --out and at least 2 steps (the first one is not profiled)")
+    if args.pack and args.data != "text":
+        raise BadInputError("--pack packs the text corpus's files as documents: it needs --data text")
     if args.plan_memory and args.backend != "jax":
         raise BadInputError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
     settings = TrainSettings(
         backend=args.backend, model=args.model, seq_len=args.seq_len, steps=args.steps, mesh=mesh,
-        batch=args.batch or mesh.fsdp, dtype=args.dtype, fp8=args.fp8, data=args.data, seed=args.seed,
+        batch=args.batch or mesh.fsdp, dtype=args.dtype, fp8=args.fp8, data=args.data, seed=args.seed, pack=args.pack,
         activation_checkpointing=args.activation_checkpointing,
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
         ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
@@ -208,9 +214,9 @@ def check_shape(settings: TrainSettings, device_count: int) -> LlamaConfig:
 
 
 def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool = True, checksums: bool = True
-              ) -> tuple[LlamaConfig, np.ndarray, int]:
+              ) -> tuple[LlamaConfig, np.ndarray, int, np.ndarray | None]:
     """Every check of a run that needs no device work, reading checkpoints through the backend's own
-    `checkpointing` (the twins share its names): (model config, batches, step to start from).
+    `checkpointing` (the twins share its names): (model config, batches, step to start from, segment ids or None).
     `check_outputs=False` skips the checks of OUT and EXPORT (a torch worker other than rank 0, which writes them);
     `checksums=False` compares the resumed checkpoint's file sizes only (a torch worker: rank 0 verifies the
     checksums once more in `run_training`)."""
@@ -221,7 +227,7 @@ def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool
                                  checkpointing.read_metadata, checksums=checksums).step
     if check_outputs:
         _check_outputs(settings, start)
-    return config, batches, start
+    return config, batches, start, training_segment_ids(settings, config)
 
 
 # --- the per-step report ---------------------------------------------------------------------------------------
@@ -230,11 +236,12 @@ class StepReport:
     """`on_step` of the run: computes throughput and MFU, appends OUT/train.jsonl, drives the progress display."""
 
     def __init__(self, settings: TrainSettings, config: LlamaConfig, start_step: int, on_gpu: bool,
-                 progress: Path | None = None):
+                 progress: Path | None = None, segment_ids: np.ndarray | None = None):
         self.settings = settings
         self.progress_path = progress  # the steps done, for the CLI's line if the run is interrupted
         self.devices = settings.mesh.size
-        self.step_flops = settings.batch * settings.seq_len * model_flops_per_token(config, settings.seq_len)
+        self.step_flops = functools.partial(batch_model_flops, config, settings.batch, settings.seq_len)
+        self.segment_ids = segment_ids  # packed: a step's attention is credited within its documents
         self.on_gpu = on_gpu
         self.jsonl = None
         if settings.out is not None:
@@ -285,7 +292,8 @@ class StepReport:
 
     def __call__(self, *, step: int, loss: float, lr: float, grad_norm: float, seconds: float,
                  peak_memory_bytes: list[int]) -> None:
-        tflops = self.step_flops / seconds / self.devices / 1e12
+        pairs = None if self.segment_ids is None else causal_pairs(self.segment_ids[step])
+        tflops = self.step_flops(pairs) / seconds / self.devices / 1e12
         record: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "seconds": seconds,
             "tokens_per_s": self.settings.batch * self.settings.seq_len / seconds,
@@ -326,23 +334,25 @@ def _run_torch_worker(settings: TrainSettings) -> int:
     from torch_impl.train import init_distributed, run_training
 
     rank0 = int(os.environ["RANK"]) == 0
-    config, batches, start = check_run(settings, int(os.environ["WORLD_SIZE"]), check_outputs=rank0, checksums=False)
+    world = int(os.environ["WORLD_SIZE"])
+    config, batches, start, segment_ids = check_run(settings, world, check_outputs=rank0, checksums=False)
     nodes = Nodes.from_env()
     if nodes is not None:
         init_distributed(timeout_s=nodes.timeout_s)  # before `run_training`, which then finds the group joined
     if not rank0:
-        run_training(settings, batches)
+        run_training(settings, batches, segment_ids=segment_ids)
         return 0
     progress = Path(os.environ[PROGRESS_ENV]) if PROGRESS_ENV in os.environ else None
-    with StepReport(settings, config, start, on_gpu=torch.cuda.is_available(), progress=progress) as report:
-        run_training(settings, batches, report, report.profile)
+    with StepReport(settings, config, start, on_gpu=torch.cuda.is_available(), progress=progress,
+                    segment_ids=segment_ids) as report:
+        run_training(settings, batches, report, report.profile, segment_ids=segment_ids)
     return 0
 
 
 def _launch_torchrun(settings: TrainSettings, device_count: int, scratch: Path, nodes: Nodes) -> int:
     """Starts one worker per device with torchrun on this host, joined with the other nodes' when the run spans
     several (`compare.nodes`), and waits for them (`hand_off`)."""
-    _, _, start = check_run(settings, settings.mesh.size if nodes.spans_hosts else device_count)
+    start = check_run(settings, settings.mesh.size if nodes.spans_hosts else device_count)[2]
     _record_progress(progress_file(scratch), start)
     if not nodes.spans_hosts:
         return hand_off(settings, THIS_MODULE, *torchrun_launcher(device_count), scratch)
@@ -367,14 +377,15 @@ def _run_jax_here(settings: TrainSettings, progress: Path | None = None) -> int:
                   f"{name} {size / 2**30:.2f} GiB" for name, size in plan.items()))
         return 0
     writer = jax.process_index() == 0  # in a run spanning nodes, process 0 writes train.jsonl
-    config, batches, start = check_run(settings, jax.device_count(), check_outputs=writer)
+    config, batches, start, segment_ids = check_run(settings, jax.device_count(), check_outputs=writer)
     if not writer:
-        run_training(settings, batches)
+        run_training(settings, batches, segment_ids=segment_ids)
         return 0
     if progress is not None:
         _record_progress(progress, start)
-    with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu", progress=progress) as report:
-        run_training(settings, batches, report, on_profile=report.profile)
+    with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu", progress=progress,
+                    segment_ids=segment_ids) as report:
+        run_training(settings, batches, report, on_profile=report.profile, segment_ids=segment_ids)
     return 0
 
 
