@@ -11,7 +11,8 @@ How the pieces fit:
               ring layout's (`ACTIVATION_SHARDING["tokens"]`, `RING_LAYOUT`, `weights.layout.layout_order`): the
               global arrays are reordered on the host, then each device receives its contiguous slice.
   attention   `ring_attention` inside `jax.shard_map` over both axes, the ring going around `sp`; its in/out specs
-              pin every layer's activations to the (fsdp, sp) layout.
+              pin every layer's activations to the (fsdp, sp) layout. The Ulysses and hybrid schemes
+              (`sequence_parallel_fn`, `jax_impl/ulysses.py`) run over the same devices with `sp` split in two.
   parameters  `PartitionSpec(*entry)` of the table `weights.parallel.PARAMETER_SHARDING` (the decoder layers'
               weights, stacked in the training state, split the same way behind their layer dim); under `jax.jit`
               XLA's partitioner gathers each weight where a matmul needs it and reduce-scatters its gradient back
@@ -53,12 +54,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax_impl.attention import AttentionFn
 from jax_impl.model import is_stacked, stack_layers
 from jax_impl.ring_attention import ring_attention
+from jax_impl.ulysses import scheme_axes, sequence_parallel_attention, sequence_parallel_mesh
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, parameter_shapes
+from weights.documents import document_offsets
 from weights.errors import BadInputError
 from weights.layout import layout_order
-from weights.documents import document_offsets
 from weights.parallel import (ACTIVATION_SHARDING, MESH_AXES, PACKED_RING_LAYOUT, RING_LAYOUT, MeshShape,
                               parameter_sharding)
+from weights.sequence_parallel import scheme_degrees
 from weights.training import check_batch_shape, next_token_targets
 
 
@@ -181,6 +184,23 @@ def ring_attention_fn(mesh: Mesh, *, backend: str = "pallas", variant: str = "ri
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         return plain(q, k, v) if segment_ids is None else with_documents(q, k, v, segment_ids)
     return attend
+
+
+def sequence_parallel_fn(mesh: Mesh, scheme: str = "ring", ulysses_degree: int | None = None, *,
+                         backend: str = "pallas", variant: str = "ring", layout: str = RING_LAYOUT) -> AttentionFn:
+    """The model's attention function in `scheme` (`weights.sequence_parallel`) over the `sp` axis, on the same
+    global q/k/v as `ring_attention_fn` (which the ring scheme is, in `layout`; the others run RING_LAYOUT):
+    `sequence_parallel_attention` in `jax.shard_map` over `sequence_parallel_mesh`, whose two axes hold the
+    sequence's parts where `sp` holds them (no transfer)."""
+    degrees = scheme_degrees(scheme, mesh.shape["sp"], ulysses_degree)
+    if degrees.ulysses == 1:
+        return ring_attention_fn(mesh, backend=backend, variant=variant, layout=layout)
+    ring_axis, ulysses_axis = scheme_axes("sp")
+    spec = PartitionSpec(ACTIVATION_SHARDING["hidden"][0], (ring_axis, ulysses_axis), None, None)
+    return jax.shard_map(functools.partial(sequence_parallel_attention, ulysses_axis=ulysses_axis,
+                                           ring_axis=ring_axis, causal=True, layout=RING_LAYOUT, variant=variant,
+                                           backend=backend),
+                         mesh=sequence_parallel_mesh(mesh, degrees), in_specs=(spec, spec, spec), out_specs=spec)
 
 
 def sharded_batch(tokens: np.ndarray, mesh: Mesh) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -6,12 +6,15 @@ schedules the collectives, so each returns its result).
   Ring(world, rank)                 the interface: this device's `rank` of `world`, and
       exchange(arrays)              sends a pytree to the next rank (r -> r+1 mod P), returns the previous rank's;
       all_gather(x, axis)           every rank's x concatenated along `axis` in rank order;
-      reduce_scatter(x, axis)       the sum over ranks of x, split along `axis`: this rank's part.
+      reduce_scatter(x, axis)       the sum over ranks of x, split along `axis`: this rank's part;
+      all_to_all(x, split_axis, concat_axis)  x split along `split_axis`, part j to rank j; the parts received
+                                    concatenated along `concat_axis` in rank order (`jax_impl/ulysses.py`).
   MeshRing(axis_name, local_copies) the ring of a `jax.shard_map` mesh axis (jax.lax.ppermute / all_gather /
-                                    psum_scatter); rank is the traced `jax.lax.axis_index`. With `local_copies` every
-                                    collective becomes a local array of the same size (results wrong by design): the
-                                    benchmark's ring minus its communication, for measuring how much communication
-                                    the overlap leaves exposed (twin of the torch Ring's `local_copies`).
+                                    psum_scatter / all_to_all); rank is the traced `jax.lax.axis_index`. With
+                                    `local_copies` every collective becomes a local array of the same size (results
+                                    wrong by design): the benchmark's ring minus its communication, for measuring
+                                    how much communication the overlap leaves exposed (twin of the torch Ring's
+                                    `local_copies`).
 
 The schedule never asks which kind of ring it runs on, so any `Ring` runs it unchanged: the tests drive every rank's
 exact schedule on one device through a lockstep `Ring` (tests/ring_lockstep.py), which is how the interpreted Mosaic
@@ -43,6 +46,10 @@ class Ring(Protocol):
     def reduce_scatter(self, x: jax.Array, axis: int) -> jax.Array:
         """The sum over ranks of `x` (whose `axis` splits evenly into `world` parts): this rank's part of it."""
 
+    def all_to_all(self, x: jax.Array, split_axis: int, concat_axis: int) -> jax.Array:
+        """`x` split into `world` parts along `split_axis`, part j sent to rank j; the parts received concatenated
+        along `concat_axis`, rank 0's first."""
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshRing:
@@ -67,6 +74,12 @@ class MeshRing:
         if self.local_copies:
             return jax.lax.slice_in_dim(x, 0, x.shape[axis] // self.world, axis=axis)
         return jax.lax.psum_scatter(x, self.axis_name, scatter_dimension=axis, tiled=True)
+
+
+    def all_to_all(self, x: jax.Array, split_axis: int, concat_axis: int) -> jax.Array:
+        if self.local_copies:
+            return jnp.concatenate(jnp.split(x, self.world, axis=split_axis), axis=concat_axis)
+        return jax.lax.all_to_all(x, self.axis_name, split_axis, concat_axis, tiled=True)
 
 
 def mesh_ring(axis_name: str, *, local_copies: bool = False) -> MeshRing:

@@ -63,7 +63,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,7 +77,7 @@ from jax_impl import checkpointing
 from jax_impl.attention import AttentionFn
 from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, unstack_layers
 from jax_impl.parallel import (load_parameters, make_mesh, mesh_shape, overlap_compiler_options, parameter_shardings,
-                               ring_attention_fn, sharded_batch, sharded_packed_batch, state_shapes)
+                               sequence_parallel_fn, sharded_batch, sharded_packed_batch, state_shapes)
 from jax_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, ring_layout, weights_regathered_for_backward
@@ -89,7 +88,7 @@ from weights.settings import TrainSettings
 from weights.checkpoint_integrity import set_aside
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
                               check_step_finite, checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens,
-                              host_peak_rss_bytes, run_metadata, valid_target_count)
+                              host_peak_rss_bytes, print_to_stderr, run_metadata, valid_target_count)
 
 State = dict[str, dict]
 StepCallback = Callable[..., None]
@@ -155,13 +154,13 @@ class StepSpec:
     ring_variant: str
     loss_chunk_tokens: int
     optimizer: OptimizerConfig
-    # the decoder layers' linears in FP8 (`convert_to_fp8`, weights/fp8.py's recipe)
-    fp8: bool = False
+    fp8: bool = False  # the decoder layers' linears in FP8 (`convert_to_fp8`, weights/fp8.py's recipe)
     # a LAYER_WEIGHTS key: where a checkpointed step makes the layers' compute weights (the other keys are the
     # structures issue 19 replaced: tests/test_train_memory.py's negative controls)
     layer_weights: str = "in-layer"
     # a step whose loss or grad norm is not finite returns the state it was given (--skip-non-finite-steps)
     skip_non_finite: bool = False
+    sp_scheme: tuple[str, int | None] = ("ring", None)  # (--sp-scheme, --ulysses-degree) of sequence_parallel_fn
     # XLA options the step is compiled with (`jax_impl.parallel.overlap_compiler_options`): (name, value) pairs
     compiler_options: tuple[tuple[str, bool], ...] = ()
     # a hashable callable that wraps the model's attention function (`fn -> fn`): the harness's hook for its
@@ -196,8 +195,8 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
         copy = structure == "stacked-copy"
         weights = {name: (p.astype(dtype) if copy else p) if is_stacked(name) else compute(p)
                    for name, p in params.items()}
-    attention = ring_attention_fn(spec.mesh, backend=spec.attention_backend, variant=spec.ring_variant,
-                                  layout=ring_layout(spec.pack))
+    attention = sequence_parallel_fn(spec.mesh, *spec.sp_scheme, backend=spec.attention_backend,
+                                     variant=spec.ring_variant, layout=ring_layout(spec.pack))
     if spec.attention_wrapper is not None:
         attention = spec.attention_wrapper(attention)
     llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer)
@@ -353,7 +352,7 @@ def _resume_point(settings: TrainSettings, meta: dict) -> tuple[Path | None, int
     latest, start = None, 0
     if jax.process_index() == 0:
         latest, start, passed_over = checkpoint_to_resume(settings, meta, checkpointing.completed_checkpoints,
-                                                          checkpointing.read_metadata, warn=_print_to_stderr)
+                                                          checkpointing.read_metadata, warn=print_to_stderr)
         set_aside(list(passed_over))  # before the manager lists the steps: the resumed run saves under their names
     if jax.process_count() > 1:
         start = int(multihost_utils.broadcast_one_to_all(np.int64(start)))
@@ -394,13 +393,11 @@ def step_spec(settings: TrainSettings, config: LlamaConfig, mesh: Mesh) -> StepS
                     attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
                     loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
                     optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps,
-                    pack=settings.pack,
+                    sp_scheme=(settings.sp_scheme, settings.ulysses_degree), pack=settings.pack,
                     compiler_options=overlap_compiler_options(mesh.devices.flat[0].platform, settings.xla_overlap,
                                                               os.environ.get("XLA_FLAGS", "")))
 
 
-def _print_to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
@@ -421,7 +418,7 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
     run = build_training(settings, devices)
     mesh, spec, state, meta = run.mesh, run.spec, run.state, run.meta
     if settings.fp8 and jax.process_index() == 0 and fallback_line(spec.config) is not None:
-        _print_to_stderr(fallback_line(spec.config))
+        print_to_stderr(fallback_line(spec.config))
     latest, start = _resume_point(settings, meta)
     manager = None if settings.ckpt_dir is None else checkpointing.open_manager(settings.ckpt_dir, settings.keep)
     try:
@@ -450,7 +447,7 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
                         peak_memory_bytes=peaks)
             skipped = check_step_finite(settings, step, loss, grad_norm, latest)  # raises unless skipping
             if skipped is not None:
-                _print_to_stderr(skipped)
+                print_to_stderr(skipped)
             if checkpoint_due(settings, step + 1, stop):
                 checkpointing.save_checkpoint(manager, step + 1, state, meta)
                 latest = settings.ckpt_dir / checkpointing.step_dir_name(step + 1)

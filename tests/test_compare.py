@@ -81,6 +81,10 @@ def test_embedded_default_writes_a_passing_full_report(tmp_path):
     assert len(timed) == len(report["jobs"]) - 2  # the vendor kernels are unsupported here
     assert all(j["weights_s"] >= 0 and j["measured_s"] > 0 for j in timed)
     assert sum(j["launch_s"] > 0 for j in timed) == 4  # the first job of each launch pays its start
+    # the equivalence checks say where their measured time went, phase by phase; the report's table shows it
+    for job in (j for j in timed if j["kind"] == "equivalence"):
+        assert list(job["phases_s"])[:3] == ["build", "weight sums", "loss and gradients"], job["id"]
+    assert "loss and gradients " in md
 
 
 @pytest.mark.slow

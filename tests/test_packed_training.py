@@ -63,10 +63,11 @@ def test_mfu_credits_the_attention_within_documents():
     config = preset("llama3.2-1b")
     unpacked = batch_model_flops(config, 1, 32768)
     one_document = segment_ids_from_lengths([32768])[None]
-    assert batch_model_flops(config, 1, 32768, causal_pairs(one_document)) == pytest.approx(unpacked)
+    assert batch_model_flops(config, 1, 32768, one_document) == pytest.approx(unpacked)
     attention = unpacked - 6 * matmul_parameters(config) * 32768
     halves = segment_ids_from_lengths([16384, 16384])[None]
-    assert batch_model_flops(config, 1, 32768, causal_pairs(halves)) == pytest.approx(unpacked - attention / 2)
+    assert causal_pairs(halves)[0] == pytest.approx(causal_pairs(one_document)[0] / 2)
+    assert batch_model_flops(config, 1, 32768, halves) == pytest.approx(unpacked - attention / 2)
 
 
 def _documents_one_at_a_time(forward, tokens):
@@ -125,8 +126,11 @@ def test_packed_training_agrees_across_backends_and_meshes(tmp_path):
     assert np.max(np.abs(unpacked - torch_one)) > 1e-3  # negative control: packing changes what is learned
 
 
-def test_pack_needs_text_data(capsys):
-    assert main(["--backend", "torch", "--model", "tiny", "--seq-len", "64", "--steps", "1", "--data", "random",
-                 "--pack"]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["twinflash: error: --pack packs the text corpus's files as documents: it needs --data text"]
+@pytest.mark.parametrize("extra, message", [
+    (["--data", "random"], "--pack packs the text corpus's files as documents: it needs --data text"),
+    (["--mesh", "fsdp=1,sp=2", "--sp-scheme", "ulysses"],
+     "--pack runs on the ring scheme only (--sp-scheme ulysses takes no documents)"),
+])
+def test_pack_refuses_what_it_cannot_pack(capsys, extra, message):
+    assert main(["--backend", "torch", "--model", "tiny", "--seq-len", "64", "--steps", "1", "--pack", *extra]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"twinflash: error: {message}"]

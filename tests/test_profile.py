@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from torch_impl.train import AdamW
-from weights.profiling import (CATEGORIES, PROFILE_JSON, DeviceEvent, breakdown, check_breakdown, format_table,
-                               profiled_steps)
+from weights.profiling import (CATEGORIES, PROFILE_JSON, DeviceEvent, HostEvent, breakdown, check_breakdown,
+                               format_table, host_costliest, profiled_steps)
 from weights.schedule import OptimizerConfig
 from weights.training import adamw_coefficients
 
@@ -93,6 +93,39 @@ def test_breakdown_gives_every_instant_to_one_category():
                                       "communication_exposed": 2.0, "recompute": 1.0, "idle": 3.0})
     assert profile["step_s"] == 5.0 and profile["communication_total_s"] == 1.5
     assert "communication_exposed" in format_table(profile)
+
+
+def test_host_costliest_counts_self_time_per_thread_and_step():
+    main, side = ("p", 1), ("p", 2)
+    events = [
+        HostEvent("twinflash/step", 0.0, 10.0, main),  # self: 10 - 6 (op) - 1 (launch) = 3, Python between ops
+        HostEvent("aten::op", 1.0, 7.0, main),  # self: 6 - 2 (its launch)
+        HostEvent("cudaLaunchKernel", 2.0, 4.0, main),
+        HostEvent("cudaLaunchKernel", 8.0, 9.0, main),  # a child of the step, not of the op that ended at 7
+        HostEvent("aten::op", 2.5, 3.5, side),  # another thread: no parent, not nested under main's launch
+        HostEvent("aten::op", 11.0, 19.0, main),  # outside the window
+    ]
+    top = {item["name"]: item["seconds"] for item in host_costliest(events, [(0.0, 10.0)])}
+    assert top == pytest.approx({"aten::op": 5.0, "cudaLaunchKernel": 3.0, "twinflash/step": 3.0})
+    halved = {item["name"]: item["seconds"] for item in host_costliest(events, [(0.0, 10.0), (10.0, 20.0)])}
+    assert halved["aten::op"] == pytest.approx((5.0 + 8.0) / 2)  # per step over two steps
+    profile = {**breakdown([DeviceEvent("gemm", 0.0, 4.0, "gemm")], [(0.0, 10.0)]),
+               "host_top": host_costliest(events, [(0.0, 10.0)], top=2)}
+    table = format_table(profile)
+    assert "costliest host operations" in table and table.count("\n  ") == 1 + 2  # one device row, two host rows
+
+
+def test_torch_host_events_are_the_host_spans_of_a_trace():
+    from torch_impl.profiling import host_events
+
+    def span(name, cat, ts, tid=7):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": 2.0, "pid": 1, "tid": tid}
+
+    trace = {"traceEvents": [span("aten::mm", "cpu_op", 0.0), span("twinflash/step", "user_annotation", 0.0),
+                             span("cudaLaunchKernel", "cuda_runtime", 1.0), span("nvjet_gemm", "kernel", 3.0, tid=9),
+                             {"ph": "i", "name": "instant", "cat": "cpu_op", "ts": 1.0, "pid": 1, "tid": 7}]}
+    assert [(e.name, e.thread) for e in host_events(trace)] == [
+        ("aten::mm", (1, 7)), ("twinflash/step", (1, 7)), ("cudaLaunchKernel", (1, 7))]
 
 
 def test_fused_adamw_agrees_with_the_written_out_one():

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -27,13 +30,30 @@ def _args(*argv):
 
 def test_plan_has_every_implementation_once_per_point():
     tasks = ring_bench.plan_tasks(_args("--seq-lens", "32k,128k"))
-    assert {part: len(t) for part, t in tasks.items()} == {"torch": 12, "peer": 12, "jax": 12}
+    # per point: one GPU, the ring's two variants, Ulysses, the hybrid's two variants (the peer: one GPU, two CPs)
+    assert {part: len(t) for part, t in tasks.items()} == {"torch": 24, "peer": 12, "jax": 24}
     ids = [t["id"] for part in tasks.values() for t in part]
     assert len(ids) == len(set(ids))
     rings = [t for t in tasks["torch"] if t["kind"] == "ring"]
     assert {(t["variant"], t["layout"], t["gpus"]) for t in rings} == {("ring", "zigzag", 4),
                                                                        ("allgather", "zigzag", 4)}
     assert {t["seq_len"] for t in rings} == {32768, 131072} and {t["kv_heads"] for t in rings} == {32, 8}
+
+
+def test_plan_has_a_scheme_axis_with_the_hybrid_where_the_gpus_allow_it():
+    tasks = ring_bench.plan_tasks(_args("--seq-lens", "32k", "--kv-heads", "8"))
+    schemes = {(t["kind"], t.get("scheme"), t.get("ulysses_degree"), t["variant"]) for t in tasks["jax"]
+               if t["gpus"] > 1}
+    assert schemes == {("jax-ring", "ring", 1, "ring"), ("jax-ring", "ring", 1, "allgather"),
+                       ("jax-ulysses", "ulysses", 4, None), ("jax-hybrid", "hybrid", 2, "ring"),
+                       ("jax-hybrid", "hybrid", 2, "allgather")}
+    ring_ids = {t["id"] for t in tasks["torch"] if t["kind"] == "ring"}
+    assert ring_ids == {"torch/ring/ring/S32768/kv8", "torch/ring/allgather/S32768/kv8"}  # as before the schemes
+    two = ring_bench.plan_tasks(_args("--seq-lens", "32k", "--gpus", "2"))
+    assert {t["kind"] for t in two["torch"]} == {"flash-1gpu", "ring", "ulysses"}  # no hybrid on 2 GPUs
+    only = ring_bench.plan_tasks(_args("--seq-lens", "32k", "--gpus", "8", "--schemes", "hybrid",
+                                       "--ulysses-degree", "4"))
+    assert {(t["kind"], t.get("ulysses_degree")) for t in only["torch"]} == {("flash-1gpu", None), ("hybrid", 4)}
 
 
 def _row(part, kind, gpus, ms, variant=None, **extra):
@@ -129,6 +149,28 @@ def test_worker_crash_and_hang_cost_only_their_task(tmp_path, monkeypatch):
     assert by_id["hang"]["error"].startswith("worker timed out after 5s")
 
 
+def test_an_interrupted_part_keeps_the_rows_it_finished(tmp_path, monkeypatch, capsys):
+    # SIGTERM while the JAX part's worker hangs on its second task: the first task's row, the earlier run's row of
+    # the interrupted point (not replaced by a "not finished" one) and a "not finished" row for the third are written
+    script = tmp_path / "worker.py"
+    script.write_text(STAND_IN_WORKER)
+    monkeypatch.setattr(ring_bench, "_worker_command",
+                        lambda part, plan_path, gpus: ([sys.executable, str(script), str(plan_path)], {}))
+    monkeypatch.setattr(ring_bench, "use_gpus_present", lambda args, found: None)
+    tasks = [dict(id=name, seq_len=32768, heads=32, kv_heads=8, head_dim=128, batch=1, part="jax", kind="ring",
+                  impl=f"stand-in {name}", gpus=4, variant="ring", layout="zigzag") for name in ("a", "hang", "c")]
+    monkeypatch.setattr(ring_bench, "plan_tasks", lambda args: {"jax": tasks})
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"versions": {}, "rows": [dict(tasks[1], ms=2.0)]}))
+    out = tmp_path / "ring.json"
+    threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    assert ring_bench.main(["--gpus", "4", "--parts", "jax", "--rows-from", str(earlier), "--out", str(out)]) == 143
+    rows = {row["id"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["a"]["ms"] == 1.0 and rows["hang"]["ms"] == 2.0
+    assert rows["c"]["error"] == "not finished: the bench was interrupted (SIGTERM)"
+    assert f"the rows measured before it are in {out}" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs")
 @pytest.mark.parametrize("argv, needed", [(["--quick"], "at least 2"), (["--quick", "--gpus", "4"], "4")])
 def test_without_the_gpus_one_line_and_exit_2(argv, needed, capsys):
@@ -157,6 +199,11 @@ def test_gpus_default_to_those_present_and_size_the_ring_rows():
     (["--seq-lens", "32q"], "'32q' is not a length like 32768 or 32k"),
     (["--kv-heads", "5"], "--kv-heads: 5 does not divide --heads 32"),
     (["--parts", "torch,tpu"], "--parts: unknown tpu"),
+    (["--gpus", "2", "--schemes", "hybrid"], "hybrid Ulysses degree 1 over sp=2"),
+    (["--gpus", "4", "--schemes", "ring", "--ulysses-degree", "2"], "--ulysses-degree is the hybrid scheme's"),
+    (["--gpus", "4", "--heads", "12", "--kv-heads", "3", "--schemes", "hybrid", "--ulysses-degree", "2"],
+     "Ulysses degree 2 and the 3 KV heads"),
+    (["--schemes", "tree"], "--schemes"),
 ])
 def test_bad_arguments_one_line_and_exit_2(argv, message, capsys):
     assert ring_bench.main(argv) == 2
@@ -182,6 +229,30 @@ def test_jax_ring_rows_measure_exposed_communication_and_bandwidth(variant):
     assert row["ms"] > 0 and row["compute_only_ms"] > 0
     assert row["exposed_comm_ms"] == pytest.approx(row["ms"] - row["compute_only_ms"])
     assert row["comm_busy_ms"] > 0 and row["wire_GBps"] > 0
+    assert set(row["phase_s"]) == {"compile_and_time", "comm_trace", "compile_and_time_local_copies"}
+    assert all(seconds > 0 for seconds in row["phase_s"].values())
     local_kv = 2 * 16 * 2 * 16  # K and V: 16 local tokens x 2 heads x 16 dims
     hops = 4 if variant == "ring" else 3
     assert row["bytes_sent_per_rank"] == jax_ring_bytes_per_rank(task, 4) == (2 * 3 * 2 + hops * 4) * local_kv
+
+
+@pytest.mark.parametrize("scheme, degree", [("ulysses", 4), ("hybrid", 2)])
+def test_jax_scheme_rows_measure_exposed_communication_and_bytes(scheme, degree):
+    """The Ulysses and hybrid rows of the JAX side on 4 CPU host devices: timed, in local-copies mode, busy time,
+    and the bytes of `weights.sequence_parallel`'s formula."""
+    from compare.bench.ring_bench_workers import jax_measure, jax_ring_bytes_per_rank
+    from weights.sequence_parallel import scheme_degrees, sequence_parallel_bytes_sent
+
+    import jax
+    from jax.sharding import Mesh
+    import numpy as np
+
+    devices = jax.devices()[:4]
+    task = {"kind": f"jax-{scheme}", "batch": 1, "seq_len": 64, "heads": 4, "kv_heads": 2, "head_dim": 16,
+            "layout": "zigzag", "variant": None if scheme == "ulysses" else "ring", "scheme": scheme,
+            "ulysses_degree": degree}
+    row = jax_measure(task, {"warmup": 1, "iters": 1, "budget_s": 0.1}, devices, Mesh(np.array(devices), ("sp",)))
+    assert row["ms"] > 0 and row["compute_only_ms"] > 0 and row["comm_busy_ms"] > 0
+    expected = sequence_parallel_bytes_sent(scheme_degrees(scheme, 4, degree), batch=1, local_tokens=16, heads=4,
+                                            kv_heads=2, head_dim=16, compute_bytes=2, variant="ring", backward=True)
+    assert row["bytes_sent_per_rank"] == jax_ring_bytes_per_rank(task, 4) == expected

@@ -9,7 +9,8 @@ How the pieces fit:
               `--mesh sp=B,fsdp=A`.
   data        tokens [batch, seq] split over `fsdp` on the batch and over `sp` on the sequence in the ring layout
               (`weights.parallel.ACTIVATION_SHARDING["tokens"]`, `RING_LAYOUT`, `weights.layout.rank_positions`).
-  attention   `ring_attention` over `mesh["sp"].get_group()`, the ranks holding the same sequences' tokens.
+  attention   `ring_attention` over `mesh["sp"].get_group()`, the ranks holding the same sequences' tokens; the
+              Ulysses and hybrid schemes (`sequence_parallel_fn`, `torch_impl/ulysses.py`) over the same ranks.
   parameters  FSDP2 `fully_shard` on every TransformerBlock and on the root, over the mesh axes the table
               `weights.parallel.PARAMETER_SHARDING` splits every parameter over, flattened into one 1-D mesh
               (`parameter_mesh`); `shard_placement_fn` gives each parameter `Shard(d)` on the dim the table splits.
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torch_impl.attention import AttentionFn
 from torch_impl.ring_attention import ring_attention
+from torch_impl.ulysses import sequence_parallel_attention, sequence_parallel_groups
 from weights import ConvertedCheckpoint, RandomWeights, rope_inverse_frequencies
 from weights.documents import document_offsets
 from weights.layout import rank_positions
@@ -81,6 +83,21 @@ def ring_attention_fn(mesh: DeviceMesh, *, backend: str = "triton", variant: str
     batch that is the same on every rank evenly). `compile_merge`: the ring's merge under torch.compile. Packed
     documents: `layout` PACKED_RING_LAYOUT, the model passing the segment ids of `local_packed_batch`."""
     return functools.partial(ring_attention, group=mesh["sp"].get_group(), causal=True, layout=layout,
+                             variant=variant, backend=backend, check_ranks=False, compile_merge=compile_merge)
+
+
+def sequence_parallel_fn(mesh: DeviceMesh, scheme: str = "ring", ulysses_degree: int | None = None, *,
+                         backend: str = "triton", variant: str = "ring", compile_merge: bool = False,
+                         layout: str = RING_LAYOUT) -> AttentionFn:
+    """The model's attention function in `scheme` (`weights.sequence_parallel`) over the `sp` sub-group, on the same
+    local q/k/v as `ring_attention_fn` (which the ring scheme is, in `layout`; the others run RING_LAYOUT):
+    `sequence_parallel_attention` over the groups of `sequence_parallel_groups` (a collective of the sp ranks, which
+    the hybrid's subgroups need; call it before a meta-device context), without the ring's per-call argument check
+    (as `ring_attention_fn`)."""
+    groups = sequence_parallel_groups(scheme, ulysses_degree, mesh["sp"].get_group())
+    if groups.degrees.ulysses == 1:
+        return ring_attention_fn(mesh, backend=backend, variant=variant, compile_merge=compile_merge, layout=layout)
+    return functools.partial(sequence_parallel_attention, groups=groups, causal=True, layout=RING_LAYOUT,
                              variant=variant, backend=backend, check_ranks=False, compile_merge=compile_merge)
 
 

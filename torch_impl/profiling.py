@@ -8,7 +8,8 @@ innermost). An event's kind comes from its name (NCCL / gloo: communication; cuB
 GEMM; cuDNN / flash / our Triton attention kernels: attention). Its regions come from the host: the
 `record_function` annotations (`weights.profiling.region_annotation`) enclosing the host op that launched it, the
 backward's ops inheriting the regions of the forward op they differentiate (the trace's sequence numbers pair
-them), so a loss or attention backward counts as loss or attention.
+them), so a loss or attention backward counts as loss or attention. On a GPU the profile also names where the
+host's time went (`host_events`, `weights.profiling.host_costliest`): where the device idles, the host is the bound.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from weights.profiling import REGIONS, STEP_ANNOTATION, DeviceEvent, breakdown, region_annotation
+from weights.profiling import (REGIONS, STEP_ANNOTATION, DeviceEvent, HostEvent, breakdown, host_costliest,
+                               region_annotation)
 
 _COMMUNICATION = re.compile(r"nccl|gloo|c10d::|ncclDevKernel|all_?reduce|all_?gather|reduce_?scatter", re.I)
 _GEMM = re.compile(r"gemm|nvjet|cutlass|cublas|xmma|aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm)$", re.I)
@@ -84,6 +86,12 @@ def trace_events(trace: dict, on_gpu: bool) -> tuple[list[DeviceEvent], list[tup
     return events, windows
 
 
+def host_events(trace: dict) -> list[HostEvent]:
+    """The host's operations, annotations and CUDA API calls of a chrome trace exported by torch.profiler."""
+    return [HostEvent(e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, (e["pid"], e["tid"]))
+            for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e and e.get("cat") in _HOST_CATEGORIES]
+
+
 class StepProfiler:
     """Traces the `steps` of a run (`weights.profiling.profiled_steps`; empty: traces nothing) on this rank: call
     `begin(step)` before each step and `end(step)` after it, then `breakdown()`."""
@@ -121,8 +129,12 @@ class StepProfiler:
         """The per-step breakdown of the traced steps (`weights.profiling.breakdown`), plus "device"."""
         if self._trace is None:
             raise RuntimeError("no profiled step has run")
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        return {**breakdown(*trace_events(self._trace, self.device.type == "cuda")), "device": name}
+        on_gpu = self.device.type == "cuda"
+        events, windows = trace_events(self._trace, on_gpu)
+        # on a GPU the host is a separate bound (the idle category); on CPU it is the device, already broken down
+        host = {"host_top": host_costliest(host_events(self._trace), windows)} if on_gpu else {}
+        name = torch.cuda.get_device_name(self.device) if on_gpu else "cpu"
+        return {**breakdown(events, windows), **host, "device": name}
 
 
 def region(name: str) -> contextlib.AbstractContextManager:

@@ -1,8 +1,9 @@
 """The communication under the PyTorch ring attention: neighbour exchange, all-gather and reduce-scatter over a
 torch.distributed process group, issued on side CUDA streams so that it overlaps the attention compute.
-`torch_impl/ring_attention.py` is the only user. Twin of `jax_impl/ring_comm.py` (the same `Ring` with `exchange`,
-`all_gather`, `reduce_scatter` and `local_copies`; there XLA schedules `jax.lax.ppermute` / `all_gather` /
-`psum_scatter`, so each returns its result instead of a `Pending`).
+`torch_impl/ring_attention.py` and `torch_impl/ulysses.py` (its `all_to_all`) are the users. Twin of
+`jax_impl/ring_comm.py` (the same `Ring` with `exchange`, `all_gather`, `reduce_scatter`, `all_to_all` and
+`local_copies`; there XLA schedules `jax.lax.ppermute` / `all_gather` / `psum_scatter` / `all_to_all`, so each
+returns its result instead of a `Pending`).
 
 Every operation is split into issue (`Ring.exchange`, `Ring.all_gather`, `Ring.reduce_scatter`) and `Pending.wait()`,
 so a caller can issue the next step's transfer, compute the current step, and only then wait.
@@ -193,6 +194,20 @@ class Ring:
             return [_reduce_scatter_single(mine.view(-1), full.view(-1), group=self.group, async_op=True)]
 
         return self._issue("reduce_scatter", (self.world - 1) * mine.nbytes, launch, [full, mine], mine)
+
+    def all_to_all(self, parts: torch.Tensor) -> Pending:
+        """`parts` is [P, ...]: part j goes to rank j; the result [P, ...] holds in row i the part rank i sent here
+        (the Ulysses schemes' exchange, `torch_impl/ulysses.py`)."""
+        parts = parts.contiguous()
+        received = torch.empty_like(parts)
+
+        def launch():
+            if self.local_copies:
+                received.copy_(parts)
+                return []
+            return [dist.all_to_all_single(received.view(-1), parts.view(-1), group=self.group, async_op=True)]
+
+        return self._issue("all_to_all", (self.world - 1) * parts[0].nbytes, launch, [parts, received], received)
 
     def _issue(self, kind: str, nbytes: int, launch: Callable[[], list], tensors: list[torch.Tensor],
                result) -> Pending:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -48,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from torch_impl import checkpointing
 from torch_impl.model import DTYPES, Llama, convert_to_fp8
-from torch_impl.parallel import (load_local_shards, local_batch, local_packed_batch, make_mesh, ring_attention_fn,
+from torch_impl.parallel import (load_local_shards, local_batch, local_packed_batch, make_mesh, sequence_parallel_fn,
                                  shard_model)
 from torch_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, RandomWeights, open_weights
@@ -60,7 +59,7 @@ from weights.settings import TrainSettings
 from weights.checkpoint_integrity import set_aside
 from weights.training import (IGNORE_INDEX, adamw_coefficients, check_attention_backend, check_batches,
                               check_step_finite, checkpoint_due, checkpoint_to_resume, default_loss_chunk_tokens,
-                              host_peak_rss_bytes, run_metadata, valid_target_count)
+                              host_peak_rss_bytes, print_to_stderr, run_metadata, valid_target_count)
 
 
 def _chunk_cross_entropy_sum(llama: Llama, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -353,8 +352,6 @@ StepCallback = Callable[..., None]
 ProfileCallback = Callable[[dict], None]
 
 
-def _print_to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
@@ -397,14 +394,15 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
     source = open_weights(settings.model, settings.seed)
     config = source.config
     fast = device.type == "cuda" and not settings.eager  # inductor and fused kernels: GPUs only
+    attention = sequence_parallel_fn(mesh, settings.sp_scheme, settings.ulysses_degree,  # the sp ranks together
+                                     backend=settings.attention_backend, variant=settings.ring_variant,
+                                     compile_merge=fast, layout=ring_layout(settings.pack))
     with torch.device("meta"):
-        llama = Llama(config, ring_attention_fn(mesh, backend=settings.attention_backend,
-                                                variant=settings.ring_variant, compile_merge=fast,
-                                                layout=ring_layout(settings.pack)))
+        llama = Llama(config, attention)
     if settings.fp8:  # before FSDP, which then shards and gathers the Float8Linears' plain weights
         convert_to_fp8(llama, fp8_linears(config)[0])
         if dist.get_rank() == 0 and fallback_line(config) is not None:
-            _print_to_stderr(fallback_line(config))
+            print_to_stderr(fallback_line(config))
     chunk_tokens = settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size)
     model = ShardedNextTokenLoss(llama, chunk_tokens, fused=fast)
     shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype],
@@ -426,7 +424,7 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
     # Rank 0 verifies the checkpoints' checksums (one pass over the files, not one per rank) and every rank resumes
     # from what it found.
     resume = [checkpoint_to_resume(settings, meta, checkpointing.completed_checkpoints, checkpointing.read_metadata,
-                                   warn=_print_to_stderr) if dist.get_rank() == 0 else None]
+                                   warn=print_to_stderr) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(resume, src=0)
     latest, start, passed_over = resume[0]
     if dist.get_rank() == 0:
@@ -457,7 +455,7 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
         # every rank reads the same gathered numbers, so every rank stops at the same step
         skipped = check_step_finite(settings, step, loss, grad_norm, latest)
         if skipped is not None and dist.get_rank() == 0:
-            _print_to_stderr(skipped)
+            print_to_stderr(skipped)
 
     for step in range(start, stop):
         profiler.begin(step)

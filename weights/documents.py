@@ -29,8 +29,8 @@ documents, zigzag's pairing of an early and a late chunk no longer evens it: wor
 its document, not its position. The `zigzag_stripes` layout (`weights.layout`) deals the sequence out in stripes of
 one tile, zigzag-wise in groups of 2P, so a long document's work is spread over the devices tile by tile, while a
 short one stays whole on one device, its tiles as full as zigzag's (dealing single tokens, as Striped Attention
-does, balances as well but multiplies the tiles of short documents by up to P). `compare/bench/document_balance.py`
-measures both layouts on the corpus's documents and on many short ones.
+does, balances as well but multiplies the tiles of short documents by up to P). `ring_work` gives the work per device
+of any layout and documents, which is how the layouts are compared.
 """
 
 from __future__ import annotations

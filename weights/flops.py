@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from weights.config import LlamaConfig
+from weights.documents import causal_pairs
 
 PEAK_FLOPS_PER_DEVICE = 989e12  # dense bf16 peak of an H100/H200 SXM: the denominator of every MFU
 # dense FP8 (e4m3) peak of an H100/H200 SXM: 1,979 TFLOP/s (NVIDIA's H100 and H200 datasheets list 3,958 with
@@ -59,12 +60,13 @@ def model_flops_per_token(config: LlamaConfig, seq_len: int, causal_pairs: float
     return 6.0 * matmul_parameters(config) + 3 * config.num_layers * attention_forward / seq_len
 
 
-def batch_model_flops(config: LlamaConfig, batch: int, seq_len: int, causal_pairs=None) -> float:
+def batch_model_flops(config: LlamaConfig, batch: int, seq_len: int, segment_ids=None) -> float:
     """Training model FLOPs of `batch` causal sequences of `seq_len` tokens (`model_flops_per_token` times their
-    tokens); packed, each sequence's own `causal_pairs` (`weights.documents.causal_pairs`: one value per sequence)."""
-    if causal_pairs is None:
+    tokens); packed documents (`segment_ids` [batch, seq_len]), each sequence's own attention
+    (`weights.documents.causal_pairs`)."""
+    if segment_ids is None:
         return batch * seq_len * model_flops_per_token(config, seq_len)
-    return seq_len * sum(model_flops_per_token(config, seq_len, pairs) for pairs in causal_pairs)
+    return seq_len * sum(model_flops_per_token(config, seq_len, pairs) for pairs in causal_pairs(segment_ids))
 
 
 def forward_flops_per_token(config: LlamaConfig, seq_len: int) -> float:

@@ -10,7 +10,7 @@ Layouts:
               length allows), dealt in groups of 2P, rank r holding stripes r and 2P-1-r of every group. Packed
               documents then spread over the ranks tile by tile, so their work stays even for any document lengths,
               where zigzag's pairing of two chunks does not (work follows each token's offset in its document, not
-              its position; `weights/documents.py`, `compare/bench/document_balance.py`); a stripe of a whole tile
+              its position; `weights/documents.py`'s `ring_work`); a stripe of a whole tile
               keeps the kernels' tiles as full as zigzag's. The rings run it on key spans (a sequence without
               documents is one document).
 

@@ -30,7 +30,7 @@ import fnmatch
 
 import numpy as np
 
-from weights.attention import ring_bytes_sent
+from weights.sequence_parallel import scheme_degrees, sequence_parallel_bytes_sent
 from weights.config import LlamaConfig
 from weights.errors import BadInputError
 
@@ -167,25 +167,28 @@ def weights_regathered_for_backward(remat: str) -> bool:
 
 def step_comm_bytes(config: LlamaConfig, *, seq_len: int, batch: int, mesh: MeshShape, compute_bytes: int,
                     train: bool, remat: str, parameter_gathers: int, gradient_bytes: int,
-                    ring_variant: str = "ring") -> dict[str, float]:
+                    ring_variant: str = "ring", sp_scheme: str = "ring",
+                    ulysses_degree: int | None = None) -> dict[str, float]:
     """Bytes one device sends in one step (forward, or forward + backward when `train`), counted from the shapes:
     {"attention": ..., "parameters": ..., "total": ...}. The achieved bandwidth of a benchmark is this over the
     measured communication time.
 
-    attention   the ring over sp = P, per layer `weights.attention.ring_bytes_sent` of this device's K and V
-                (Hkv heads, compute dtype) in `ring_variant`; `remat` "full" (`REMAT_MODES`) repeats the forward's
-                transfers.
+    attention   the sequence parallelism over sp, per layer `weights.sequence_parallel.sequence_parallel_bytes_sent`
+                of `sp_scheme` (the ring: `weights.attention.ring_bytes_sent` of this device's K and V, Hkv heads in
+                the compute dtype, in `ring_variant`); `remat` "full" (`REMAT_MODES`) repeats the forward's
+                transfers, "save-attention" those of the Ulysses all-to-alls (the ring's forward it keeps).
     parameters  the parameters split over all devices (`PARAMETER_SHARDING`): each gather sends (D - 1) / D of
                 them in the compute dtype, `parameter_gathers` times per step (the JAX step once, torch's
                 FSDP2 once or, with `weights_regathered_for_backward`, again in the backward), and training
                 reduce-scatters the gradients, (D - 1) / D of them in `gradient_bytes`."""
-    devices, ring = mesh.size, mesh.sp
-    local_tokens = batch // mesh.fsdp * seq_len // ring
-    kv_elements = 2 * local_tokens * config.num_kv_heads * config.head_dim  # K and V
+    devices = mesh.size
     check_remat_mode(remat)
-    forwards = 1 + (train and remat == "full")
-    attention = config.num_layers * ring_bytes_sent(kv_elements, ring, compute_bytes=compute_bytes,
-                                                    variant=ring_variant, backward=train, forward_passes=forwards)
+    per_layer = sequence_parallel_bytes_sent(
+        scheme_degrees(sp_scheme, mesh.sp, ulysses_degree), batch=batch // mesh.fsdp, local_tokens=seq_len // mesh.sp,
+        heads=config.num_heads, kv_heads=config.num_kv_heads, head_dim=config.head_dim, compute_bytes=compute_bytes,
+        variant=ring_variant, backward=train, exchange_forwards=1 + (train and remat != "off"),
+        ring_forwards=1 + (train and remat == "full"))
+    attention = config.num_layers * per_layer
     share = (devices - 1) / devices
     parameters = share * config.num_params * (parameter_gathers * compute_bytes + (gradient_bytes if train else 0))
     return {"attention": float(attention), "parameters": float(parameters), "total": float(attention + parameters)}

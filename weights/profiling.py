@@ -19,7 +19,9 @@ elementwise.
 
 profile.json: {"step_s": mean profiled step, "categories": {name: seconds per step}, "communication_total_s",
 "steps": how many steps were profiled, "top": [{"name", "category", "seconds"}] (per step, the costliest device
-events by name), plus whatever run description the caller adds (backend, device, settings)}.
+events by name), optionally "host_top": [{"name", "seconds"}] (per step, where the host's time went, by the self
+time of its operations: `host_costliest`; where the device idles, the host is the bound), plus whatever run
+description the caller adds (backend, device, settings)}.
 """
 
 from __future__ import annotations
@@ -69,6 +71,42 @@ class DeviceEvent:
     end: float
     kind: str
     regions: frozenset = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class HostEvent:
+    """One host operation or annotation: name, [start, end) in seconds on the clock of the step windows, and the
+    thread it ran on (events nest only within a thread)."""
+
+    name: str
+    start: float
+    end: float
+    thread: tuple = ()
+
+
+def host_costliest(events: Sequence[HostEvent], windows: Sequence[tuple[float, float]],
+                   top: int = TOP_EVENTS) -> list[dict]:
+    """Per step, the host's costliest operations by SELF time (an event's duration minus that of the events nested
+    directly in it on its thread), for the events inside the `windows`: the step annotation's own self time is the
+    host's time between operations (Python), a launch call's is the launch. The costliest `top`, in seconds per
+    step."""
+    inside = [e for e in events if any(low <= e.start and e.end <= high for low, high in windows)]
+    self_time: dict[str, float] = defaultdict(float)
+    by_thread: dict[tuple, list[HostEvent]] = defaultdict(list)
+    for event in inside:
+        by_thread[event.thread].append(event)
+    for thread_events in by_thread.values():
+        stack: list[HostEvent] = []
+        for event in sorted(thread_events, key=lambda e: (e.start, -(e.end - e.start))):
+            while stack and stack[-1].end <= event.start:
+                stack.pop()
+            if stack:  # a direct child: its time is not its parent's own
+                self_time[stack[-1].name] -= event.end - event.start
+            self_time[event.name] += event.end - event.start
+            stack.append(event)
+    steps = max(1, len(windows))
+    costliest = heapq.nlargest(top, self_time.items(), key=lambda item: item[1])
+    return [{"name": name[:120], "seconds": seconds / steps} for name, seconds in costliest]
 
 
 def category(kind: str, regions: Iterable[str]) -> str:
@@ -174,6 +212,9 @@ def format_table(profile: dict) -> str:
     rows.append("costliest device events (ms/step, category):")
     rows.extend(f"  {item['seconds'] * 1e3:9.2f}  {item['category']:<21} {item['name'][:90]}"
                 for item in profile["top"])
+    if profile.get("host_top"):
+        rows.append("costliest host operations, by self time (ms/step):")
+        rows.extend(f"  {item['seconds'] * 1e3:9.2f}  {item['name'][:112]}" for item in profile["host_top"])
     return "\n".join(rows)
 
 

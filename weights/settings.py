@@ -10,6 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from weights.errors import BadInputError
 from weights.parallel import MeshShape
 from weights.schedule import OptimizerConfig
 
@@ -30,6 +31,8 @@ class TrainSettings:
                    and RoPE positions stay inside each, the ring in `weights.parallel.PACKED_RING_LAYOUT`
     attention_backend, ring_variant   kernel of each ring step ("triton"/"pallas" or "reference") and ring
                    algorithm ("ring" or "allgather")
+    sp_scheme, ulysses_degree  the sequence-parallel scheme over sp ("ring", "ulysses" or "hybrid") and the hybrid's
+                   Ulysses degree (weights/sequence_parallel.py)
     loss_chunk_tokens  positions per logits chunk of the loss (None: 256 Mi logits per chunk)
     ckpt_dir, ckpt_every, keep, resume  checkpoints: every N steps and at the end of the run, the last K kept,
                    --resume continues from the latest one
@@ -61,6 +64,8 @@ class TrainSettings:
     activation_checkpointing: str = "off"  # a weights.parallel.REMAT_MODES key
     attention_backend: str = "triton"
     ring_variant: str = "ring"
+    sp_scheme: str = "ring"
+    ulysses_degree: int | None = None
     loss_chunk_tokens: int | None = None
     ckpt_dir: Path | None = None
     ckpt_every: int | None = None
@@ -74,6 +79,13 @@ class TrainSettings:
     profile: bool = False
     skip_non_finite_steps: bool = False
     xla_overlap: bool = True
+
+    def __post_init__(self):
+        if self.pack and self.data != "text":
+            raise BadInputError("--pack packs the text corpus's files as documents: it needs --data text")
+        if self.pack and self.sp_scheme != "ring":
+            raise BadInputError(f"--pack runs on the ring scheme only (--sp-scheme {self.sp_scheme} takes no "
+                                "documents)")
 
     @property
     def export_paths(self) -> tuple[Path, Path] | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -182,6 +183,12 @@ def _refuse_other_backends(ckpt_dir: Path, backend: str) -> None:
     for other, dirs in others.items():
         raise CheckpointError(f"{ckpt_dir} holds {other} training checkpoints ({dirs[-1]}), this run is a "
                               f"{backend} run; choose another --ckpt-dir or --backend {other}")
+
+
+def print_to_stderr(line: str) -> None:
+    """One line to the process's current stderr, flushed (the trainings' warnings; looked up per call, so a
+    redirected or captured stderr gets it)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def checkpoint_to_resume(settings, meta: dict[str, Any], completed_checkpoints: Callable[[Path], list[Path]],

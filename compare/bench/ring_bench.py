@@ -15,6 +15,11 @@ Roles of `python -m compare.bench.ring_bench`:
                     and peer parts only, on WORLD_SIZE GPUs, reported by rank 0.
 
 Sweep: for each S_total (--seq-lens) and Hkv (--kv-heads): causal, H=32, D=128, bf16, batch 1, fwd+bwd, zigzag.
+The scheme axis (--schemes, `weights/sequence_parallel.py`): the ring (both variants), Ulysses over all N GPUs, and
+the hybrid of Ulysses over U adjacent GPUs (--ulysses-degree, default N / 2) with the ring (both variants) across the
+N / U groups; the default takes every scheme the GPU count allows (the hybrid needs 4 or more). Each scheme's row
+gives the bytes a GPU sends (`sent MB`: torch's comm log, JAX's from `weights.sequence_parallel`'s formula) and its
+exposed communication (the same calls with every transfer a local copy).
 Derived per row: TFLOP/s per GPU from `weights.flops.attention_flops` (the same count for every implementation,
 so ratios are time ratios), efficiency t1 / (N tN) against the same framework's one-GPU row, and `vs peer`: per-GPU
 TFLOP/s over the best context-parallel cuDNN row of the point (one-GPU rows: over cuDNN SDPA on one GPU).
@@ -32,13 +37,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from compare.args import OneLineParser, ints, lengths, recorded_command, with_error_contract
+from compare.args import OneLineParser, ints, lengths, names, recorded_command, with_error_contract
 from compare.bench import common
 from compare.bench.common import check_parts_and_heads, previous_rows, write_json
 from compare.launch import Interrupted, interruptible, owned_process, torchrun_launcher
 from weights import BadInputError
 from weights.attention import VARIANTS
 from weights.layout import check_split
+from weights.sequence_parallel import SCHEMES, check_heads, scheme_degrees
 from weights.training import BACKENDS
 
 LAYOUT = "zigzag"
@@ -54,6 +60,11 @@ METHOD = {
                  "and the bytes it sent; JAX, NCCL kernels on GPU 0 in a jax.profiler trace of one call and the "
                  "bytes from the shapes; a lower bound (includes waiting for slower peers)",
     "peer": "torch context_parallel + cuDNN SDPA as the project's anchor script cp_cudnn.py",
+    "phase_s": "JAX rows: wall seconds of each phase of the row (compilations included), where the bench's time goes",
+    "schemes": "ring (K/V around the GPUs), ulysses (all-to-all of heads over all GPUs), hybrid U x R (Ulysses over "
+               "U adjacent GPUs, the ring across the R groups): weights/sequence_parallel.py",
+    "bytes_sent_per_rank": "bytes one GPU sends in one fwd+bwd: torch, its comm log of every transfer; JAX, "
+                           "weights.sequence_parallel.sequence_parallel_bytes_sent from the shapes",
 }
 
 
@@ -69,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--gpus", type=int, help="GPUs of the ring rows (default: every GPU present, at least 2)")
+    parser.add_argument("--schemes", type=names(SCHEMES), help="comma list of ring, ulysses, hybrid (default: "
+                        "every scheme the GPU count allows)")
+    parser.add_argument("--ulysses-degree", type=int, help="the hybrid's GPUs per all-to-all (default: GPUs / 2)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=5)
@@ -92,10 +106,21 @@ def _check_args(args) -> None:
 
 
 def _check_gpus(args) -> None:
+    """The GPU count against the lengths, and the schemes' degrees (`args.degrees`: scheme -> SchemeDegrees)
+    against it and the heads."""
     if args.gpus < 2:
         raise BadInputError(f"--gpus: a ring needs at least 2 GPUs, got {args.gpus}")
     for seq_len in args.seq_lens:
         check_split(seq_len, args.gpus, LAYOUT)
+    hybrid = args.ulysses_degree or args.gpus // 2
+    wanted = args.schemes.split(",") if args.schemes else [s for s in SCHEMES if s != "hybrid" or hybrid > 1]
+    if args.ulysses_degree is not None and "hybrid" not in wanted:
+        raise BadInputError("--ulysses-degree is the hybrid scheme's: add hybrid to --schemes")
+    args.degrees = {scheme: scheme_degrees(scheme, args.gpus, hybrid if scheme == "hybrid" else None)
+                    for scheme in wanted}
+    for degrees in args.degrees.values():
+        for kv_heads in args.kv_heads:
+            check_heads(degrees.ulysses, args.heads, kv_heads)
 
 
 def use_gpus_present(args, found: int) -> None:
@@ -116,21 +141,32 @@ def plan_tasks(args) -> dict[str, list[dict]]:
             point = dict(seq_len=seq_len, heads=args.heads, kv_heads=kv_heads, head_dim=args.head_dim,
                          batch=args.batch)
 
-            def add(part, kind, impl, gpus, variant=None):
-                if part in tasks:
-                    tasks[part].append(dict(point, id=f"{part}/{kind}/{variant}/S{seq_len}/kv{kv_heads}", part=part,
-                                            kind=kind, impl=impl, gpus=gpus, variant=variant,
-                                            layout=LAYOUT if gpus > 1 and part != "peer" else None))
+            def add(part, kind, impl, gpus, variant=None, degrees=None):
+                if part not in tasks:
+                    return
+                fields = {} if degrees is None else dict(scheme=degrees.scheme, ulysses_degree=degrees.ulysses)
+                key = variant if degrees is None or degrees.scheme == "ring" else f"u{degrees.ulysses}/{variant}"
+                tasks[part].append(dict(point, id=f"{part}/{kind}/{key}/S{seq_len}/kv{kv_heads}", part=part,
+                                        kind=kind, impl=impl, gpus=gpus, variant=variant, **fields,
+                                        layout=LAYOUT if gpus > 1 and part != "peer" else None))
+
+            def add_schemes(part, prefix):
+                """The part's rows of every scheme; kinds "ring", "ulysses", "hybrid" (JAX's prefixed "jax-")."""
+                for scheme, degrees in args.degrees.items():
+                    if scheme == "ulysses":
+                        add(part, prefix + scheme, f"{part} ulysses over {args.gpus}", args.gpus, None, degrees)
+                        continue
+                    name = "ring" if scheme == "ring" else f"hybrid U={degrees.ulysses} x ring R={degrees.ring}"
+                    for variant in VARIANTS:
+                        add(part, prefix + scheme, f"{part} {name}, {variant}", args.gpus, variant, degrees)
 
             add("torch", "flash-1gpu", "flash (triton), 1 GPU", 1)
             add("peer", "cudnn-1gpu", "cuDNN SDPA, 1 GPU", 1)
             add("jax", "jax-flash-1gpu", "flash (pallas), 1 GPU", 1)
-            for variant in VARIANTS:
-                add("torch", "ring", f"torch ring, {variant}", args.gpus, variant)
+            add_schemes("torch", "")
             for rotation in PEER_ROTATIONS:
                 add("peer", "cp-cudnn", f"context parallel cuDNN, {rotation}", args.gpus, rotation)
-            for variant in VARIANTS:
-                add("jax", "jax-ring", f"jax ring, {variant}", args.gpus, variant)
+            add_schemes("jax", "jax-")
     return tasks
 
 
@@ -150,6 +186,21 @@ def read_rows_file(path: Path) -> tuple[dict, list[dict], list[str]]:
             if "row" in record:
                 rows.append(record["row"])
     return meta, rows, started
+
+
+def rows_finished_before(workdir: Path, worker: str, tasks: list[dict], signal_name: str,
+                         earlier_ids: set[str]) -> tuple[dict, list[dict]]:
+    """(meta, rows) of a worker part that a signal cut short: the rows its launches had written (every launch's
+    JSON lines in `workdir`), and for each task without one a row whose error says it was not finished, unless an
+    earlier run's row of that point (`earlier_ids`, from --rows-from) is kept instead."""
+    meta, rows = {}, []
+    for rows_path in sorted(workdir.glob(f"{worker}-*.jsonl")):
+        launch_meta, launch_rows, _ = read_rows_file(rows_path)
+        meta.update(launch_meta)
+        rows += launch_rows
+    done = {row["id"] for row in rows}
+    return meta, rows + [dict(task, error=f"not finished: the bench was interrupted ({signal_name})")
+                         for task in tasks if task["id"] not in done | earlier_ids]
 
 
 def _worker_command(part: str, plan_path: Path, gpus: int) -> tuple[list[str], dict]:
@@ -241,15 +292,17 @@ def render_table(rows: list[dict]):
     from rich.table import Table
 
     gpus = max((row["gpus"] for row in rows), default=1)
-    table = Table(title=f"Ring attention, causal, bf16, fwd+bwd (zigzag on {gpus} GPUs)")
-    for name in ("S", "Hkv", "implementation", "GPUs", "ms", "TFLOP/s/GPU", "eff.", "exposed comm ms", "wire GB/s",
-                 "vs peer", "note"):
+    table = Table(title=f"Sequence-parallel attention, causal, bf16, fwd+bwd (zigzag on {gpus} GPUs)")
+    for name in ("S", "Hkv", "implementation", "GPUs", "ms", "TFLOP/s/GPU", "eff.", "sent MB", "exposed comm ms",
+                 "wire GB/s", "vs peer", "note"):
         table.add_column(name, justify="left" if name in ("implementation", "note") else "right")
     for row in sorted(rows, key=lambda r: (r["seq_len"], -r["kv_heads"], PARTS.index(r["part"]), r["gpus"])):
         note = row.get("error") or row.get("note") or ""
         table.add_row(f"{row['seq_len'] // 1024}k", str(row["kv_heads"]), row["impl"], str(row["gpus"]),
                       _fmt(row.get("ms"), ".1f"), _fmt(row.get("tflops_per_gpu"), ".0f"),
-                      _fmt(row.get("efficiency"), ".0%"), _fmt(row.get("exposed_comm_ms"), ".1f"),
+                      _fmt(row.get("efficiency"), ".0%"),
+                      _fmt(row["bytes_sent_per_rank"] / 1e6 if row.get("bytes_sent_per_rank") else None, ".0f"),
+                      _fmt(row.get("exposed_comm_ms"), ".1f"),
                       _fmt(row.get("wire_GBps"), ".0f"), _fmt(row.get("vs_peer"), ".2f"),
                       note if len(note) < 90 else note[:87] + "...")
     return table
@@ -327,8 +380,8 @@ def _main(argv: list[str]) -> int:
     use_gpus_present(args, torch.cuda.device_count())
     meta, rows = previous_rows(args.rows_from)
     tasks = plan_tasks(args)
-    saved = None
     with interruptible(), tempfile.TemporaryDirectory(prefix="ring-bench-") as tmp:
+        worker, worker_tasks = "torch", []
         try:
             for worker, parts in (("torch", ("torch", "peer")), ("jax", ("jax",))):
                 worker_tasks = [t for part in parts for t in tasks.get(part, [])]
@@ -336,10 +389,13 @@ def _main(argv: list[str]) -> int:
                     worker_meta, worker_rows = run_worker(worker, worker_tasks, args, Path(tmp))
                     meta.update(worker_meta)
                     rows = merge_rows(rows, worker_rows)
-                    saved, _ = save(rows, meta, argv, args.out, args.gpus)  # kept if a later part is cut short
-        except Interrupted as stop:  # the workers are stopped; what finished before this part is saved
-            print(f"twinflash: bench ring interrupted ({stop.signal_name}); "
-                  f"{f'the parts that finished are in {saved}' if saved else 'nothing written'}", file=sys.stderr)
+                    save(rows, meta, argv, args.out, args.gpus)  # kept if a later part is cut short
+        except Interrupted as stop:  # the workers are stopped: keep every row they finished, name the rest
+            worker_meta, finished = rows_finished_before(Path(tmp), worker, worker_tasks, stop.signal_name,
+                                                         {row["id"] for row in rows})
+            path = report(merge_rows(rows, finished), meta | worker_meta, argv, args.out, args.gpus)
+            print(f"twinflash: bench ring interrupted ({stop.signal_name}); the rows measured before it are in {path}",
+                  file=sys.stderr)
             return stop.exit_code
     report(rows, meta, argv, args.out, args.gpus)
     return 0

@@ -1,19 +1,21 @@
 """The measuring side of `twinflash bench ring` (`compare/bench/ring_bench.py` plans, launches and reports).
 
   run_torch(plan)  under torchrun, one process per GPU (NCCL): our one-GPU kernel on the full sequence, our torch
-                   ring (both variants), and the peer, PyTorch's own context parallelism
+                   sequence parallelism in each scheme (`torch_impl.ulysses.sequence_parallel_attention`: the ring in
+                   both variants, Ulysses, the hybrid), and the peer, PyTorch's own context parallelism
                    (`torch.distributed.tensor.experimental.context_parallel`) on cuDNN SDPA, plus cuDNN SDPA on one
                    GPU. The peer is measured as the project's anchor script (cp_cudnn.py) measured it: [B, H, S, D]
                    buffers sharded by `context_parallel`, `set_rotate_method("allgather" | "alltoall")`, fwd + `.backward`.
-  run_jax(plan)    one process over the plan's GPUs: our JAX flash kernel on one GPU and `jax_impl.ring_attention` in
-                   `jax.shard_map` over a 4-device mesh.
+  run_jax(plan)    one process over the plan's GPUs: our JAX flash kernel on one GPU and
+                   `jax_impl.ulysses.sequence_parallel_attention` in each scheme in `jax.shard_map` over the GPUs'
+                   mesh (its sp axis split in two, `sequence_parallel_mesh`).
 
 Every measurement is fwd+bwd, causal, random bf16 inputs; timed like the anchors: warm-up calls, then a timed run of
 back-to-back calls between two device synchronisations, wall clock (time.perf_counter). With several GPUs each
 decision (iterations, time) is the maximum over ranks, so all ranks run the same calls and the slowest one counts.
 Long points run fewer iterations (`budget_s` per measurement); the row records how many.
 
-For our rings each row also gives (the JAX ring: busy time from a jax.profiler trace of one call, bytes from the
+For our schemes each row also gives (JAX: busy time from a jax.profiler trace of one call, bytes from the
 shapes):
   compute_only_ms    the same calls with every transfer replaced by a local copy of the same size (both rings'
                      `local_copies=True`): the run minus its communication.
@@ -37,7 +39,7 @@ import os
 import platform
 import time
 
-from weights.attention import ring_bytes_sent
+from weights.sequence_parallel import scheme_degrees, sequence_parallel_bytes_sent
 
 
 def _append(path: str, record: dict) -> None:
@@ -98,8 +100,8 @@ def run_torch(plan: dict) -> None:
             "gpu": torch.cuda.get_device_name(device), "gpus": world, "python": platform.python_version(),
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cudnn": torch.backends.cudnn.version()}})
-    measures = {"flash-1gpu": _flash_one_gpu, "ring": _torch_ring, "cudnn-1gpu": _cudnn_one_gpu,
-                "cp-cudnn": _context_parallel}
+    measures = {"flash-1gpu": _flash_one_gpu, "ring": _torch_scheme, "ulysses": _torch_scheme,
+                "hybrid": _torch_scheme, "cudnn-1gpu": _cudnn_one_gpu, "cp-cudnn": _context_parallel}
     timing = dict(synchronize=synchronize, slowest=slowest)
     for task in plan["tasks"]:
         if rank == 0:
@@ -142,18 +144,28 @@ def _flash_one_gpu(task, plan, device, world, timing):
     return {"ms": ms, "iters": iters}
 
 
-def _torch_ring(task, plan, device, world, timing):
+@functools.cache
+def _scheme_groups(scheme: str, ulysses_degree: int | None):
+    """The process groups of a scheme over the world, made once (every rank runs the plan's tasks in order)."""
+    from torch_impl.ulysses import sequence_parallel_groups
+
+    return sequence_parallel_groups(scheme, ulysses_degree)
+
+
+def _torch_scheme(task, plan, device, world, timing):
     import torch
 
-    from torch_impl.ring_attention import ring_attention
     from torch_impl.ring_comm import CommLog
+    from torch_impl.ulysses import sequence_parallel_attention
 
     b, local, h, hkv, d = task["batch"], task["seq_len"] // world, task["heads"], task["kv_heads"], task["head_dim"]
     rank = torch.distributed.get_rank()
     q, dout = (_random((b, local, h, d), device, 10 * rank + i) for i in (1, 2))
     k, v = (_random((b, local, hkv, d), device, 10 * rank + i) for i in (3, 4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    attend = functools.partial(ring_attention, causal=True, layout=task["layout"], variant=task["variant"])
+    groups = _scheme_groups(task.get("scheme", "ring"), task.get("ulysses_degree"))
+    attend = functools.partial(sequence_parallel_attention, groups=groups, causal=True, layout=task["layout"],
+                               variant=task["variant"] or "ring")
 
     def step(**instruments):
         torch.autograd.grad(attend(q, k, v, **instruments), (q, k, v), dout)
@@ -271,21 +283,24 @@ def jax_measure(task, plan, devices, mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jax_impl.kernels.flash_attention import flash_attention
-    from jax_impl.ring_attention import ring_attention
+    from jax_impl.ulysses import scheme_axes, sequence_parallel_attention, sequence_parallel_mesh
 
     b, s, h, hkv, d = task["batch"], task["seq_len"], task["heads"], task["kv_heads"], task["head_dim"]
     keys = jax.random.split(jax.random.key(0), 4)
     shapes = [(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)]
-    tokens = PartitionSpec(None, "sp", None, None)
+    ring_axis, ulysses_axis = scheme_axes("sp")
+    split = sequence_parallel_mesh(mesh, _task_degrees(task, len(devices)))
+    tokens = PartitionSpec(None, (ring_axis, ulysses_axis), None, None)
 
     def attention(local_copies: bool):
         if task["kind"] == "jax-flash-1gpu":
             return functools.partial(flash_attention, causal=True)
-        return jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=True, layout=task["layout"],
-                                               variant=task["variant"], local_copies=local_copies),
-                             mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens)
+        return jax.shard_map(functools.partial(sequence_parallel_attention, ulysses_axis=ulysses_axis,
+                                               ring_axis=ring_axis, causal=True, layout=task["layout"],
+                                               variant=task["variant"] or "ring", local_copies=local_copies),
+                             mesh=split, in_specs=(tokens,) * 3, out_specs=tokens)
 
-    placement = devices[0] if task["kind"] == "jax-flash-1gpu" else NamedSharding(mesh, tokens)
+    placement = devices[0] if task["kind"] == "jax-flash-1gpu" else NamedSharding(split, tokens)
     q, k, v, dout = (jax.device_put(jax.random.normal(key, shape, jnp.bfloat16), placement)
                      for key, shape in zip(keys, shapes))
 
@@ -303,15 +318,22 @@ def jax_measure(task, plan, devices, mesh):
         timed_fwd_bwd.step = step
         return timing
 
+    # wall seconds of each phase (compilation included), so a slow part of the bench can be named
+    began = time.perf_counter()
     ms, iters = timed_fwd_bwd()
+    phase_s = {"compile_and_time": time.perf_counter() - began}
     if task["kind"] == "jax-flash-1gpu":
-        return {"ms": ms, "iters": iters}
+        return {"ms": ms, "iters": iters, "phase_s": phase_s}
+    began = time.perf_counter()
     busy_s = _jax_comm_busy_s(timed_fwd_bwd.step)
+    phase_s["comm_trace"] = time.perf_counter() - began
+    began = time.perf_counter()
     compute_ms, _ = timed_fwd_bwd(local_copies=True)
+    phase_s["compile_and_time_local_copies"] = time.perf_counter() - began
     sent = jax_ring_bytes_per_rank(task, len(devices))
     return {"ms": ms, "iters": iters, "compute_only_ms": compute_ms, "exposed_comm_ms": ms - compute_ms,
             "comm_busy_ms": busy_s * 1e3, "bytes_sent_per_rank": sent,
-            "wire_GBps": sent / busy_s / 1e9 if busy_s else None}
+            "wire_GBps": sent / busy_s / 1e9 if busy_s else None, "phase_s": phase_s}
 
 
 def _jax_comm_busy_s(step) -> float:
@@ -331,7 +353,14 @@ def _jax_comm_busy_s(step) -> float:
         return union_seconds(communication)
 
 
+def _task_degrees(task, world: int):
+    return scheme_degrees(task.get("scheme", "ring"), world, task.get("ulysses_degree"))
+
+
 def jax_ring_bytes_per_rank(task, world: int) -> int:
-    """Bytes one rank sends in one bf16 fwd+bwd of the JAX ring, from the shapes (`weights.attention`'s model)."""
-    local_kv = 2 * task["batch"] * task["seq_len"] // world * task["kv_heads"] * task["head_dim"]  # elements
-    return ring_bytes_sent(local_kv, world, compute_bytes=2, variant=task["variant"], backward=True)
+    """Bytes one rank sends in one bf16 fwd+bwd of the task's scheme in JAX, from the shapes (the model of
+    `weights.sequence_parallel`, the ring's `weights.attention.ring_bytes_sent` inside it)."""
+    return sequence_parallel_bytes_sent(_task_degrees(task, world), batch=task["batch"],
+                                        local_tokens=task["seq_len"] // world, heads=task["heads"],
+                                        kv_heads=task["kv_heads"], head_dim=task["head_dim"], compute_bytes=2,
+                                        variant=task["variant"] or "ring", backward=True)

@@ -1,5 +1,5 @@
-"""`twinflash bench kernels|ring`: the GPU benchmarks of compare/bench/ (`kernel_bench.py`, `ring_bench.py`), each
-with arguments of its own: what follows the benchmark's name goes to it."""
+"""`twinflash bench kernels|ring|hf`: the GPU benchmarks of compare/bench/ (`kernel_bench.py`, `ring_bench.py`,
+`hf_bench.py`), each with arguments of its own: what follows the benchmark's name goes to it."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import argparse
 
 from weights import BadInputError
 
-HELP = "GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs)"
+HELP = "GPU benchmarks: `bench kernels` (1 GPU), `bench ring` (4 GPUs), `bench hf` (HF's Llama with our ring)"
 BENCHMARKS = {"kernels": "1 GPU: our Triton and Pallas kernels beside the vendors'",
-              "ring": "4 GPUs: both rings beside one GPU and PyTorch's context parallelism"}
+              "ring": "4 GPUs: both rings beside one GPU and PyTorch's context parallelism",
+              "hf": "HF transformers' Llama with our ring beside our torch model: same weights, tokens, step"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,8 @@ def run_command(args: argparse.Namespace) -> int:
                                                                     for name, what in BENCHMARKS.items()))
     if args.what == "kernels":
         from compare.bench.kernel_bench import main as bench_main
-    else:
+    elif args.what == "ring":
         from compare.bench.ring_bench import main as bench_main
+    else:
+        from compare.bench.hf_bench import main as bench_main
     return bench_main(args.bench_args)

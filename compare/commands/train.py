@@ -20,15 +20,14 @@ resumed run repeats are dropped first.
 Model FLOPs (`weights.flops.model_flops_per_token`, forward + backward, no credit for recomputation), per trained
 sequence of S tokens:
   6 * N * S + 12 * layers * heads * head_dim * S^2 / 2
-(--pack: the sum of L^2 / 2 over its documents' lengths L for S^2 / 2, the attention really done)
 where N counts the parameters every token multiplies in a matmul (all but an untied input embedding table) and
 the second term is causal attention (QK^T and PV, 2 * 2 * S^2 * head_dim per head forward, x3 for forward +
 backward, halved by the mask). MFU = model FLOPs per second / (`weights.flops.PEAK_FLOPS_PER_DEVICE` * devices),
 989 TFLOP/s, the dense bf16 peak of an H100/H200 SXM.
 
 Bad input (mesh not matching the device count, a sequence length the layout cannot take, a batch the fsdp axis
-cannot split, an incompatible checkpoint, outputs that exist) is refused before any process starts: one line,
-exit 2, nothing written.
+cannot split, an sp scheme the mesh or the heads cannot take, an incompatible checkpoint, outputs that exist) is
+refused before any process starts: one line, exit 2, nothing written.
 
 Interruption (`compare/launch.py`'s process model): SIGINT or SIGTERM to this command stops every process of the
 run and prints `twinflash: interrupted at step N; last checkpoint: PATH` (N: the steps done, PATH: the newest
@@ -58,11 +57,11 @@ from compare.nodes import launch_failure, torchrun_arguments
 from weights import PRESETS, BadInputError, LlamaConfig, open_weights
 from weights.atomic import check_output_dir, write_text_atomically
 from weights.data import training_batches, training_segment_ids
-from weights.documents import causal_pairs
 from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
 from weights.flops import PEAK_FLOPS_PER_DEVICE, batch_model_flops
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig, default_optimizer, defaults_help
+from weights.sequence_parallel import SCHEMES, check_heads, scheme_degrees
 from weights.settings import TrainSettings
 from weights.training import (ATTENTION_BACKENDS, BACKENDS, check_attention_backend, check_batch_shape,
                               checkpoint_to_resume, run_metadata)
@@ -92,8 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=integer(1),
                         help="sequences per step, all devices together (default: fsdp size)")
     parser.add_argument("--data", choices=("text", "random"), default="text")
-    parser.add_argument("--pack", action="store_true", help="the text corpus's files as packed documents: attention, "
-                        "loss and RoPE inside each, ring layout zigzag_stripes, MFU credits the attention done")
+    parser.add_argument("--pack", action="store_true", help="pack the text corpus's files as documents (README)")
     parser.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="data order and preset weights")
     defaults = OptimizerConfig()
     parser.add_argument("--lr", type=number(0, above=True), help="peak learning rate (default: by model size, "
@@ -111,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{backend}: {', '.join(names)}" for backend, names in ATTENTION_BACKENDS.items())
                         + "; default ours, the first")
     parser.add_argument("--ring-variant", choices=("ring", "allgather"), default="ring")
+    parser.add_argument("--sp-scheme", choices=SCHEMES, default="ring", help="sequence parallelism over sp: ring, "
+                        "ulysses (all-to-all of the heads) or hybrid (Ulysses in groups of --ulysses-degree, a ring)")
+    parser.add_argument("--ulysses-degree", type=integer(1), help="hybrid: adjacent devices per all-to-all")
     parser.add_argument("--loss-chunk-tokens", type=integer(1), help="positions per logits chunk of the loss")
     parser.add_argument("--ckpt-dir", type=Path, help="checkpoint directory (created, with its parents)")
     parser.add_argument("--ckpt-every", type=integer(1), help="steps between checkpoints (always one at the end)")
@@ -147,8 +148,6 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
         raise BadInputError("--resume needs --ckpt-dir")
     if args.profile and (args.out is None or (args.stop_at or args.steps) < 2):
         raise BadInputError("--profile needs --out and at least 2 steps (the first one is not profiled)")
-    if args.pack and args.data != "text":
-        raise BadInputError("--pack packs the text corpus's files as documents: it needs --data text")
     if args.plan_memory and args.backend != "jax":
         raise BadInputError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
     settings = TrainSettings(
@@ -156,7 +155,8 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
         batch=args.batch or mesh.fsdp, dtype=args.dtype, fp8=args.fp8, data=args.data, seed=args.seed, pack=args.pack,
         activation_checkpointing=args.activation_checkpointing,
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
-        ring_variant=args.ring_variant, loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
+        ring_variant=args.ring_variant, sp_scheme=args.sp_scheme, ulysses_degree=args.ulysses_degree,
+        loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
         ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume, stop_at=args.stop_at, out=args.out,
         export_dir=args.export_dir, plan_memory=args.plan_memory, eager=args.eager,
         profile=args.profile, skip_non_finite_steps=args.skip_non_finite_steps, xla_overlap=args.xla_overlap)
@@ -207,10 +207,14 @@ def _checkpointing(backend: str):
 
 def check_shape(settings: TrainSettings, device_count: int) -> LlamaConfig:
     """The model's config, after the checks that need neither data nor checkpoints: mesh vs devices, batch and
-    sequence length vs mesh and layout, model name (all a --plan-memory run needs)."""
+    sequence length vs mesh and layout, the sp scheme vs mesh and heads, model name (all a --plan-memory run
+    needs)."""
     settings.mesh.check_devices(device_count)
     check_batch_shape(settings.batch, settings.seq_len, settings.mesh)
-    return open_weights(settings.model, settings.seed).config
+    degrees = scheme_degrees(settings.sp_scheme, settings.mesh.sp, settings.ulysses_degree)
+    config = open_weights(settings.model, settings.seed).config
+    check_heads(degrees.ulysses, config.num_heads, config.num_kv_heads)
+    return config
 
 
 def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool = True, checksums: bool = True
@@ -236,12 +240,12 @@ class StepReport:
     """`on_step` of the run: computes throughput and MFU, appends OUT/train.jsonl, drives the progress display."""
 
     def __init__(self, settings: TrainSettings, config: LlamaConfig, start_step: int, on_gpu: bool,
-                 progress: Path | None = None, segment_ids: np.ndarray | None = None):
+                 progress: Path | None = None):
         self.settings = settings
         self.progress_path = progress  # the steps done, for the CLI's line if the run is interrupted
         self.devices = settings.mesh.size
-        self.step_flops = functools.partial(batch_model_flops, config, settings.batch, settings.seq_len)
-        self.segment_ids = segment_ids  # packed: a step's attention is credited within its documents
+        ids = training_segment_ids(settings, config) if settings.pack else [None] * settings.steps  # MFU: documents
+        self.step_flops = lambda step: batch_model_flops(config, settings.batch, settings.seq_len, ids[step])
         self.on_gpu = on_gpu
         self.jsonl = None
         if settings.out is not None:
@@ -292,8 +296,7 @@ class StepReport:
 
     def __call__(self, *, step: int, loss: float, lr: float, grad_norm: float, seconds: float,
                  peak_memory_bytes: list[int]) -> None:
-        pairs = None if self.segment_ids is None else causal_pairs(self.segment_ids[step])
-        tflops = self.step_flops(pairs) / seconds / self.devices / 1e12
+        tflops = self.step_flops(step) / seconds / self.devices / 1e12
         record: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "seconds": seconds,
             "tokens_per_s": self.settings.batch * self.settings.seq_len / seconds,
@@ -333,19 +336,17 @@ def _run_torch_worker(settings: TrainSettings) -> int:
 
     from torch_impl.train import init_distributed, run_training
 
-    rank0 = int(os.environ["RANK"]) == 0
-    world = int(os.environ["WORLD_SIZE"])
-    config, batches, start, segment_ids = check_run(settings, world, check_outputs=rank0, checksums=False)
+    rank0, world = int(os.environ["RANK"]) == 0, int(os.environ["WORLD_SIZE"])
+    config, batches, start, ids = check_run(settings, world, check_outputs=rank0, checksums=False)
     nodes = Nodes.from_env()
     if nodes is not None:
         init_distributed(timeout_s=nodes.timeout_s)  # before `run_training`, which then finds the group joined
     if not rank0:
-        run_training(settings, batches, segment_ids=segment_ids)
+        run_training(settings, batches, segment_ids=ids)
         return 0
     progress = Path(os.environ[PROGRESS_ENV]) if PROGRESS_ENV in os.environ else None
-    with StepReport(settings, config, start, on_gpu=torch.cuda.is_available(), progress=progress,
-                    segment_ids=segment_ids) as report:
-        run_training(settings, batches, report, report.profile, segment_ids=segment_ids)
+    with StepReport(settings, config, start, on_gpu=torch.cuda.is_available(), progress=progress) as report:
+        run_training(settings, batches, report, report.profile, segment_ids=ids)
     return 0
 
 
@@ -383,8 +384,7 @@ def _run_jax_here(settings: TrainSettings, progress: Path | None = None) -> int:
         return 0
     if progress is not None:
         _record_progress(progress, start)
-    with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu", progress=progress,
-                    segment_ids=segment_ids) as report:
+    with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu", progress=progress) as report:
         run_training(settings, batches, report, on_profile=report.profile, segment_ids=segment_ids)
     return 0
 

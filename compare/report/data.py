@@ -80,7 +80,8 @@ def job_timing(job: J.Job, result: dict) -> dict:
     setup = result.get("setup") or {}
     return {"id": job.id, "kind": job.kind, "backend": job.backend, "devices": job.devices,
             "status": result["status"], **{key: setup.get(key) for key in ("launch_s", "weights_s", "compile_s",
-                                                                           "measured_s")}}
+                                                                           "measured_s")},
+            "phases_s": result.get("phases_s")}
 
 
 def add_scaling(points: list[dict], platform: str) -> None:

@@ -248,16 +248,22 @@ def _jobs(report: dict) -> list[tuple]:
     keys = ("launch_s", "weights_s", "compile_s")
     rows = [[j["id"], j["status"]] + [fmt(j[k], "seconds") for k in keys]
             + [fmt(sum(j[k] for k in keys if finite(j[k])) if finite(j["weights_s"]) else None, "seconds"),
-               fmt(j["measured_s"], "seconds")] for j in jobs]
+               fmt(j["measured_s"], "seconds"), _phases(j.get("phases_s"))] for j in jobs]
     return [("h", 2, "Setup and measurement per job"),
             ("p", ["One launch per backend and device count serves all of its jobs: launch is the process's start "
                    "(its first job only), weights the model built and its weights read (generated once per run), "
                    "compile the first step beyond a steady one (compilation, autotuning; none for an equivalence check, whose "
-                   "steps are all measured), measured the rest. On a host of several GPUs, launches on disjoint "
+                   "steps are all measured), measured the rest, and an equivalence check's phases within it. On a host "
+                   "of several GPUs, launches on disjoint "
                    "GPUs (the backends' one-GPU launches) run side by side unless --serial-launches: each point runs "
                    "on GPUs of its own and a one-GPU point moves nothing over NVLink or PCIe; they share the host's "
                    "cores."]),
-            ("table", ["job", "status", "launch", "weights", "compile", "setup", "measured"], rows)]
+            ("table", ["job", "status", "launch", "weights", "compile", "setup", "measured", "phases"], rows)]
+
+
+def _phases(phases_s: dict | None) -> str:
+    """An equivalence job's phases, in order, with their seconds (where its time goes); blank for other jobs."""
+    return ", ".join(f"{name} {fmt(seconds, 'seconds')}" for name, seconds in (phases_s or {}).items())
 
 
 def _flops_and_traces(report: dict) -> list[tuple]:
