@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jax_impl.parallel import activation_sharding, make_mesh, parameter_shardings
-from jax_impl.train import StepSpec, state_shapes, step_scalars, step_spec, train_step
+from jax_impl.parallel import activation_sharding, make_mesh, parameter_shardings, state_shapes
+from jax_impl.train import StepSpec, step_scalars, step_spec, train_step
 from weights import open_weights
 from weights.settings import TrainSettings
 from weights.training import adamw_coefficients, check_attention_backend

@@ -8,11 +8,15 @@ and `nnx.split`/`nnx.merge` still give jit and sharding a pure pytree. Weights k
 
 Attention is pluggable: `Llama(config, params, attention_fn=...)` takes any `AttentionFn` (`fn(q, k, v) -> out`,
 causal); the default is plain math; the flash kernel and the ring (inside `jax.shard_map`) drop in unchanged.
-`positions` gives the global position of each local token, for sequence-parallel shards. `remat` checkpoints
-each decoder layer (a scan of `jax.checkpoint`-ed layers; "full": only layer inputs are kept for the backward, which
-recomputes the rest; "save-attention": the attention's output and log-sum-exp are kept too, so the backward does
-not rerun the attention; see `jax_impl/remat.py`). With `layer_weight_dtype` and `gather_layer_weight`, the layers
-may be given sharded fp32 weights: each checkpointed layer casts and gathers its own (jax_impl/train.py says why).
+`positions` gives the global position of each local token, for sequence-parallel shards. Packed documents
+(`segment_ids` [B, S], `weights/documents.py`) reach the attention function as its `segment_ids` keyword, and
+their RoPE positions restart at each document: positions [B, S] then, each token's offset in its document
+(`weights.documents.document_offsets`), since a document's tokens must rotate as they would alone. `remat`
+checkpoints each decoder layer (a scan of `jax.checkpoint`-ed layers; "full": only layer inputs are kept for the
+backward, which recomputes the rest; "save-attention": the attention's output and log-sum-exp are kept too, so the
+backward does not rerun the attention; see `jax_impl/remat.py`). With `layer_weight_dtype` and
+`gather_layer_weight`, the layers may be given sharded fp32 weights: each checkpointed layer casts and gathers its
+own (jax_impl/train.py says why).
 
 `convert_to_fp8` switches the decoder layers' linears to `fp8_matmul`, the FP8 recipe of weights/fp8.py
 (`twinflash train --fp8`; the torch twin uses torchao's Float8Linear): a `jax.custom_vjp` whose forward and both
@@ -236,8 +240,8 @@ class RMSNorm(nnx.Module):
 
 
 def rotary_cos_sin(inv_freq: jax.Array, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [S, head_dim] for rotate-half RoPE at the given positions."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    """cos, sin [S, head_dim] (or [B, S, head_dim] for positions [B, S]) for rotate-half RoPE at the positions."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
@@ -246,7 +250,7 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [B, S, heads, D]; pairs feature i with i + D/2 (HF's layout, kept by the converted format)."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
 class Attention(nnx.Module):
@@ -318,21 +322,26 @@ class Llama(nnx.Module):
         self.output = None if config.tie_word_embeddings else Linear(params["output.weight"])
         self.inv_freq = jnp.asarray(rope_inverse_frequencies(config))
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """Final-normed hidden states [B, S, hidden] in the compute dtype."""
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states [B, S, hidden] in the compute dtype (module docstring: positions, segment
+        ids)."""
         if positions is None:
             positions = jnp.arange(tokens.shape[1])
+        attention_fn = (self.attention_fn if segment_ids is None
+                        else functools.partial(self.attention_fn, segment_ids=segment_ids))
         x = self.tok_embeddings(tokens)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
 
         if self.remat != "off":
-            x = self._checkpointed_layers(x, cos, sin)
+            x = self._checkpointed_layers(x, cos, sin, attention_fn)
         else:
             for layer in self.layers:
-                x = layer(x, cos, sin, self.attention_fn)
+                x = layer(x, cos, sin, attention_fn)
         return self.norm(x)
 
-    def _checkpointed_layers(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def _checkpointed_layers(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attention_fn: AttentionFn
+                             ) -> jax.Array:
         """The decoder layers as a `lax.scan` of a `jax.checkpoint`-ed layer over their stacked weights: the
         forward keeps each layer's input, the backward loop recomputes one layer per iteration. A Python loop of
         checkpointed layers (`nnx.remat`) leaves the order of the recomputations to XLA, which on GPUs ran them
@@ -346,7 +355,7 @@ class Llama(nnx.Module):
             stacked = jax.tree.map(lambda *weights: jnp.stack(weights), *(nnx.state(layer) for layer in self.layers))
 
         def run_layer(x: jax.Array, weights) -> jax.Array:
-            return nnx.merge(graph, weights)(x, cos, sin, self.attention_fn)
+            return nnx.merge(graph, weights)(x, cos, sin, attention_fn)
 
         return checkpointed_scan(run_layer, x, stacked, mode=self.remat, dtype=self.layer_weight_dtype,
                                  gather=self.gather_layer_weight)
@@ -355,9 +364,10 @@ class Llama(nnx.Module):
         head = self.tok_embeddings.weight[...] if self.output is None else self.output.weight[...]
         return jnp.einsum("bsh,vh->bsv", hidden, head).astype(jnp.float32)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         """Logits [B, S, vocab] float32 for token ids [B, S]."""
-        return self.logits(self.hidden_states(tokens, positions))
+        return self.logits(self.hidden_states(tokens, positions, segment_ids))
 
 
 def convert_to_fp8(llama: Llama, linears: frozenset[str], token_blocks: TokenBlocks = (1, 1)) -> None:

@@ -16,7 +16,9 @@ How the pieces fit:
   parameters  `PartitionSpec(*entry)` of the table `weights.parallel.PARAMETER_SHARDING` (the decoder layers'
               weights, stacked in the training state, split the same way behind their layer dim); under `jax.jit`
               XLA's partitioner gathers each weight where a matmul needs it and reduce-scatters its gradient back
-              (the FSDP pattern).
+              (the FSDP pattern); `load_parameters` places a checkpoint's or preset's weights so, each device
+              reading its own slice (the training state's layout: the decoder layers' weights stacked,
+              `state_shapes`).
 
 The table splits every parameter, the 1-D norm weights included, on dim 0 over both mesh axes together, i.e.
 the parameters, their gradients and the AdamW state are split over every device rather than replicated over
@@ -50,12 +52,15 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl.attention import AttentionFn
-from jax_impl.model import is_stacked
+from jax_impl.model import is_stacked, stack_layers
 from jax_impl.ring_attention import ring_attention
 from jax_impl.ulysses import scheme_axes, sequence_parallel_attention, sequence_parallel_mesh
+from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, parameter_shapes
+from weights.documents import document_offsets
 from weights.errors import BadInputError
 from weights.layout import layout_order
-from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, RING_LAYOUT, MeshShape, parameter_sharding
+from weights.parallel import (ACTIVATION_SHARDING, MESH_AXES, PACKED_RING_LAYOUT, RING_LAYOUT, MeshShape,
+                              parameter_sharding)
 from weights.sequence_parallel import scheme_degrees
 from weights.training import check_batch_shape, next_token_targets
 
@@ -115,23 +120,81 @@ def on_host(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def ring_attention_fn(mesh: Mesh, *, backend: str = "pallas", variant: str = "ring") -> AttentionFn:
-    """The model's attention function on GLOBAL q/k/v [B, S, H, D] whose sequence is in the ring layout's order:
-    `ring_attention` in `jax.shard_map`, batch over `fsdp`, sequence around `sp`."""
-    spec = PartitionSpec(*ACTIVATION_SHARDING["hidden"][:2], None, None)
-    return jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=True, layout=RING_LAYOUT,
-                                           variant=variant, backend=backend),
-                         mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+def state_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every parameter in the training state's layout (the decoder layers' weights stacked)."""
+    return stack_layers(parameter_shapes(config), stack=lambda shapes: (len(shapes), *shapes[0]))
+
+
+def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh,
+                    host_arrays: dict | None = None) -> dict[str, jax.Array]:
+    """float32 parameters in the training state's layout from a converted checkpoint or random preset weights.
+    Each device receives its own slice: a stacked layer weight is read as each device's rows of every layer
+    (`tensor_slice`), any other one tensor at a time on the host (random weights are drawn once per tensor).
+    `host_arrays`: a dict the caller keeps between loads of this same source (compare's JAX worker, whose jobs all
+    load the run's weights), which keeps each host array as read (the whole model in host memory), so that a later
+    load only copies them to the devices."""
+    layer_names = stack_layers({name: name for name in source.names()}, stack=list)  # stack -> its layers' names
+    shapes = state_shapes(source.config)
+    shardings = parameter_shardings(mesh, shapes)
+
+    def kept(key: tuple, read) -> np.ndarray:
+        """`read()`, or the array `host_arrays` kept under `key` (without the dict, nothing outlives its load)."""
+        if host_arrays is None:
+            return read()
+        if key not in host_arrays:
+            host_arrays[key] = read()
+        return host_arrays[key]
+
+    def stacked_rows(name: str, index: tuple[slice, ...]) -> np.ndarray:
+        layers = layer_names[name][index[0]]
+        first = source.tensor_slice(layers[0], index[1:])
+        stacked = np.empty((len(layers), *first.shape), first.dtype)  # filled in place: no stacking copy
+        stacked[0] = first
+        for i, layer in enumerate(layers[1:], start=1):
+            stacked[i] = source.tensor_slice(layer, index[1:])
+        return stacked
+
+    def rows(name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return kept((name, tuple((s.start, s.stop, s.step) for s in index)), lambda: stacked_rows(name, index))
+
+    def load(name: str) -> jax.Array:
+        if is_stacked(name):
+            array = jax.make_array_from_callback(shapes[name], shardings[name], functools.partial(rows, name))
+        else:
+            array = put_sharded(kept((name, None), lambda: source.tensor(name)), shardings[name])
+        # the host moves the checkpoint's own dtype (half of float32's bytes for bf16); the devices widen it
+        return array.astype(jnp.float32)
+
+    return {name: load(name) for name in shapes}
+
+
+def ring_attention_fn(mesh: Mesh, *, backend: str = "pallas", variant: str = "ring",
+                      layout: str = RING_LAYOUT) -> AttentionFn:
+    """The model's attention function on GLOBAL q/k/v [B, S, H, D] whose sequence is in `layout`'s order:
+    `ring_attention` in `jax.shard_map`, batch over `fsdp`, sequence around `sp`; its `segment_ids` [B, S] (packed
+    documents, `sharded_packed_batch`) are split like the tokens."""
+    tokens = ACTIVATION_SHARDING["hidden"][:2]
+    spec = PartitionSpec(*tokens, None, None)
+    attention = functools.partial(ring_attention, axis_name="sp", causal=True, layout=layout, variant=variant,
+                                  backend=backend)
+    plain = jax.shard_map(attention, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    with_documents = jax.shard_map(lambda q, k, v, ids: attention(q, k, v, segment_ids=ids), mesh=mesh,
+                                   in_specs=(spec, spec, spec, PartitionSpec(*tokens)), out_specs=spec)
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        return plain(q, k, v) if segment_ids is None else with_documents(q, k, v, segment_ids)
+    return attend
 
 
 def sequence_parallel_fn(mesh: Mesh, scheme: str = "ring", ulysses_degree: int | None = None, *,
-                         backend: str = "pallas", variant: str = "ring") -> AttentionFn:
+                         backend: str = "pallas", variant: str = "ring", layout: str = RING_LAYOUT) -> AttentionFn:
     """The model's attention function in `scheme` (`weights.sequence_parallel`) over the `sp` axis, on the same
-    global q/k/v as `ring_attention_fn` (which the ring scheme is): `sequence_parallel_attention` in `jax.shard_map`
-    over `sequence_parallel_mesh`, whose two axes hold the sequence's parts where `sp` holds them (no transfer)."""
+    global q/k/v as `ring_attention_fn` (which the ring scheme is, in `layout`; the others run RING_LAYOUT):
+    `sequence_parallel_attention` in `jax.shard_map` over `sequence_parallel_mesh`, whose two axes hold the
+    sequence's parts where `sp` holds them (no transfer)."""
     degrees = scheme_degrees(scheme, mesh.shape["sp"], ulysses_degree)
     if degrees.ulysses == 1:
-        return ring_attention_fn(mesh, backend=backend, variant=variant)
+        return ring_attention_fn(mesh, backend=backend, variant=variant, layout=layout)
     ring_axis, ulysses_axis = scheme_axes("sp")
     spec = PartitionSpec(ACTIVATION_SHARDING["hidden"][0], (ring_axis, ulysses_axis), None, None)
     return jax.shard_map(functools.partial(sequence_parallel_attention, ulysses_axis=ulysses_axis,
@@ -155,6 +218,21 @@ def sharded_batch(tokens: np.ndarray, mesh: Mesh) -> tuple[jax.Array, jax.Array,
 
     sequence = activation_sharding(mesh, "positions")
     return place(tokens), place(next_token_targets(tokens)), put_sharded(order.astype(np.int32), sequence)
+
+
+def sharded_packed_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: Mesh
+                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`sharded_batch` of packed documents (`segment_ids` [batch, seq], `weights/documents.py`) in
+    PACKED_RING_LAYOUT's order: (tokens, targets, positions, segment ids), int32 global arrays split like the
+    tokens. No target crosses a document's end; positions [batch, seq] are each token's offset in its document
+    (RoPE restarts per document)."""
+    shape = mesh_shape(mesh)
+    check_batch_shape(tokens.shape[0], tokens.shape[1], shape)
+    order = layout_order(tokens.shape[1], shape.sp, PACKED_RING_LAYOUT)
+    sharding = activation_sharding(mesh, "tokens")
+    return tuple(put_sharded(x[:, order].astype(np.int32), sharding)
+                 for x in (tokens, next_token_targets(tokens, segment_ids), document_offsets(segment_ids),
+                           segment_ids))
 
 
 OVERLAP_OPTIONS = {  # module docstring

@@ -75,12 +75,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_impl import checkpointing
 from jax_impl.attention import AttentionFn
-from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, stack_layers, unstack_layers
-from jax_impl.parallel import (make_mesh, mesh_shape, overlap_compiler_options, parameter_shardings, put_sharded,
-                               sequence_parallel_fn, sharded_batch)
+from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, unstack_layers
+from jax_impl.parallel import (load_parameters, make_mesh, mesh_shape, overlap_compiler_options, parameter_shardings,
+                               sequence_parallel_fn, sharded_batch, sharded_packed_batch, state_shapes)
 from jax_impl.profiling import StepProfiler, region
-from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights, parameter_shapes
-from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, weights_regathered_for_backward
+from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights
+from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, ring_layout, weights_regathered_for_backward
 from weights.fp8 import fallback_line, fp8_linears
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
@@ -166,13 +166,17 @@ class StepSpec:
     # a hashable callable that wraps the model's attention function (`fn -> fn`): the harness's hook for its
     # negative controls (compare/harness/perturb.py); None in training
     attention_wrapper: Callable[[AttentionFn], AttentionFn] | None = None
+    # packed documents (`TrainSettings.pack`): the ring in PACKED_RING_LAYOUT, the step given segment ids
+    pack: bool = False
 
 
 def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: jax.Array, positions: jax.Array,
-                    spec: StepSpec, with_logits: bool = False):
+                    spec: StepSpec, with_logits: bool = False, segment_ids: jax.Array | None = None):
     """Mean next-token cross-entropy of the global batch (module docstring), from float32 master `params` in the
     training state's layout (the decoder layers' weights stacked); with `with_logits`, (loss, float32 logits
-    [B, S, vocab] in the batch's layout order, outside autodiff) for checks on short sequences."""
+    [B, S, vocab] in the batch's layout order, outside autodiff) for checks on short sequences. `segment_ids`:
+    packed documents (`spec.pack`), for the attention; the loss then averages over the targets the documents
+    leave (`sharded_packed_batch` ends them at each document's last token)."""
     dtype = DTYPES[spec.dtype]
     replicated = NamedSharding(spec.mesh, PartitionSpec())
 
@@ -192,16 +196,16 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
         weights = {name: (p.astype(dtype) if copy else p) if is_stacked(name) else compute(p)
                    for name, p in params.items()}
     attention = sequence_parallel_fn(spec.mesh, *spec.sp_scheme, backend=spec.attention_backend,
-                                     variant=spec.ring_variant)
+                                     variant=spec.ring_variant, layout=ring_layout(spec.pack))
     if spec.attention_wrapper is not None:
         attention = spec.attention_wrapper(attention)
     llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer)
     if spec.fp8:
         devices = mesh_shape(spec.mesh)  # each device's activations scaled on their own, as torch's ranks do
         convert_to_fp8(llama, fp8_linears(spec.config)[0], token_blocks=(devices.fsdp, devices.sp))
-    hidden = llama.hidden_states(tokens, positions)
+    hidden = llama.hidden_states(tokens, positions, segment_ids)
     head = weights["tok_embeddings.weight" if spec.config.tie_word_embeddings else "output.weight"]
-    valid_count = valid_target_count(*tokens.shape)
+    valid_count = valid_target_count(*tokens.shape) if segment_ids is None else jnp.sum(targets != IGNORE_INDEX)
     with region("loss"):
         loss = sharded_cross_entropy_sum(hidden, head, targets, spec.mesh, spec.loss_chunk_tokens) / valid_count
     if not with_logits:
@@ -258,9 +262,11 @@ def adamw_update(params: dict[str, jax.Array], grads: dict[str, jax.Array], stat
 # --- the step -----------------------------------------------------------------------------------------------------
 
 def _train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: jax.Array,
-                coefficients: dict[str, jax.Array], spec: StepSpec) -> tuple[State, jax.Array, jax.Array]:
+                coefficients: dict[str, jax.Array], spec: StepSpec, segment_ids: jax.Array | None = None
+                ) -> tuple[State, jax.Array, jax.Array]:
     """(new state, loss, grad norm before clipping) of one optimizer step on a global batch."""
-    loss, grads = jax.value_and_grad(next_token_loss)(state["model"], tokens, targets, positions, spec)
+    loss, grads = jax.value_and_grad(next_token_loss)(state["model"], tokens, targets, positions, spec,
+                                                      segment_ids=segment_ids)
     with region("optimizer"):
         grads, grad_norm = clip_gradients(grads, spec.optimizer.grad_clip_norm)
         params, optimizer = adamw_update(state["model"], grads, state["optimizer"], coefficients, spec.optimizer)
@@ -284,15 +290,17 @@ def _jitted_step(compiler_options: tuple[tuple[str, bool], ...]):
 
 class _TrainStep:
     """`train_step(state, tokens, targets, positions, coefficients, spec=spec)`: (new state, loss, grad norm before
-    clipping) of one optimizer step on a global batch, jitted (one compilation per `StepSpec`) with the spec's
-    XLA options; `train_step.lower(...)` as a jitted function's."""
+    clipping) of one optimizer step on a global batch (and its `segment_ids` when `spec.pack`), jitted (one
+    compilation per `StepSpec`) with the spec's XLA options; `train_step.lower(...)` as a jitted function's."""
 
     def __call__(self, state: State, tokens: jax.Array, targets: jax.Array, positions: jax.Array,
-                 coefficients: dict[str, jax.Array], *, spec: StepSpec) -> tuple[State, jax.Array, jax.Array]:
-        return _jitted_step(spec.compiler_options)(state, tokens, targets, positions, coefficients, spec=spec)
+                 coefficients: dict[str, jax.Array], *, spec: StepSpec, segment_ids: jax.Array | None = None
+                 ) -> tuple[State, jax.Array, jax.Array]:
+        return _jitted_step(spec.compiler_options)(state, tokens, targets, positions, coefficients, spec=spec,
+                                                   segment_ids=segment_ids)
 
-    def lower(self, *args, spec: StepSpec):
-        return _jitted_step(spec.compiler_options).lower(*args, spec=spec)
+    def lower(self, *args, spec: StepSpec, segment_ids: jax.Array | None = None):
+        return _jitted_step(spec.compiler_options).lower(*args, spec=spec, segment_ids=segment_ids)
 
 
 train_step = _TrainStep()
@@ -304,54 +312,6 @@ def step_scalars(coefficients: dict[str, float]) -> dict[str, jax.Array]:
 
 
 # --- the loop -----------------------------------------------------------------------------------------------------
-
-def state_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every parameter in the training state's layout (the decoder layers' weights stacked)."""
-    return stack_layers(parameter_shapes(config), stack=lambda shapes: (len(shapes), *shapes[0]))
-
-
-def load_parameters(source: ConvertedCheckpoint | RandomWeights, mesh: Mesh,
-                    host_arrays: dict | None = None) -> dict[str, jax.Array]:
-    """float32 parameters in the training state's layout from a converted checkpoint or random preset weights.
-    Each device receives its own slice: a stacked layer weight is read as each device's rows of every layer
-    (`tensor_slice`), any other one tensor at a time on the host (random weights are drawn once per tensor).
-    `host_arrays`: a dict the caller keeps between loads of this same source (compare's JAX worker, whose jobs all
-    load the run's weights), which keeps each host array as read (the whole model in host memory), so that a later
-    load only copies them to the devices."""
-    layer_names = stack_layers({name: name for name in source.names()}, stack=list)  # stack -> its layers' names
-    shapes = state_shapes(source.config)
-    shardings = parameter_shardings(mesh, shapes)
-
-    def kept(key: tuple, read) -> np.ndarray:
-        """`read()`, or the array `host_arrays` kept under `key` (without the dict, nothing outlives its load)."""
-        if host_arrays is None:
-            return read()
-        if key not in host_arrays:
-            host_arrays[key] = read()
-        return host_arrays[key]
-
-    def stacked_rows(name: str, index: tuple[slice, ...]) -> np.ndarray:
-        layers = layer_names[name][index[0]]
-        first = source.tensor_slice(layers[0], index[1:])
-        stacked = np.empty((len(layers), *first.shape), first.dtype)  # filled in place: no stacking copy
-        stacked[0] = first
-        for i, layer in enumerate(layers[1:], start=1):
-            stacked[i] = source.tensor_slice(layer, index[1:])
-        return stacked
-
-    def rows(name: str, index: tuple[slice, ...]) -> np.ndarray:
-        return kept((name, tuple((s.start, s.stop, s.step) for s in index)), lambda: stacked_rows(name, index))
-
-    def load(name: str) -> jax.Array:
-        if is_stacked(name):
-            array = jax.make_array_from_callback(shapes[name], shardings[name], functools.partial(rows, name))
-        else:
-            array = put_sharded(kept((name, None), lambda: source.tensor(name)), shardings[name])
-        # the host moves the checkpoint's own dtype (half of float32's bytes for bf16); the devices widen it
-        return array.astype(jnp.float32)
-
-    return {name: load(name) for name in shapes}
-
 
 def peak_memory_bytes(mesh: Mesh) -> list[int]:
     """Per device: peak bytes in use where the runtime reports it (GPU), else each process's peak host RSS. A
@@ -433,7 +393,7 @@ def step_spec(settings: TrainSettings, config: LlamaConfig, mesh: Mesh) -> StepS
                     attention_backend=settings.attention_backend, ring_variant=settings.ring_variant,
                     loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
                     optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps,
-                    sp_scheme=(settings.sp_scheme, settings.ulysses_degree),
+                    sp_scheme=(settings.sp_scheme, settings.ulysses_degree), pack=settings.pack,
                     compiler_options=overlap_compiler_options(mesh.devices.flat[0].platform, settings.xla_overlap,
                                                               os.environ.get("XLA_FLAGS", "")))
 
@@ -441,9 +401,10 @@ def step_spec(settings: TrainSettings, config: LlamaConfig, mesh: Mesh) -> StepS
 
 
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
-                 devices: Sequence[jax.Device] | None = None, on_profile: Callable[[dict], None] | None = None
-                 ) -> State:
-    """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches) in this process over
+                 devices: Sequence[jax.Device] | None = None, on_profile: Callable[[dict], None] | None = None,
+                 segment_ids: np.ndarray | None = None) -> State:
+    """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches; with `settings.pack`
+    on the packed documents of `segment_ids`, `weights.data.training_segment_ids`) in this process over
     `devices` (default: all of JAX's, whose count must match `settings.mesh`); see `weights.settings.TrainSettings`
     for the fields read here. Calls `on_step(step=, loss=, lr=, grad_norm=, seconds=,
     peak_memory_bytes=[per device])` after every step. Resumes from the latest checkpoint with `settings.resume`,
@@ -453,7 +414,7 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
     the run unsaved (NonFiniteStepError), or with `settings.skip_non_finite_steps` leaves the state unchanged.
     With `settings.profile`, traces the last steps (`weights.profiling.profiled_steps`) and calls
     `on_profile(breakdown)` at the end (`jax_impl/profiling.py`)."""
-    check_batches(settings, batches)
+    check_batches(settings, batches, segment_ids)
     run = build_training(settings, devices)
     mesh, spec, state, meta = run.mesh, run.spec, run.state, run.meta
     if settings.fp8 and jax.process_index() == 0 and fallback_line(spec.config) is not None:
@@ -469,10 +430,13 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
         for step in range(start, stop):
             began = time.perf_counter()
             profiler.begin(step)
-            tokens, targets, positions = sharded_batch(batches[step], mesh)
+            if segment_ids is None:
+                (tokens, targets, positions), ids = sharded_batch(batches[step], mesh), None
+            else:
+                tokens, targets, positions, ids = sharded_packed_batch(batches[step], segment_ids[step], mesh)
             coefficients = adamw_coefficients(settings.optimizer, step)
             state, loss, grad_norm = train_step(state, tokens, targets, positions, step_scalars(coefficients),
-                                                spec=spec)
+                                                spec=spec, segment_ids=ids)
             loss = float(loss)  # synchronises the devices: the step's time is complete
             profiler.end(step)
             seconds = time.perf_counter() - began
@@ -489,7 +453,7 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
                 latest = settings.ckpt_dir / checkpointing.step_dir_name(step + 1)
         if settings.profile and on_profile is not None:  # the step compiled before: its HLO comes from the cache
             on_profile(profiler.breakdown(train_step.lower(state, tokens, targets, positions, step_scalars(
-                coefficients), spec=spec).compile().as_text()))
+                coefficients), spec=spec, segment_ids=ids).compile().as_text()))
     finally:
         if manager is not None:
             checkpointing.close_manager(manager)  # waits for a save in flight; raises if it failed

@@ -81,7 +81,8 @@ class DocumentRingCase:
 
     @property
     def id(self) -> str:
-        return f"p{self.world}-{self.layout}-{self.variant}-{'causal' if self.causal else 'full'}-{self.dtype}"
+        return (f"p{self.world}-{self.layout}-{self.variant}-{'causal' if self.causal else 'full'}-{self.dtype}"
+                f"-d{self.documents.dim}")
 
 
 # 48 tokens on 4 devices: shards of 12, zigzag chunks of 6; documents of length 1, lengths that split into no
@@ -94,6 +95,12 @@ RING_OURS_BF16 = [DocumentRingCase(4, "zigzag_stripes", "ring", dtype="bfloat16"
                   DocumentRingCase(4, "contiguous", "allgather", dtype="bfloat16"),
                   DocumentRingCase(4, "zigzag_stripes", "allgather", causal=False, dtype="bfloat16")]
 RING_NEGATIVE = DocumentRingCase(4, "zigzag_stripes", "ring")  # its second row's boundary dropped: must fail FP32_TOL
+# 2 GPUs, bf16, our kernels by the flash rule: 8k tokens of documents as the corpus packs them (one as long as a
+# shard, lengths of no tile multiple), Llama-like heads at both head dims
+GPU_DOCUMENTS = ((1, 777, 3000, 318, 4096),)
+RING_GPU = [DocumentRingCase(2, layout, variant, dtype="bfloat16",
+                             documents=DocumentCase(GPU_DOCUMENTS, heads=16, kv_heads=4, dim=dim))
+            for layout, variant in (("zigzag_stripes", "ring"), ("zigzag", "allgather")) for dim in (64, 128)]
 # run without segment ids: zigzag_stripes on the spans of one document
 RING_ONE_DOCUMENT = DocumentRingCase(4, "zigzag_stripes", "ring", documents=DocumentCase(((48,), (48,))))
 

@@ -8,6 +8,7 @@ tests/document_twins.py's.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import document_twins as twins
@@ -150,6 +151,22 @@ def test_reference_pair_functions_mask_by_spans():
     grads = reference_attention_backward(dout, q, k, v, *plain, causal=True, softmax_scale=0.2, spans=full)
     for got, want in zip(grads, reference_attention_backward(dout, q, k, v, *plain, causal=True, softmax_scale=0.2)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_span_kernels_lower_through_triton_for_cuda(monkeypatch):
+    """The interpreter never lowers the kernels: lowered for CUDA on the CPU (the calls switched from interpret
+    mode), the forward, dK/dV and dQ kernels with spans go through Pallas's Triton lowering (the span bounds' int
+    reductions and their one-trip loop included) into three Triton calls."""
+    monkeypatch.setattr(importlib.import_module("jax_impl.kernels.flash_attention"), "_interpret", lambda: False)
+    q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+
+    def forward_and_backward(q, k, v, ids):
+        out, pullback = jax.vjp(lambda q, k, v: flash_attention(q, k, v, backend="pallas_portable",
+                                                                segment_ids=ids), q, k, v)
+        return pullback(out)
+    lowered = jax.jit(forward_and_backward).trace(q, kv, kv, jax.ShapeDtypeStruct((1, 1024), jnp.int32))
+    assert lowered.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 3
 
 
 @pytest.mark.parametrize("backend, message", [

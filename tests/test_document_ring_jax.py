@@ -2,8 +2,8 @@
 host devices: each layout (contiguous, zigzag, zigzag_stripes), variant and mask against the same documents
 attended one at a time (fp32 with the reference pair backend; bf16 through the Pallas kernels, interpreted, by the
 flash rule), the negative control (a dropped boundary fails), and the zigzag_stripes layout without documents
-against plain causal attention. Twin of tests/test_document_ring_torch.py; the cases, the answer and the tolerances (with their reasons)
-are tests/document_twins.py's.
+against plain causal attention; on 2 GPUs (`gpu`), real sizes. Twin of tests/test_document_ring_torch.py; the
+cases, the answer and the tolerances (with their reasons) are tests/document_twins.py's.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from test_document_attention_jax import FAST_COMPILE, naive_one_at_a_time
 from jax_impl.ring_attention import ring_attention_sharded
 
 
-def _ring(case: twins.DocumentRingCase, backend: str, *, dropped_boundary=False, with_documents=True) -> dict:
+def _ring(case: twins.DocumentRingCase, backend: str, *, dropped_boundary=False, with_documents=True,
+          devices=None) -> dict:
     """{NAMES: float64 numpy} of one sharded ring call on the case's packed sequences, gradients by jax.vjp."""
-    mesh = Mesh(np.array(jax.devices()[:case.world]), ("sp",))
+    mesh = Mesh(np.array((devices or jax.devices())[:case.world]), ("sp",))
     q, k, v, dout = (jnp.asarray(x).astype(case.dtype) for x in twins.case_inputs(case.documents, case.dtype))
     ids = jnp.asarray(twins.ring_segment_ids(case, dropped_boundary=dropped_boundary)) if with_documents else None
 
@@ -68,3 +69,15 @@ def test_zigzag_stripes_without_documents_is_causal_attention():
     """A zigzag_stripes ring without segment ids runs on the spans of one document: plain causal attention."""
     case = twins.RING_ONE_DOCUMENT
     kernel_twins.assert_fp32_close(_ring(case, "reference", with_documents=False), _exact(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", twins.RING_GPU, ids=twins.ids(twins.RING_GPU))
+def test_gpu_ring_documents_meet_the_flash_rule(case):
+    """2 GPUs, bf16 through the portable Pallas kernels ("pallas" with documents)."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < case.world:
+        pytest.skip(f"needs {case.world} GPUs visible to JAX")
+    arrays = twins.case_inputs(case.documents, case.dtype)
+    naive = naive_one_at_a_time(case.documents, arrays, case.causal, case.dtype)
+    ring_twins.assert_flash_rule(_ring(case, "pallas", devices=gpus), naive, _exact(case))

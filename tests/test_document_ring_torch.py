@@ -2,7 +2,7 @@
 case: each layout (contiguous, zigzag, zigzag_stripes), variant and mask against the same documents attended one
 at a time (fp32 with the reference pair backend; bf16 through the Triton kernels by the flash rule), the negative
 control (a dropped boundary fails), and the zigzag_stripes layout without documents against plain causal
-attention. Twin of
+attention; over NCCL on 2 GPUs (`gpu`), real sizes. Twin of
 tests/test_document_ring_jax.py; the cases, the answer and the tolerances (with their reasons) are
 tests/document_twins.py's.
 """
@@ -25,18 +25,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def case_documents(rank, world, *, case: twins.DocumentRingCase, backend: str, dropped_boundary=False,
-                   with_documents=True):
+                   with_documents=True, device="cpu"):
     """Local (out, lse, dq, dk, dv) of one ring call on the case's packed sequences, gradients through autograd."""
+    device = f"cuda:{rank}" if device == "cuda" else device
     arrays = twins.case_inputs(case.documents, case.dtype)
-    q, k, v, dout = (shard_for_ring(torch.from_numpy(x).to(DTYPES[case.dtype]), None, case.layout) for x in arrays)
-    ids = shard_for_ring(torch.from_numpy(twins.ring_segment_ids(case, dropped_boundary=dropped_boundary)), None,
-                         case.layout)
+    q, k, v, dout = (shard_for_ring(torch.from_numpy(x).to(device, DTYPES[case.dtype]), None, case.layout)
+                     for x in arrays)
+    ids = shard_for_ring(torch.from_numpy(twins.ring_segment_ids(case, dropped_boundary=dropped_boundary)).to(device),
+                         None, case.layout)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out, lse = ring_attention(q, k, v, causal=case.causal, layout=case.layout, variant=case.variant,
                               return_lse=True, backend=backend, segment_ids=ids if with_documents else None)
     out.backward(dout)
-    return {name: x.detach().double().numpy() for name, x in zip(kernel_twins.NAMES, (out, lse, q.grad, k.grad,
-                                                                                        v.grad))}
+    return {name: x.detach().double().cpu().numpy() for name, x in zip(kernel_twins.NAMES, (out, lse, q.grad,
+                                                                                              k.grad, v.grad))}
 
 
 CASES = {f"reference-{case.id}": ("case_documents", dict(case=case, backend="reference"))
@@ -92,3 +94,21 @@ def test_zigzag_stripes_without_documents_is_causal_attention(p4):
     """A zigzag_stripes ring without segment ids runs on the spans of one document: plain causal attention."""
     got = _results(p4, "stripes-without-documents", "zigzag_stripes")
     kernel_twins.assert_fp32_close(got, _exact(twins.RING_ONE_DOCUMENT))
+
+
+@pytest.fixture(scope="module")
+def p2_gpu():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    cases = {case.id: ("case_documents", dict(case=case, backend="triton", device="cuda")) for case in twins.RING_GPU}
+    return run_on_ranks(2, cases, module=__name__, comm_backend="nccl")
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", twins.RING_GPU, ids=twins.ids(twins.RING_GPU))
+def test_gpu_ring_documents_meet_the_flash_rule(p2_gpu, case):
+    """2 GPUs over NCCL, bf16 through the portable kernels ("triton" with documents)."""
+    arrays = twins.case_inputs(case.documents, case.dtype)
+    naive = naive_one_at_a_time(case.documents, arrays, case.causal, case.dtype)
+    ring_twins.assert_flash_rule(_results(p2_gpu, case.id, case.layout), naive, _exact(case))

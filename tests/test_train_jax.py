@@ -36,9 +36,8 @@ from jax_impl.kernels.flash_attention import flash_attention
 from jax_impl.model import Llama, load_model, parameter_dict, stack_layers, unstack_layers
 from jax_impl.model import next_token_loss as model_next_token_loss
 from jax_impl.memory_plan import step_memory_plan
-from jax_impl.parallel import make_mesh, sharded_batch
-from jax_impl.train import (StepSpec, adamw_update, clip_gradients, init_optimizer_state, load_parameters,
-                            next_token_loss, run_training)
+from jax_impl.parallel import load_parameters, make_mesh, sharded_batch
+from jax_impl.train import StepSpec, adamw_update, clip_gradients, init_optimizer_state, next_token_loss, run_training
 from weights import (BadInputError, CheckpointError, RandomWeights, parameter_shapes, preset,
                      write_converted_checkpoint)
 from weights.layout import LayoutError

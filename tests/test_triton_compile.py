@@ -36,6 +36,7 @@ import torch_impl.kernels.portable.forward as ff, torch_impl.kernels.portable.ba
 import torch_impl.kernels.tiles as tiles
 
 FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
+INT32_POINTERS = {"KeyStart", "KeyEnd", "QueryStart", "QueryEnd"}  # documents' spans
 
 def jit_function(kernel):
     while not isinstance(kernel, triton.runtime.jit.JITFunction):
@@ -51,7 +52,8 @@ def compile_for_sm90(kernel, constexprs, warps, stages):
         elif p.name == "SEQ_BUCKET":
             signature[p.name] = "i32"
         elif p.name[0].isupper():
-            signature[p.name] = "*fp32" if p.name in FP32_POINTERS else "*bf16"
+            signature[p.name] = ("*fp32" if p.name in FP32_POINTERS else "*i32" if p.name in INT32_POINTERS
+                                 else "*bf16")
         else:
             signature[p.name] = "fp32" if "scale" in p.name else "i32"
     source = ASTSource(fn=fn, signature=signature,
@@ -60,18 +62,19 @@ def compile_for_sm90(kernel, constexprs, warps, stages):
                           options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
 portable = dict(HEAD_DIM=128, BLOCK_D=int(sys.argv[1]), EMULATE=False, GROUP=4, DOT_PRECISION="ieee")
-for causal in (True, False):
+for causal, spans in ((True, False), (False, False), (False, True)):  # documents' spans replace the causal rule
+    mask = dict(portable, CAUSAL=causal, SPANS=spans)
     cases = [
-        ("forward", ff._forward_kernel, dict(portable, CAUSAL=causal, BLOCK_M=128, BLOCK_N=64), 8, 3, "mma"),
+        ("forward", ff._forward_kernel, dict(mask, BLOCK_M=128, BLOCK_N=64), 8, 3, "mma"),
         ("delta", tiles._delta_kernel, dict(HEAD_DIM=128, BLOCK_D=portable["BLOCK_D"], BLOCK_M=64), 4, 1, None),
-        ("dkdv", fb._dkdv_kernel, dict(portable, CAUSAL=causal, BLOCK_M=64, BLOCK_N=128), 8, 2, "mma"),
-        ("dq", fb._dq_kernel, dict(portable, CAUSAL=causal, BLOCK_M=128, BLOCK_N=64), 8, 2, "mma"),
+        ("dkdv", fb._dkdv_kernel, dict(mask, BLOCK_M=64, BLOCK_N=128), 8, 2, "mma"),
+        ("dq", fb._dq_kernel, dict(mask, BLOCK_M=128, BLOCK_N=64), 8, 2, "mma"),
     ]
     for name, kernel, constexprs, warps, stages, matrix_op in cases:
         ptx = compile_for_sm90(kernel, constexprs, warps, stages)
         if matrix_op is not None and matrix_op not in ptx:
-            sys.exit(f"{name} (causal={causal}): no {matrix_op} instruction in its PTX")
-        print(f"compiled {name} causal={causal}", flush=True)
+            sys.exit(f"{name} (causal={causal}, spans={spans}): no {matrix_op} instruction in its PTX")
+        print(f"compiled {name} causal={causal} spans={spans}", flush=True)
 """
 
 
@@ -186,7 +189,7 @@ def _compile(block_d: int, script: str = _COMPILE) -> subprocess.CompletedProces
 def test_every_triton_kernel_compiles_for_sm90():
     done = _compile(block_d=128)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled ") == 8
+    assert done.stdout.count("compiled ") == 12  # 4 kernels x (causal, full, documents' spans)
 
 
 def test_a_kernel_the_compiler_rejects_fails_the_check():

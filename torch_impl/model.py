@@ -4,7 +4,10 @@ Twin of `jax_impl/model.py`: same modules, same names, same parameter paths (the
 Attention is pluggable: `Llama(config, attention_fn=...)` takes any `AttentionFn` (`fn(q, k, v) -> out`, causal,
 q [B, S, H, D], k/v [B, S, Hkv, D]); the default is plain math (`reference_attention`); the flash kernel and the
 ring drop in unchanged. `positions` gives the global position of each local token, so a sequence-parallel rank
-holding a zigzag shard rotates its tokens by their true positions. `remat` checkpoints each decoder layer
+holding a zigzag shard rotates its tokens by their true positions. Packed documents (`segment_ids` [B, S],
+`weights/documents.py`) reach the attention function as its `segment_ids` keyword, and their RoPE positions restart
+at each document: positions [B, S] then, each token's offset in its document (`weights.documents.document_offsets`),
+since a document's tokens must rotate as they would alone. `remat` checkpoints each decoder layer
 ("full": only layer inputs are kept for the backward, which recomputes the rest; "save-attention": the attention's
 output and log-sum-exp are kept too, so the backward does not rerun the attention; see `torch_impl/remat.py`).
 
@@ -23,6 +26,7 @@ RoPE angles in float32 cast to the compute dtype, logits returned as float32.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -53,8 +57,8 @@ class RMSNorm(nn.Module):
 
 def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [S, head_dim] for rotate-half RoPE at the given positions."""
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    """cos, sin [S, head_dim] (or [B, S, head_dim] for positions [B, S]) for rotate-half RoPE at the positions."""
+    angles = positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -63,7 +67,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [B, S, heads, D]; pairs feature i with i + D/2 (HF's layout, kept by the converted format)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
 class Attention(nn.Module):
@@ -144,17 +148,21 @@ class Llama(nn.Module):
                                                                         bias=False)
         self.register_buffer("inv_freq", torch.from_numpy(rope_inverse_frequencies(config)), persistent=False)
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-normed hidden states [B, S, hidden] in the compute dtype."""
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [B, S, hidden] in the compute dtype (module docstring: positions, segment
+        ids)."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
+        attention_fn = (self.attention_fn if segment_ids is None
+                        else functools.partial(self.attention_fn, segment_ids=segment_ids))
         x = self.tok_embeddings(tokens)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
         for layer in self.layers:
             if self.remat != "off":
-                x = checkpointed_layer(_marked_recompute(layer), x, cos, sin, self.attention_fn, mode=self.remat)
+                x = checkpointed_layer(_marked_recompute(layer), x, cos, sin, attention_fn, mode=self.remat)
             else:
-                x = layer(x, cos, sin, self.attention_fn)
+                x = layer(x, cos, sin, attention_fn)
         return self.norm(x)
 
     def compile_elementwise(self) -> None:
@@ -173,9 +181,10 @@ class Llama(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head_weight()).float()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab] float32 for token ids [B, S]."""
-        return self.logits(self.hidden_states(tokens, positions))
+        return self.logits(self.hidden_states(tokens, positions, segment_ids))
 
 
 def convert_to_fp8(llama: Llama, linears: frozenset[str]) -> None:

@@ -42,9 +42,10 @@ from torch_impl.attention import AttentionFn
 from torch_impl.ring_attention import ring_attention
 from torch_impl.ulysses import sequence_parallel_attention, sequence_parallel_groups
 from weights import ConvertedCheckpoint, RandomWeights, rope_inverse_frequencies
+from weights.documents import document_offsets
 from weights.layout import rank_positions
-from weights.parallel import (MESH_AXES, RING_LAYOUT, MeshShape, parameter_shard_axes, sharded_dim,
-                              weights_regathered_for_backward)
+from weights.parallel import (MESH_AXES, PACKED_RING_LAYOUT, RING_LAYOUT, MeshShape, parameter_shard_axes,
+                              sharded_dim, weights_regathered_for_backward)
 from weights.training import check_batch_shape, next_token_targets
 
 
@@ -75,24 +76,27 @@ def parameter_placement(name: str) -> Shard:
 
 
 def ring_attention_fn(mesh: DeviceMesh, *, backend: str = "triton", variant: str = "ring",
-                      compile_merge: bool = False) -> AttentionFn:
+                      compile_merge: bool = False, layout: str = RING_LAYOUT) -> AttentionFn:
     """The model's attention function on this rank's q/k/v [B_local, S_local, H, D] in the ring layout's order:
     `ring_attention` around the `sp` sub-group, without its per-call cross-rank argument check (a host round trip
     per layer): every rank's q/k/v have the same shapes and dtype by construction (`local_batch` splits a global
-    batch that is the same on every rank evenly). `compile_merge`: the ring's merge under torch.compile."""
-    return functools.partial(ring_attention, group=mesh["sp"].get_group(), causal=True, layout=RING_LAYOUT,
+    batch that is the same on every rank evenly). `compile_merge`: the ring's merge under torch.compile. Packed
+    documents: `layout` PACKED_RING_LAYOUT, the model passing the segment ids of `local_packed_batch`."""
+    return functools.partial(ring_attention, group=mesh["sp"].get_group(), causal=True, layout=layout,
                              variant=variant, backend=backend, check_ranks=False, compile_merge=compile_merge)
 
 
 def sequence_parallel_fn(mesh: DeviceMesh, scheme: str = "ring", ulysses_degree: int | None = None, *,
-                         backend: str = "triton", variant: str = "ring", compile_merge: bool = False) -> AttentionFn:
+                         backend: str = "triton", variant: str = "ring", compile_merge: bool = False,
+                         layout: str = RING_LAYOUT) -> AttentionFn:
     """The model's attention function in `scheme` (`weights.sequence_parallel`) over the `sp` sub-group, on the same
-    local q/k/v as `ring_attention_fn` (which the ring scheme is): `sequence_parallel_attention` over the groups of
-    `sequence_parallel_groups` (a collective of the sp ranks, which the hybrid's subgroups need; call it before a
-    meta-device context), without the ring's per-call argument check (as `ring_attention_fn`)."""
+    local q/k/v as `ring_attention_fn` (which the ring scheme is, in `layout`; the others run RING_LAYOUT):
+    `sequence_parallel_attention` over the groups of `sequence_parallel_groups` (a collective of the sp ranks, which
+    the hybrid's subgroups need; call it before a meta-device context), without the ring's per-call argument check
+    (as `ring_attention_fn`)."""
     groups = sequence_parallel_groups(scheme, ulysses_degree, mesh["sp"].get_group())
     if groups.degrees.ulysses == 1:
-        return ring_attention_fn(mesh, backend=backend, variant=variant, compile_merge=compile_merge)
+        return ring_attention_fn(mesh, backend=backend, variant=variant, compile_merge=compile_merge, layout=layout)
     return functools.partial(sequence_parallel_attention, groups=groups, causal=True, layout=RING_LAYOUT,
                              variant=variant, backend=backend, check_ranks=False, compile_merge=compile_merge)
 
@@ -144,6 +148,23 @@ def load_local_shards(llama: nn.Module, source: ConvertedCheckpoint | RandomWeig
     llama.inv_freq = torch.from_numpy(rope_inverse_frequencies(llama.config)).to(device)
 
 
+def _on_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(np.ascontiguousarray(x))
+    if device.type != "cuda":
+        return host
+    # from pinned memory the copy is queued like a kernel; from pageable memory it would wait for the device
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _local_part(x: np.ndarray, mesh: DeviceMesh, layout: str, device: torch.device) -> torch.Tensor:
+    """This rank's part of a global [batch, seq] array, split as `ACTIVATION_SHARDING["tokens"]` says (batch over
+    fsdp, sequence over sp in `layout`), on `device`."""
+    shape = mesh_shape(mesh)
+    rows_per_rank = x.shape[0] // shape.fsdp
+    rows = slice(mesh.get_local_rank("fsdp") * rows_per_rank, (mesh.get_local_rank("fsdp") + 1) * rows_per_rank)
+    return _on_device(x[rows][:, rank_positions(x.shape[1], shape.sp, mesh.get_local_rank("sp"), layout)], device)
+
+
 def local_batch(tokens: np.ndarray, mesh: DeviceMesh, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's (tokens, targets, positions) of a global int64 batch [batch, seq], split as
@@ -151,15 +172,18 @@ def local_batch(tokens: np.ndarray, mesh: DeviceMesh, device: torch.device
     on the full sequence before the split; positions are the local tokens' global positions, for RoPE."""
     shape = mesh_shape(mesh)
     check_batch_shape(tokens.shape[0], tokens.shape[1], shape)
-    rows_per_rank = tokens.shape[0] // shape.fsdp
-    rows = slice(mesh.get_local_rank("fsdp") * rows_per_rank, (mesh.get_local_rank("fsdp") + 1) * rows_per_rank)
     positions = rank_positions(tokens.shape[1], shape.sp, mesh.get_local_rank("sp"), RING_LAYOUT)
+    return (_local_part(tokens, mesh, RING_LAYOUT, device),
+            _local_part(next_token_targets(tokens), mesh, RING_LAYOUT, device),
+            _on_device(positions, device))
 
-    def local(x: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(x))
-        if device.type != "cuda":
-            return host
-        # from pinned memory the copy is queued like a kernel; from pageable memory it would wait for the device
-        return host.pin_memory().to(device, non_blocking=True)
 
-    return local(tokens[rows][:, positions]), local(next_token_targets(tokens)[rows][:, positions]), local(positions)
+def local_packed_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: DeviceMesh, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`local_batch` of packed documents (`segment_ids` [batch, seq], `weights/documents.py`) in
+    PACKED_RING_LAYOUT: (tokens, targets, positions, segment ids). No target crosses a document's end; positions
+    [batch, seq] are each token's offset in its document (RoPE restarts per document)."""
+    check_batch_shape(tokens.shape[0], tokens.shape[1], mesh_shape(mesh))
+    return tuple(_local_part(x, mesh, PACKED_RING_LAYOUT, device)
+                 for x in (tokens, next_token_targets(tokens, segment_ids), document_offsets(segment_ids),
+                           segment_ids.astype(np.int32)))

@@ -19,6 +19,8 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
   precision  fp32 master weights and optimizer state; with bf16, FSDP gathers bf16 weights for the compute and
              reduces fp32 gradients (MixedPrecisionPolicy). With fp8 (bf16 only) the decoder layers' linears are
              torchao Float8Linears (`convert_to_fp8`, weights/fp8.py's recipe), converted before FSDP wraps them.
+  documents  with `settings.pack` no target crosses a document's end, RoPE positions restart at each document and
+             the ring runs in PACKED_RING_LAYOUT on the segment ids (`local_packed_batch`).
 
 Speed on GPUs (`--eager` turns the first three off): the modules around the attention, the ring's merge and the
 loss chunks run under torch.compile, the loss makes its gradients in the forward (`fused_cross_entropy_mean`),
@@ -45,10 +47,12 @@ from torch.utils.checkpoint import checkpoint
 
 from torch_impl import checkpointing
 from torch_impl.model import DTYPES, Llama, convert_to_fp8
-from torch_impl.parallel import load_local_shards, local_batch, make_mesh, sequence_parallel_fn, shard_model
+from torch_impl.parallel import (load_local_shards, local_batch, local_packed_batch, make_mesh, sequence_parallel_fn,
+                                 shard_model)
 from torch_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, RandomWeights, open_weights
 from weights.fp8 import fallback_line, fp8_linears
+from weights.parallel import ring_layout
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
@@ -148,10 +152,10 @@ class ShardedNextTokenLoss(nn.Module):
         self.chunk_fn = torch.compile(self.chunk_fn)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-                global_valid_count: int, with_logits: bool = False):
+                global_valid_count: int, with_logits: bool = False, segment_ids: torch.Tensor | None = None):
         """The loss share; with `with_logits`, (loss share, this rank's float32 logits [B, S_local, vocab], made
-        without autograd) for checks on short sequences."""
-        hidden = self.llama.hidden_states(tokens, positions)
+        without autograd) for checks on short sequences. `segment_ids`: packed documents, for the attention."""
+        hidden = self.llama.hidden_states(tokens, positions, segment_ids)
         with region("loss"):
             if self.fused:
                 loss = fused_cross_entropy_mean(hidden, self.llama.head_weight(), targets, self.chunk_tokens,
@@ -273,13 +277,13 @@ def init_distributed(timeout_s: float | None = None) -> torch.device:
 
 
 def launch_step(model: ShardedNextTokenLoss, optimizer: AdamW, tokens: torch.Tensor, targets: torch.Tensor,
-                positions: torch.Tensor, step: int, global_valid_count: int, skip_non_finite: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, float]:
+                positions: torch.Tensor, step: int, global_valid_count: int, skip_non_finite: bool = False,
+                segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Queues one optimizer step on this rank's part of a global batch without waiting for it: (global mean loss,
     grad norm before clipping: 0-d float32 device tensors, learning rate). With `skip_non_finite` it waits for the
     loss and grad norm, and applies no update when either is not finite (--skip-non-finite-steps)."""
     config = optimizer.config
-    loss = model(tokens, positions, targets, global_valid_count)
+    loss = model(tokens, positions, targets, global_valid_count, segment_ids=segment_ids)
     loss.backward()
     global_loss = loss.detach()
     dist.all_reduce(global_loss)  # each rank's share of the global mean
@@ -351,9 +355,10 @@ ProfileCallback = Callable[[dict], None]
 
 
 def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCallback | None = None,
-                 on_profile: ProfileCallback | None = None) -> None:
+                 on_profile: ProfileCallback | None = None, segment_ids: np.ndarray | None = None) -> None:
     """Trains `settings.model` on `batches` (int64 [steps, batch, seq_len], the global batches, the same on every
-    rank) under torchrun; see `weights.settings.TrainSettings` for the fields read here. On rank 0,
+    rank) under torchrun, with `settings.pack` on the packed documents of `segment_ids` (like the batches:
+    `weights.data.training_segment_ids`); see `weights.settings.TrainSettings` for the fields read here. On rank 0,
     `on_step(step=, loss=, lr=, grad_norm=, seconds=, peak_memory_bytes=[per rank])` after every step. Resumes
     from the latest checkpoint with `settings.resume`, saves every `settings.ckpt_every` steps and at the end of
     the run, exports the final weights to `settings.export_paths` when set. With `settings.profile`, rank 0
@@ -362,7 +367,7 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
     before any checkpoint holds it (NonFiniteStepError), or with `settings.skip_non_finite_steps` is not applied."""
     device = init_distributed()
     try:
-        _train(settings, batches, on_step, on_profile, device)
+        _train(settings, batches, on_step, on_profile, device, segment_ids)
     finally:
         dist.destroy_process_group()
 
@@ -391,7 +396,7 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
     fast = device.type == "cuda" and not settings.eager  # inductor and fused kernels: GPUs only
     attention = sequence_parallel_fn(mesh, settings.sp_scheme, settings.ulysses_degree,  # the sp ranks together
                                      backend=settings.attention_backend, variant=settings.ring_variant,
-                                     compile_merge=fast)
+                                     compile_merge=fast, layout=ring_layout(settings.pack))
     with torch.device("meta"):
         llama = Llama(config, attention)
     if settings.fp8:  # before FSDP, which then shards and gathers the Float8Linears' plain weights
@@ -411,8 +416,8 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
 
 
 def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profile: ProfileCallback | None,
-           device: torch.device) -> None:
-    check_batches(settings, batches)
+           device: torch.device, segment_ids: np.ndarray | None) -> None:
+    check_batches(settings, batches, segment_ids)
     run = build_training(settings, device)
     mesh, llama, model, optimizer, meta = run.mesh, run.llama, run.model, run.optimizer, run.meta
 
@@ -430,7 +435,6 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
             print(f"resumed from {latest} (step {start})", flush=True)
 
     stop = settings.stop_at or batches.shape[0]
-    valid_count = valid_target_count(settings.batch, settings.seq_len)
     traced = settings.profile and dist.get_rank() == 0
     profiler = StepProfiler(device, profiled_steps(start, stop) if traced else range(0))
     # No host synchronisation inside the loop: step N's numbers are read once step N + 1 is queued, so the host
@@ -455,8 +459,15 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
 
     for step in range(start, stop):
         profiler.begin(step)
-        loss, grad_norm, lr = launch_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
-                                          valid_count, settings.skip_non_finite_steps)
+        if segment_ids is None:
+            loss, grad_norm, lr = launch_step(model, optimizer, *local_batch(batches[step], mesh, device), step,
+                                              valid_target_count(settings.batch, settings.seq_len),
+                                              settings.skip_non_finite_steps)
+        else:
+            tokens, targets, positions, ids = local_packed_batch(batches[step], segment_ids[step], mesh, device)
+            loss, grad_norm, lr = launch_step(model, optimizer, tokens, targets, positions, step,
+                                              valid_target_count(settings.batch, settings.seq_len, segment_ids[step]),
+                                              settings.skip_non_finite_steps, segment_ids=ids)
         numbers = StepNumbers(loss, grad_norm, device)
         if pending is not None:
             report(*pending)

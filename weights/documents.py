@@ -30,7 +30,8 @@ its document, not its position. The `zigzag_stripes` layout (`weights.layout`) d
 one tile, zigzag-wise in groups of 2P, so a long document's work is spread over the devices tile by tile, while a
 short one stays whole on one device, its tiles as full as zigzag's (dealing single tokens, as Striped Attention
 does, balances as well but multiplies the tiles of short documents by up to P). `ring_work` gives the work per device
-of any layout and documents, which is how the layouts are compared.
+of any layout and documents, which is how the layouts are compared (`compare/bench/document_balance.py` on the
+corpus's documents and on short ones; weights/README.md has the numbers).
 """
 
 from __future__ import annotations

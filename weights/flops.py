@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from weights.config import LlamaConfig
+from weights.documents import causal_pairs
 
 PEAK_FLOPS_PER_DEVICE = 989e12  # dense bf16 peak of an H100/H200 SXM: the denominator of every MFU
 # dense FP8 (e4m3) peak of an H100/H200 SXM: 1,979 TFLOP/s (NVIDIA's H100 and H200 datasheets list 3,958 with
@@ -42,7 +43,7 @@ def matmul_parameters(config: LlamaConfig) -> int:
     return config.num_params - (0 if config.tie_word_embeddings else embedding)
 
 
-def model_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+def model_flops_per_token(config: LlamaConfig, seq_len: int, causal_pairs: float | None = None) -> float:
     """Training (forward + backward) model FLOPs per token of causal sequences of `seq_len` tokens, the numerator
     of MFU (no credit for recomputation):
 
@@ -52,10 +53,20 @@ def model_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     causal forward of `attention_flops` (2 * 2 * S^2 * head_dim per head, halved by the mask) times 3 for
     forward + backward, per token: 12 * layers * heads * head_dim * S^2 / 2 per sequence. This is the model-FLOPs
     convention (the backward as two forwards), not the 2.5 forwards that `attention_flops(backward=True)` counts
-    for kernel throughput."""
-    attention_forward = attention_flops(1, config.num_heads, seq_len, seq_len, config.head_dim, causal=True,
-                                        backward=False)
+    for kernel throughput. Packed documents attend within each one: `causal_pairs` (per sequence, the mean over a
+    batch of `weights.documents.causal_pairs`) replaces S^2 / 2, so only the attention really done is credited."""
+    pairs = seq_len * seq_len / 2 if causal_pairs is None else causal_pairs
+    attention_forward = 4.0 * config.num_heads * config.head_dim * pairs  # `attention_flops` at S^2 / 2 pairs
     return 6.0 * matmul_parameters(config) + 3 * config.num_layers * attention_forward / seq_len
+
+
+def batch_model_flops(config: LlamaConfig, batch: int, seq_len: int, segment_ids=None) -> float:
+    """Training model FLOPs of `batch` causal sequences of `seq_len` tokens (`model_flops_per_token` times their
+    tokens); packed documents (`segment_ids` [batch, seq_len]), each sequence's own attention
+    (`weights.documents.causal_pairs`)."""
+    if segment_ids is None:
+        return batch * seq_len * model_flops_per_token(config, seq_len)
+    return seq_len * sum(model_flops_per_token(config, seq_len, pairs) for pairs in causal_pairs(segment_ids))
 
 
 def forward_flops_per_token(config: LlamaConfig, seq_len: int) -> float:

@@ -19,7 +19,8 @@ set of axes for every parameter, as FSDP2 shards a module's parameters over one 
 
 `ACTIVATION_SHARDING` gives one mesh axis name (or None) per dim of the data: tokens [batch, seq] are split over
 `fsdp` on the batch dim and over `sp` on the sequence dim, in the order of the ring layout `RING_LAYOUT` (see
-weights/layout.py); the tokens' global positions [seq] are split over `sp` the same way.
+weights/layout.py; `PACKED_RING_LAYOUT` for packed documents, `ring_layout`); the tokens' global positions [seq] are
+split over `sp` the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ from weights.errors import BadInputError
 
 MESH_AXES = ("fsdp", "sp")
 RING_LAYOUT = "zigzag"  # the sequence's order across `sp` in training: balanced causal work on every ring device
+PACKED_RING_LAYOUT = "zigzag_stripes"  # the same, packed documents: balanced for any document lengths
+
+
+def ring_layout(pack: bool) -> str:
+    """The ring layout of a training run, with packed documents (`TrainSettings.pack`) or without."""
+    return PACKED_RING_LAYOUT if pack else RING_LAYOUT
 
 PARAMETER_SHARDING: dict[str, tuple[tuple[str, ...] | None, ...]] = {
     "tok_embeddings.weight": (("fsdp", "sp"), None),

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from weights.errors import BadInputError
 from weights.parallel import MeshShape
 from weights.schedule import OptimizerConfig
 
@@ -26,6 +27,8 @@ class TrainSettings:
     fp8            the decoder layers' linear matmuls in FP8 (needs bf16; the recipe: weights/fp8.py)
     data, seed     "text" (stdlib source, byte tokens) or "random" tokens; `seed` orders the data and makes
                    preset weights
+    pack           text only: the files as documents (`weights.data.packed_text_batches`): attention, the loss
+                   and RoPE positions stay inside each, the ring in `weights.parallel.PACKED_RING_LAYOUT`
     attention_backend, ring_variant   kernel of each ring step ("triton"/"pallas" or "reference") and ring
                    algorithm ("ring" or "allgather")
     sp_scheme, ulysses_degree  the sequence-parallel scheme over sp ("ring", "ulysses" or "hybrid") and the hybrid's
@@ -56,6 +59,7 @@ class TrainSettings:
     fp8: bool = False
     data: str = "text"
     seed: int = 0
+    pack: bool = False
     optimizer: OptimizerConfig = OptimizerConfig()
     activation_checkpointing: str = "off"  # a weights.parallel.REMAT_MODES key
     attention_backend: str = "triton"
@@ -75,6 +79,13 @@ class TrainSettings:
     profile: bool = False
     skip_non_finite_steps: bool = False
     xla_overlap: bool = True
+
+    def __post_init__(self):
+        if self.pack and self.data != "text":
+            raise BadInputError("--pack packs the text corpus's files as documents: it needs --data text")
+        if self.pack and self.sp_scheme != "ring":
+            raise BadInputError(f"--pack runs on the ring scheme only (--sp-scheme {self.sp_scheme} takes no "
+                                "documents)")
 
     @property
     def export_paths(self) -> tuple[Path, Path] | None:

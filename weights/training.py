@@ -46,14 +46,22 @@ BACKENDS = tuple(ATTENTION_BACKENDS)  # the frameworks, in the order every resul
 
 # --- the data ---------------------------------------------------------------------------------------------------
 
-def next_token_targets(tokens: np.ndarray) -> np.ndarray:
-    """targets[:, t] = tokens[:, t + 1]; the last position, which has no next token, is IGNORE_INDEX."""
-    return np.concatenate([tokens[:, 1:], np.full((tokens.shape[0], 1), IGNORE_INDEX, tokens.dtype)], axis=1)
+def next_token_targets(tokens: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
+    """targets[:, t] = tokens[:, t + 1]; the last position, which has no next token, is IGNORE_INDEX, and with
+    packed documents (`segment_ids`, `weights/documents.py`) so is each document's last token: the loss never
+    predicts the next document's first token."""
+    targets = np.concatenate([tokens[:, 1:], np.full((tokens.shape[0], 1), IGNORE_INDEX, tokens.dtype)], axis=1)
+    if segment_ids is not None:
+        targets[:, :-1][segment_ids[:, 1:] != segment_ids[:, :-1]] = IGNORE_INDEX
+    return targets
 
 
-def valid_target_count(batch: int, seq_len: int) -> int:
-    """Positions of a [batch, seq_len] batch that have a target: every position but each sequence's last."""
-    return batch * (seq_len - 1)
+def valid_target_count(batch: int, seq_len: int, segment_ids: np.ndarray | None = None) -> int:
+    """Positions of a [batch, seq_len] batch that have a target: every position but each sequence's last, or with
+    packed documents each document's last."""
+    if segment_ids is None:
+        return batch * (seq_len - 1)
+    return int(np.count_nonzero(next_token_targets(np.zeros_like(segment_ids), segment_ids) != IGNORE_INDEX))
 
 
 def check_batch_shape(batch: int, seq_len: int, shape: MeshShape) -> None:
@@ -66,11 +74,17 @@ def check_batch_shape(batch: int, seq_len: int, shape: MeshShape) -> None:
     check_split(seq_len, shape.sp, RING_LAYOUT)
 
 
-def check_batches(settings, batches: np.ndarray) -> None:
-    """Refuses `batches` unless they are [steps, batch, seq_len] of `settings`, splittable over its mesh."""
+def check_batches(settings, batches: np.ndarray, segment_ids: np.ndarray | None = None) -> None:
+    """Refuses `batches` unless they are [steps, batch, seq_len] of `settings`, splittable over its mesh, and their
+    `segment_ids` unless given exactly when the run packs documents (`settings.pack`), in the batches' shape."""
     check_batch_shape(settings.batch, settings.seq_len, settings.mesh)
     if batches.shape[1:] != (settings.batch, settings.seq_len):
         raise ValueError(f"batches must be [steps, {settings.batch}, {settings.seq_len}], got {list(batches.shape)}")
+    if (segment_ids is not None) != settings.pack:
+        raise ValueError("segment_ids must be given exactly when settings.pack is set (packed documents)")
+    if segment_ids is not None and segment_ids.shape != batches.shape:
+        raise ValueError(f"segment_ids must have the batches' shape {list(batches.shape)}, got "
+                         f"{list(segment_ids.shape)}")
 
 
 def check_attention_backend(settings) -> None:
@@ -127,7 +141,8 @@ def run_metadata(settings, config: LlamaConfig) -> dict[str, Any]:
         "model": config.to_dict(),
         "mesh": settings.mesh.axes(),
         "data": {"kind": settings.data, "seed": settings.seed, "batch": settings.batch,
-                 "seq_len": settings.seq_len, "steps": settings.steps},
+                 "seq_len": settings.seq_len, "steps": settings.steps,
+                 **({"pack": True} if settings.pack else {})},  # absent unpacked: older checkpoints still resume
     }
     return json.loads(json.dumps(meta))
 

@@ -56,9 +56,9 @@ from compare.nodes import Nodes, add_arguments as add_node_arguments, from_args 
 from compare.nodes import launch_failure, torchrun_arguments
 from weights import PRESETS, BadInputError, LlamaConfig, open_weights
 from weights.atomic import check_output_dir, write_text_atomically
-from weights.data import training_batches
+from weights.data import training_batches, training_segment_ids
 from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
-from weights.flops import PEAK_FLOPS_PER_DEVICE, model_flops_per_token
+from weights.flops import PEAK_FLOPS_PER_DEVICE, batch_model_flops
 from weights.parallel import REMAT_MODES, MeshShape
 from weights.schedule import OptimizerConfig, default_optimizer, defaults_help
 from weights.sequence_parallel import SCHEMES, check_heads, scheme_degrees
@@ -91,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=integer(1),
                         help="sequences per step, all devices together (default: fsdp size)")
     parser.add_argument("--data", choices=("text", "random"), default="text")
+    parser.add_argument("--pack", action="store_true", help="pack the text corpus's files as documents (README)")
     parser.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="data order and preset weights")
     defaults = OptimizerConfig()
     parser.add_argument("--lr", type=number(0, above=True), help="peak learning rate (default: by model size, "
@@ -151,7 +152,7 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
         raise BadInputError("--plan-memory needs --backend jax (torch runs eagerly: it has no plan before it runs)")
     settings = TrainSettings(
         backend=args.backend, model=args.model, seq_len=args.seq_len, steps=args.steps, mesh=mesh,
-        batch=args.batch or mesh.fsdp, dtype=args.dtype, fp8=args.fp8, data=args.data, seed=args.seed,
+        batch=args.batch or mesh.fsdp, dtype=args.dtype, fp8=args.fp8, data=args.data, seed=args.seed, pack=args.pack,
         activation_checkpointing=args.activation_checkpointing,
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
         ring_variant=args.ring_variant, sp_scheme=args.sp_scheme, ulysses_degree=args.ulysses_degree,
@@ -217,9 +218,9 @@ def check_shape(settings: TrainSettings, device_count: int) -> LlamaConfig:
 
 
 def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool = True, checksums: bool = True
-              ) -> tuple[LlamaConfig, np.ndarray, int]:
+              ) -> tuple[LlamaConfig, np.ndarray, int, np.ndarray | None]:
     """Every check of a run that needs no device work, reading checkpoints through the backend's own
-    `checkpointing` (the twins share its names): (model config, batches, step to start from).
+    `checkpointing` (the twins share its names): (model config, batches, step to start from, segment ids or None).
     `check_outputs=False` skips the checks of OUT and EXPORT (a torch worker other than rank 0, which writes them);
     `checksums=False` compares the resumed checkpoint's file sizes only (a torch worker: rank 0 verifies the
     checksums once more in `run_training`)."""
@@ -230,7 +231,7 @@ def check_run(settings: TrainSettings, device_count: int, *, check_outputs: bool
                                  checkpointing.read_metadata, checksums=checksums).step
     if check_outputs:
         _check_outputs(settings, start)
-    return config, batches, start
+    return config, batches, start, training_segment_ids(settings, config)
 
 
 # --- the per-step report ---------------------------------------------------------------------------------------
@@ -243,7 +244,8 @@ class StepReport:
         self.settings = settings
         self.progress_path = progress  # the steps done, for the CLI's line if the run is interrupted
         self.devices = settings.mesh.size
-        self.step_flops = settings.batch * settings.seq_len * model_flops_per_token(config, settings.seq_len)
+        ids = training_segment_ids(settings, config) if settings.pack else [None] * settings.steps  # MFU: documents
+        self.step_flops = lambda step: batch_model_flops(config, settings.batch, settings.seq_len, ids[step])
         self.on_gpu = on_gpu
         self.jsonl = None
         if settings.out is not None:
@@ -294,7 +296,7 @@ class StepReport:
 
     def __call__(self, *, step: int, loss: float, lr: float, grad_norm: float, seconds: float,
                  peak_memory_bytes: list[int]) -> None:
-        tflops = self.step_flops / seconds / self.devices / 1e12
+        tflops = self.step_flops(step) / seconds / self.devices / 1e12
         record: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "seconds": seconds,
             "tokens_per_s": self.settings.batch * self.settings.seq_len / seconds,
@@ -334,24 +336,24 @@ def _run_torch_worker(settings: TrainSettings) -> int:
 
     from torch_impl.train import init_distributed, run_training
 
-    rank0 = int(os.environ["RANK"]) == 0
-    config, batches, start = check_run(settings, int(os.environ["WORLD_SIZE"]), check_outputs=rank0, checksums=False)
+    rank0, world = int(os.environ["RANK"]) == 0, int(os.environ["WORLD_SIZE"])
+    config, batches, start, ids = check_run(settings, world, check_outputs=rank0, checksums=False)
     nodes = Nodes.from_env()
     if nodes is not None:
         init_distributed(timeout_s=nodes.timeout_s)  # before `run_training`, which then finds the group joined
     if not rank0:
-        run_training(settings, batches)
+        run_training(settings, batches, segment_ids=ids)
         return 0
     progress = Path(os.environ[PROGRESS_ENV]) if PROGRESS_ENV in os.environ else None
     with StepReport(settings, config, start, on_gpu=torch.cuda.is_available(), progress=progress) as report:
-        run_training(settings, batches, report, report.profile)
+        run_training(settings, batches, report, report.profile, segment_ids=ids)
     return 0
 
 
 def _launch_torchrun(settings: TrainSettings, device_count: int, scratch: Path, nodes: Nodes) -> int:
     """Starts one worker per device with torchrun on this host, joined with the other nodes' when the run spans
     several (`compare.nodes`), and waits for them (`hand_off`)."""
-    _, _, start = check_run(settings, settings.mesh.size if nodes.spans_hosts else device_count)
+    start = check_run(settings, settings.mesh.size if nodes.spans_hosts else device_count)[2]
     _record_progress(progress_file(scratch), start)
     if not nodes.spans_hosts:
         return hand_off(settings, THIS_MODULE, *torchrun_launcher(device_count), scratch)
@@ -376,14 +378,14 @@ def _run_jax_here(settings: TrainSettings, progress: Path | None = None) -> int:
                   f"{name} {size / 2**30:.2f} GiB" for name, size in plan.items()))
         return 0
     writer = jax.process_index() == 0  # in a run spanning nodes, process 0 writes train.jsonl
-    config, batches, start = check_run(settings, jax.device_count(), check_outputs=writer)
+    config, batches, start, segment_ids = check_run(settings, jax.device_count(), check_outputs=writer)
     if not writer:
-        run_training(settings, batches)
+        run_training(settings, batches, segment_ids=segment_ids)
         return 0
     if progress is not None:
         _record_progress(progress, start)
     with StepReport(settings, config, start, on_gpu=jax.default_backend() == "gpu", progress=progress) as report:
-        run_training(settings, batches, report, on_profile=report.profile)
+        run_training(settings, batches, report, on_profile=report.profile, segment_ids=segment_ids)
     return 0
 
 
