@@ -50,3 +50,14 @@ def rewrite_config_as_transformers4(directory: Path) -> None:
     config["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
     config["torch_dtype"] = config.pop("dtype")
     path.write_text(json.dumps(config, indent=2))
+
+
+def make_ring_hf_checkpoint(directory: Path, vocab_size: int = 97) -> None:
+    """A random HF Llama our kernels take (head_dim 32: they take 32-256), with GQA (4 query heads over 2 KV heads),
+    initialised wide enough (std 0.1) that attention is far from uniform, so a wrong mask shows. `vocab_size` 256 or
+    more for what trains on byte-token text (`twinflash compare`'s checks)."""
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=192,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=256, initializer_range=0.1)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)

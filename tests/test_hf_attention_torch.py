@@ -34,21 +34,13 @@ import torch.distributed as dist
 import transformers
 
 from distributed import run_on_ranks
+from hf_fixtures import make_ring_hf_checkpoint
+from compare.harness import hf_rows
 from torch_impl import hf_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH, SEQ = 2, 64  # 64: zigzag over 4 ranks gives chunks of 8 tokens, each rank 16
 RELATIVE_TOL = 1e-5  # module docstring
-
-
-def make_tiny_hf(directory: Path) -> None:
-    """A random HF Llama with GQA (4 query heads over 2 KV heads) and head_dim 32 (our kernels take 32-256),
-    initialised wide enough (std 0.1) that attention is far from uniform, so a wrong mask shows."""
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=256, initializer_range=0.1)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
 
 def tokens(batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
@@ -87,7 +79,7 @@ def assert_close(got: dict, expected: dict) -> None:
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-hf")
-    make_tiny_hf(directory)
+    make_ring_hf_checkpoint(directory)
     return directory
 
 
@@ -331,6 +323,7 @@ def test_bench_hf_rows_agree_with_our_model(hf_dir, tmp_path):
     assert set(rows) == {"hf", "ours"} and rows["hf"]["tokens_per_s"] > 0
     assert rows["hf"]["loss_rel_diff_vs_ours"] <= RELATIVE_TOL
     assert rows["hf"]["grad_norm_rel_diff_vs_ours"] <= RELATIVE_TOL
+    assert rows["hf"]["agrees"] and rows["hf"]["agreement_tolerance"] == hf_rows.AGREEMENT_TOLERANCE["fp32"]
     assert 1 < rows["ours"]["loss"] < 20  # random weights, ln(97) ~ 4.6: not a loss of zeros or NaN
 
 

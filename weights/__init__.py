@@ -7,13 +7,13 @@ training data, schedule and resume rules, FLOP counts and the peak that MFU divi
 atomic file writer (`atomic.py`)."""
 
 from weights.checkpoint import (ConvertedCheckpoint, RandomWeights, convert_hf_checkpoint, export_hf_checkpoint,
-                                open_weights, write_converted_checkpoint)
+                                is_hf_checkpoint, open_weights, write_converted_checkpoint)
 from weights.config import PRESETS, LlamaConfig, RopeScaling, parameter_shapes, preset
 from weights.errors import EXIT_BAD_INPUT, BadInputError, CheckpointError
 from weights.rope import rope_inverse_frequencies
 
 __all__ = [
     "EXIT_BAD_INPUT", "PRESETS", "BadInputError", "CheckpointError", "ConvertedCheckpoint", "LlamaConfig",
-    "RandomWeights", "RopeScaling", "convert_hf_checkpoint", "export_hf_checkpoint", "open_weights",
+    "RandomWeights", "RopeScaling", "convert_hf_checkpoint", "export_hf_checkpoint", "is_hf_checkpoint", "open_weights",
     "parameter_shapes", "preset", "rope_inverse_frequencies", "write_converted_checkpoint",
 ]

@@ -158,7 +158,7 @@ class ConvertedCheckpoint:
             raise CheckpointError(f"missing checkpoint directory {directory}")
         meta = read_json(directory / "config.json")
         if meta.get("format") != FORMAT:
-            hint = " (a Hugging Face checkpoint? run `twinflash convert` first)" if "model_type" in meta else ""
+            hint = " (a Hugging Face checkpoint? run `twinflash convert` first)" if _is_hf_config(meta) else ""
             raise CheckpointError(f"{directory / 'config.json'} is not a {FORMAT} checkpoint{hint}")
         self.directory = directory
         self.meta = meta
@@ -361,6 +361,24 @@ def kept_hf_files(source: ConvertedCheckpoint | RandomWeights) -> list[Path]:
     if extra is None or not extra.is_dir():
         return []
     return [p for p in sorted(extra.iterdir()) if p.name not in ("config.json", INDEX_FILE)]
+
+
+def _is_hf_config(meta: dict) -> bool:
+    return "model_type" in meta and meta.get("format") != FORMAT
+
+
+def is_hf_checkpoint(path: Path | str) -> bool:
+    """Whether `path` is a Hugging Face checkpoint directory (a config.json naming a `model_type`), which
+    `convert_hf_checkpoint` reads, rather than a converted one or a preset's name."""
+    config = Path(path) / "config.json"
+    return config.is_file() and _is_hf_config(read_json(config))
+
+
+def model_config(model: str | Path) -> LlamaConfig:
+    """The config of a converted directory, a Hugging Face directory (before converting it) or a preset."""
+    if is_hf_checkpoint(model):
+        return LlamaConfig.from_hf_dict(read_json(Path(model) / "config.json"))
+    return open_weights(model).config
 
 
 def convert_hf_checkpoint(hf_dir: Path | str, out_dir: Path | str) -> LlamaConfig:

@@ -25,8 +25,11 @@ Benchmark numbers, per backend x context length x device count (batch 1, the seq
   scaling efficiency   step_s(1 device) / (devices * step_s(devices)), the same sequence on both
 With `--precisions bf16,fp8` every point runs once more in FP8 (`plan.py`), the noise floor's trainings of our
 kernels too (`noise_floor.py`), and the report compares them (compare/report/precision.py).
-Exit code: 0 when the equivalence section passes (its float32 checks and its fast path), 1 when it fails, 2 for bad
-input, 130 / 143 when interrupted by SIGINT / SIGTERM: the workers are stopped and the report of the jobs that
+With `--model HF_DIR` (a Hugging Face Llama directory, converted once for the run) the report adds HF's
+LlamaForCausalLM with our ring beside our torch model per context length (compare/harness/hf_rows.py, after the
+jobs), which must agree with ours.
+Exit code: 0 when the equivalence section passes (its float32 checks and its fast path) and HF's model, if any,
+agrees, 1 when one fails, 2 for bad input, 130 / 143 when interrupted by SIGINT / SIGTERM: the workers are stopped and the report of the jobs that
 finished is written, the rest marked "interrupted" (one line names it).
 """
 
@@ -49,6 +52,7 @@ from compare.harness import jobs as J
 from compare.harness.across_nodes import Lead
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.harness.fastpath import fast_path_section
+from compare.harness.hf_rows import plan_hf_rows, run_hf_rows
 from compare.harness.launches import CACHE_DIR, run_jobs, side_launcher
 from compare.harness.plan import (PRECISIONS, WEIGHTS_DIR, CompareSettings, check_model, gpu_count, gpu_memory_bytes,
                                   plan_jobs, plan_settings, prepare_weights)
@@ -57,9 +61,10 @@ from compare.launch import Interrupted, interruptible
 from compare.nodes import Nodes, add_arguments as add_node_arguments, from_args as nodes_from_args
 from compare.report.data import add_scaling, benchmark_point, job_timing, report_dict
 from compare.report.fields import fmt_seq
+from compare.report.hf import hf_section
 from compare.report.precision import precision_section
 from compare.report.write import load_peers, write_report
-from weights import PRESETS, BadInputError, open_weights
+from weights import PRESETS, BadInputError, is_hf_checkpoint, open_weights
 from weights.atomic import check_output_dir
 from weights.errors import EXIT_CHECK_FAILED, EXIT_OK
 from weights.fp8 import INSTALL_TORCHAO
@@ -72,7 +77,9 @@ HELP = ("both backends, same weights and devices: equivalence + benchmark report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help=f"converted checkpoint dir or preset ({', '.join(PRESETS)})")
+    parser.add_argument("--model", default="tiny", help="converted checkpoint dir, Hugging Face Llama dir (converted "
+                        "for the run; its report adds HF's model with our ring beside ours, compare/report/hf.py) or "
+                        f"preset ({', '.join(PRESETS)})")
     parser.add_argument("--seq-lens", type=lengths, help="context lengths, e.g. 8k,32k,128k (default: 128 on "
                         "CPU; on GPUs those of 8k,32k,128k that fit the model on the most devices)")
     parser.add_argument("--devices", type=integer(1),
@@ -258,6 +265,17 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
             interrupted, left = stop, _record_interrupted(jobs, work_dir, stop)
     if comparing.is_alive():
         comparing.join()
+    hf_dir = settings.model if is_hf_checkpoint(settings.model) else None
+    memory_skips = {job.seq_len: job.skip for job in jobs if job.kind == "bench" and job.backend == "torch"
+                    and job.attention == "ours" and job.devices == settings.devices and not job.fp8 and job.skip}
+    hf_measurements, hf_note = plan_hf_rows(settings, hf_dir, lead.nodes.spans_hosts, memory_skips)
+    hf_records = []
+    if hf_measurements and interrupted is None:
+        try:
+            hf_records = run_hf_rows(hf_measurements, settings, hf_dir, work_dir, args.job_timeout_s, deadline,
+                                     lambda line: console.print(line, markup=False, highlight=False))
+        except Interrupted as stop:  # the compare's own jobs are done: the report has them, not the HF rows
+            interrupted, hf_note = stop, f"HF rows not measured: interrupted ({stop.signal_name})"
 
     config = open_weights(settings.weights).config
     results = {job.id: J.read_result(work_dir, job.id) for job in jobs}
@@ -273,7 +291,8 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
     points = [benchmark_point(job, results[job.id], config, settings) for job in jobs if job.kind == "bench"]
     add_scaling(points, settings.platform)
     report = report_dict(settings=settings, config=config, equivalence=equivalence, points=points,
-                         peers=load_peers(), argv=argv, jobs=[job_timing(job, results[job.id]) for job in jobs])
+                         peers=load_peers(), argv=argv, jobs=[job_timing(job, results[job.id]) for job in jobs],
+                         hf=hf_section(hf_records, points, hf_note, settings.platform))
     report["precision"] = precision_section(report, bf16_floor, [curves[job.id] for job in jobs if job.kind == "curve"
                                                                  and job.attention == "ours"])
     write_report(report, out)
@@ -300,6 +319,9 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
                               f"{' ...' if len(bad) > 8 else ''}[/]")
         for failure in equivalence.get("failures", []) + equivalence["fast_path"]["failures"]:
             console.print(f"  [red]{failure[:300]}[/]", highlight=False)
+        if report["hf"] is not None:
+            console.print(f"HF transformers with our ring: {_hf_summary(report['hf'])}", markup=False,
+                          highlight=False, soft_wrap=True)
         if interrupted is not None:
             print(f"twinflash: compare interrupted ({interrupted.signal_name}); report of the {len(jobs) - left} of "
                   f"{len(jobs)} jobs that finished, the rest marked interrupted: {out / 'report.md'}", file=sys.stderr)
@@ -309,6 +331,20 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
         print(f"twinflash: compare interrupted ({stop.signal_name}) after its report was written: "
               f"{out / 'report.md'}", file=sys.stderr)
         return stop.exit_code
+
+
+def _hf_summary(section: dict) -> str:
+    """One line: whether HF's model agreed with ours at each length, or why nothing was measured."""
+    if section["note"]:
+        return section["note"]
+    parts = []
+    for m in section["measurements"]:
+        hf = next((row for row in m["rows"] if row["kind"] == "hf"), None)
+        parts.append(f"S={fmt_seq(m['seq_len'])}: " + (m["status"] if hf is None else
+                                                       f"{'agrees' if hf['agrees'] else 'DISAGREES'} (loss "
+                                                       f"{hf['loss_rel_diff_vs_ours']:.2g}, grad norm "
+                                                       f"{hf['grad_norm_rel_diff_vs_ours']:.2g} rel.)"))
+    return "; ".join(parts)
 
 
 def _equivalence_section(jobs: list[J.Job], work_dir: Path, settings: CompareSettings) -> dict:

@@ -23,8 +23,10 @@ from pathlib import Path
 from compare.harness import jobs as J
 from compare.harness.perturb import Perturbation
 from compare.harness.perturb import parse as parse_perturbation
-from weights import BadInputError, LlamaConfig, open_weights, parameter_shapes, write_converted_checkpoint
-from weights.checkpoint import RandomWeights
+from weights import (BadInputError, LlamaConfig, convert_hf_checkpoint, is_hf_checkpoint, open_weights,
+                     parameter_shapes, write_converted_checkpoint)
+from weights.checkpoint import RandomWeights, model_config
+from weights.data import BYTE_VOCAB
 from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
 from weights.layout import check_split
 from weights.parallel import RING_LAYOUT
@@ -199,7 +201,10 @@ def plan_settings(args: argparse.Namespace, gpus: int, device_memory_bytes: int 
     counts = tuple(sorted(set(args.device_counts))) if args.device_counts else default_device_counts(devices, gpus)
     if any(c < 1 or c > devices for c in counts):
         raise BadInputError(f"--device-counts must lie in 1..{devices}, got {args.device_counts}")
-    config = open_weights(args.model).config
+    config = model_config(args.model)
+    if config.vocab_size < BYTE_VOCAB:  # the checks and the noise floor train on text (weights/data.py)
+        raise BadInputError(f"--model {args.model}: its vocabulary of {config.vocab_size} is below the "
+                            f"{BYTE_VOCAB} byte tokens of the text the checks train on")
     large = config.num_params > LARGE_MODEL_PARAMS
     remat = args.activation_checkpointing if args.activation_checkpointing != "auto" else ("full" if large else "off")
     dtype = args.dtype or defaults["dtype"]
@@ -244,14 +249,19 @@ def prepare_weights(settings: CompareSettings, work_dir: Path) -> CompareSetting
 
 def prepared_weights(model: str, work_dir: Path) -> str:
     """The weights every job of a run reads, made once: a preset's random weights generated into work_dir/weights
-    as a converted checkpoint (safetensors, which each process memory-maps), a converted directory used where it
-    is. work_dir/weights.json records what was done and how long it took; a second call finds the weights there
+    as a converted checkpoint (safetensors, which each process memory-maps), a Hugging Face directory converted
+    there, a converted directory used where it is. work_dir/weights.json records what was done and how long it took; a second call finds the weights there
     and makes nothing."""
     log = work_dir / WEIGHTS_LOG
     directory = work_dir / WEIGHTS_DIR
-    if Path(model).is_dir():
+    if Path(model).is_dir() and not is_hf_checkpoint(model):
         return str(Path(model).resolve())
-    if not log.exists():
+    if not log.exists() and is_hf_checkpoint(model):  # converted once; its HF directory is the HF rows' (hf_rows.py)
+        began = time.perf_counter()
+        convert_hf_checkpoint(model, directory)
+        log.write_text(json.dumps({"model": model, "converted_s": time.perf_counter() - began,
+                                   "directory": WEIGHTS_DIR}))
+    elif not log.exists():
         began = time.perf_counter()
         source = open_weights(model)
         if not isinstance(source, RandomWeights):

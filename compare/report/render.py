@@ -21,7 +21,7 @@ import html
 import math
 import re
 
-from compare.report import fastpath, noise_floor, precision, summary
+from compare.report import fastpath, hf, noise_floor, precision, summary
 from compare.report.fields import (ATTENTIONS, DASH, STATUS_LABELS, WORST_PARAMETERS, finite, fmt, fmt_seq, fmt_tokens,
                                    max_devices, on_cpu, sorted_points)
 
@@ -54,15 +54,16 @@ def _document(report: dict) -> list[tuple]:
     failing = [f"{c['name']}: {k['metric']} {fmt(k['value'], 'sig')} > tolerance {fmt(k['tolerance'], 'sig')}"
                for c in eq["comparisons"] for k in c["checks"] if not k["passed"]]
     failing += eq.get("failures", []) + eq.get("fast_path", {}).get("failures", [])
+    failing += (report.get("hf") or {}).get("failures", [])
     detail = ("; ".join(failing) if failing else "every check within its tolerance"
               if eq["comparisons"] else "no comparison was run") + "."
     doc = [("h", 1, f"twinflash compare: {model['name']}, {s['mode']}, {s['dtype']}")]
     if on_cpu(report):
         doc.append(("p", [("b", "CPU run: not a benchmark."), " " + CPU_CAVEAT.format(devices=s["devices"])]))
-    doc.append(("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence and fast path) — {detail}"]))
+    doc.append(("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence and fast path{', HF rows' if report.get('hf') else ''}) — {detail}"]))
     return (doc + summary.blocks(report) + _setup(report) + _equivalence(report) + fastpath.blocks(report) + noise_floor.blocks(report)
             + _benchmark(report)
-            + _ablation(report) + precision.blocks(report) + _peers(report) + _jobs(report) + _flops_and_traces(report))
+            + _ablation(report) + precision.blocks(report) + hf.blocks(report) + _peers(report) + _jobs(report) + _flops_and_traces(report))
 
 
 CPU_CAVEAT = ("The kernels ran in Triton's interpreter and in Pallas's interpret mode on {devices} emulated devices "
