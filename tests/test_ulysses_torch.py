@@ -121,6 +121,21 @@ def case_expect_error(rank, world, *, scheme, ulysses_degree, heads, kv_heads):
     return {"raised": raised, "recovered": bool(torch.isfinite(out).all())}
 
 
+def case_differs_on_one_rank(rank, world, *, scheme, ulysses_degree):
+    """Rank 2 alone passes a longer local sequence: the error every rank raises (the check runs over all four ranks,
+    so a hybrid's ranks 0 and 1, whose all-to-all group agrees, stop too), and whether a correct call then works."""
+    groups = sequence_parallel_groups(scheme, ulysses_degree)
+    raised = None
+    try:
+        q, k, v = (torch.randn(1, 8 if rank == 2 else 4, 4, 32) for _ in range(3))
+        sequence_parallel_attention(q, k, v, groups=groups, backend="reference")
+    except ValueError as err:
+        raised = f"{type(err).__name__}: {err}"
+    q, k, v = (torch.randn(1, 4, 4, 32) for _ in range(3))
+    out = sequence_parallel_attention(q, k, v, groups=groups, backend="reference")
+    return {"raised": raised, "recovered": bool(torch.isfinite(out).all())}
+
+
 def case_end_to_end(rank, world, *, scheme, ulysses_degree):
     """Loss and full gradients of tests/test_ring_attention_torch.py's tiny layer run sequence-parallel in `scheme`:
     tokens scattered with shard_for_ring, outputs gathered, gradients summed over ranks."""
@@ -152,6 +167,8 @@ ERRORS = {
     "ulysses-heads": ("case_expect_error", dict(scheme="ulysses", ulysses_degree=None, heads=6, kv_heads=6)),
     "hybrid-kv-heads": ("case_expect_error", dict(scheme="hybrid", ulysses_degree=2, heads=6, kv_heads=3)),
     "hybrid-degree": ("case_expect_error", dict(scheme="hybrid", ulysses_degree=4, heads=4, kv_heads=4)),
+    **{f"{scheme}-length-differs-on-rank-2": ("case_differs_on_one_rank", dict(scheme=scheme, ulysses_degree=degree))
+       for scheme, degree in (("ulysses", 4), ("hybrid", 2))},
 }
 TRAINING_FN = {  # (mesh, case): the training's attention function; the sp groups of fsdp=2 x sp=2 are {0, 1}, {2, 3}
     "training-fn-hybrid": ("fsdp=1,sp=4", SchemeCase("hybrid", 2, RingCase(4, True, "zigzag", "ring", kv_heads=1))),
@@ -225,6 +242,17 @@ def test_odd_heads_and_degrees_raise_one_line_on_every_rank(p4, name, expected):
         assert "error" not in result, f"rank {rank}: {result.get('error')}"
         assert result["raised"] is not None and result["raised"].startswith(expected), f"rank {rank}: {result}"
         assert "\n" not in result["raised"] and result["recovered"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["ulysses", "hybrid"])
+def test_arguments_differing_on_one_rank_raise_one_line_on_every_rank(p4, scheme):
+    expected = ("ValueError: sequence_parallel_attention arguments differ across the 4 ranks: q shape is "
+                "(1, 4, 4, 32) on rank 0, (1, 4, 4, 32) on rank 1, (1, 8, 4, 32) on rank 2, (1, 4, 4, 32) on rank 3")
+    for rank, results in enumerate(p4):
+        result = results[f"{scheme}-length-differs-on-rank-2"]
+        assert "error" not in result, f"rank {rank}: {result.get('error')}"
+        assert result == {"raised": expected, "recovered": True}, f"rank {rank}: {result}"
 
 
 @pytest.mark.slow

@@ -293,7 +293,7 @@ def _code(value, choices) -> int:
     return choices.index(value) if value in choices else -1
 
 
-def _agreement_fields(q, k, v, causal, layout, variant, softmax_scale, segment_ids
+def agreement_fields(q, k, v, causal, layout, variant, softmax_scale, segment_ids
                       ) -> dict[str, tuple[int, ...]]:
     """Fixed-length integer encodings of everything that must be equal on all ranks."""
     fields = {"segment_ids": (int(segment_ids is not None),)}
@@ -324,8 +324,9 @@ def _describe(name: str, code: tuple[int, ...]) -> str:
     return str(bool(code[0]))
 
 
-def _check_agreement(ring: Ring, fields: dict[str, tuple[int, ...]]) -> None:
-    """Raises the same ValueError on every rank when any rank's arguments differ from the others'."""
+def check_agreement(ring: Ring, fields: dict[str, tuple[int, ...]], caller: str = "ring_attention") -> None:
+    """Raises the same ValueError on every rank of `ring` when any rank's arguments (`agreement_fields`) differ
+    from the others'; `caller` names the function in the message."""
     flat = [value for code in fields.values() for value in code]
     everyone = ring.all_gather_ints(flat)
     if all(row == flat for row in everyone):
@@ -336,7 +337,7 @@ def _check_agreement(ring: Ring, fields: dict[str, tuple[int, ...]]) -> None:
         offset += len(code)
         if len(set(values)) > 1:
             per_rank = ", ".join(f"{_describe(name, c)} on rank {r}" for r, c in enumerate(values))
-            raise ValueError(f"ring_attention arguments differ across the {ring.world} ranks: {name} is {per_rank}")
+            raise ValueError(f"{caller} arguments differ across the {ring.world} ranks: {name} is {per_rank}")
 
 
 def _local_segment_ids(segment_ids, q, check_values: bool) -> torch.Tensor:
@@ -383,7 +384,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     ring = Ring(group, q.device, local_copies=local_copies, log=comm_log)
     if ring.world > 1 and check_ranks:
-        _check_agreement(ring, _agreement_fields(q, k, v, causal, layout, variant, softmax_scale, segment_ids))
+        check_agreement(ring, agreement_fields(q, k, v, causal, layout, variant, softmax_scale, segment_ids))
     check_ring_choices(layout, variant)
     _check_local_shapes(q, k, v, ring.world, layout)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

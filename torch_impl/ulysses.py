@@ -19,8 +19,9 @@ Public API:
       for `ring_attention` (which the ring scheme is: `groups=None` is the ring over the world). Returns out
       [B, S_local, H, D] in q's dtype, or (out, lse [B, H, S_local] float32, not differentiable) with `return_lse`.
       Differentiable; with its keywords bound by `functools.partial`, the model's `AttentionFn`. `variant`,
-      `compile_merge`, `check_ranks` are the hybrid's ring's (`check_ranks` checks its ring's ranks agree; the
-      all-to-all has no such check: a rank with other shapes fails inside the collective). `local_copies` /
+      `compile_merge` are the hybrid's ring's; `check_ranks` compares every rank's shapes, dtypes and choices over
+      all U x R ranks first (one all-gather of a few integers: one clear line on every rank, not a collective left
+      waiting). `local_copies` /
       `comm_log` are the benchmark's instruments, as the ring's: every transfer a same-sized local copy, and the
       bytes each all-to-all and ring transfer sends.
 
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from torch_impl.kernels.flash_attention import flash_attention
-from torch_impl.ring_attention import ring_attention
+from torch_impl.ring_attention import agreement_fields, check_agreement, ring_attention
 from torch_impl.ring_comm import CommLog, Ring
 from weights.attention import check_ring_choices, check_ring_shapes
 from weights.sequence_parallel import (SchemeDegrees, check_heads, gathered_chunk_order, kv_head_slots,
@@ -52,12 +53,14 @@ from weights.sequence_parallel import (SchemeDegrees, check_heads, gathered_chun
 
 @dataclasses.dataclass(frozen=True)
 class SequenceParallelGroups:
-    """A scheme's degrees and this rank's groups: `ulysses`, the U ranks of its all-to-all (None when U = 1), and
-    `ring`, the R ranks of its ring (None when R = 1, or on a single rank without torch.distributed)."""
+    """A scheme's degrees and this rank's groups: `ulysses`, the U ranks of its all-to-all (None when U = 1),
+    `ring`, the R ranks of its ring (None when R = 1, or on a single rank without torch.distributed), and `every`,
+    all U x R ranks (where `check_ranks` compares the arguments: a rank that differs must stop them all)."""
 
     degrees: SchemeDegrees
     ulysses: dist.ProcessGroup | None
     ring: dist.ProcessGroup | None
+    every: dist.ProcessGroup | None = None
 
 
 def sequence_parallel_groups(scheme: str = "ring", ulysses_degree: int | None = None,
@@ -71,12 +74,12 @@ def sequence_parallel_groups(scheme: str = "ring", ulysses_degree: int | None = 
     if degrees.ulysses == 1:
         return SequenceParallelGroups(degrees, None, group)
     if degrees.ring == 1:
-        return SequenceParallelGroups(degrees, group, None)
+        return SequenceParallelGroups(degrees, group, None, group)
     ranks = [dist.get_global_rank(group, s) for s in range(degrees.sp)]
     r, u = divmod(dist.get_rank(group), degrees.ulysses)
     ulysses = dist.new_group(ranks[r * degrees.ulysses:(r + 1) * degrees.ulysses], use_local_synchronization=True)
     ring = dist.new_group(ranks[u::degrees.ulysses], use_local_synchronization=True)
-    return SequenceParallelGroups(degrees, ulysses, ring)
+    return SequenceParallelGroups(degrees, ulysses, ring, group)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -156,6 +159,11 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if check_ranks:  # over all U x R ranks at once: a rank raising alone would leave the others in a collective
+        check_agreement(Ring(groups.every, q.device), agreement_fields(q, k, v, causal, layout, variant,
+                                                                        softmax_scale, None),
+                        caller="sequence_parallel_attention")
+        ring_keywords["check_ranks"] = False  # the hybrid's ring: its ranks agreed just now
     check_ring_choices(layout, variant)
     check_ring_shapes(q.shape, k.shape, v.shape, degrees.sp, layout)
     heads, kv_heads = q.shape[2], k.shape[2]
