@@ -25,6 +25,9 @@ Benchmark numbers, per backend x context length x device count (batch 1, the seq
   scaling efficiency   step_s(1 device) / (devices * step_s(devices)), the same sequence on both
 With `--precisions bf16,fp8` every point runs once more in FP8 (`plan.py`), the noise floor's trainings of our
 kernels too (`noise_floor.py`), and the report compares them (compare/report/precision.py).
+With `--schemes ring,ulysses,hybrid` each scheme besides the ring gets the float32 check and a benchmark point of
+our kernels at the most devices per length (job ids `<backend>-<scheme>-equivalence`, `...-ours-<scheme>`), shown in
+the report's scheme section (compare/report/schemes.py).
 With `--model HF_DIR` (a Hugging Face Llama directory, converted once for the run) the report adds HF's
 LlamaForCausalLM with our ring beside our torch model per context length (compare/harness/hf_rows.py, after the
 jobs), which must agree with ours.
@@ -69,6 +72,7 @@ from weights.atomic import check_output_dir
 from weights.errors import EXIT_CHECK_FAILED, EXIT_OK
 from weights.fp8 import INSTALL_TORCHAO
 from weights.parallel import REMAT_MODES
+from weights.sequence_parallel import SCHEMES
 from weights.training import BACKENDS
 
 
@@ -101,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ablation", type=names(("ours", "vendor", "reference")), default="ours,vendor,reference",
                         help="attention kernels at the largest device count: ours, vendor (SDPA cuDNN / JAX cuDNN), "
                              "reference (plain math)")
+    parser.add_argument("--schemes", type=names(SCHEMES), default="ring",
+                        help="sequence-parallel schemes (`twinflash train --sp-scheme`): ring, ulysses, hybrid; each "
+                             "besides the ring gets the float32 check on all devices and a benchmark point of our "
+                             "kernels at the most devices per length (the report's scheme section)")
+    parser.add_argument("--ulysses-degree", type=integer(2), help="the hybrid's Ulysses degree U (default: "
+                        "devices / 2): U adjacent devices exchange heads, the ring runs across the groups")
     parser.add_argument("--activation-checkpointing", choices=("auto", *REMAT_MODES), default="auto",
                         help="benchmark with per-layer recomputation (`twinflash train --help` lists the modes; "
                              "auto: full for models over 2B parameters, else off)")
@@ -147,7 +157,8 @@ def _sig(value, scale: float = 1.0, suffix: str = "") -> str:
 _SUMMARY_COLUMNS = (
     ("backend", lambda p: p["backend"], 0), ("attn", lambda p: p["attention"], 0),
     ("S", lambda p: fmt_seq(p["seq_len"]), 0), ("dev", lambda p: str(p["devices"]), 0),
-    ("prec", lambda p: p.get("precision") or "-", 0), ("status", lambda p: p["status"], 0),
+    ("prec", lambda p: p.get("precision") or "-", 0), ("scheme", lambda p: p.get("scheme", "ring"), 0),
+    ("status", lambda p: p["status"], 0),
     ("step", lambda p: _sig(p["step_s"], 1e3, " ms"), 1),
     ("tok/s", lambda p: _sig(p["tokens_per_s"]), 2), ("MFU", lambda p: _sig(p["mfu"], 100, "%"), 3),
     ("exp. comm", lambda p: _sig(p["comm_exposed_s"], 1e3, " ms"), 4),
@@ -166,8 +177,9 @@ def _summary_table(report: dict, width: int):
 
     points = report["benchmark"]["points"]
     fp8 = any(p.get("precision") == "fp8" for p in points)
+    schemes = any(p.get("scheme", "ring") != "ring" for p in points)
     columns = [c for c in _SUMMARY_COLUMNS if (c[0] != "MFU" or any(p["mfu"] is not None for p in points))
-               and (c[0] != "prec" or fp8)]
+               and (c[0] != "prec" or fp8) and (c[0] != "scheme" or schemes)]
     measure = Console(width=10_000, file=io.StringIO())
     while True:
         table = Table(title=f"twinflash compare: {report['model']['name']}, {report['settings']['mode']}",

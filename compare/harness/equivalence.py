@@ -133,11 +133,15 @@ def compare_pair(name: str, ours: dict, reference: dict) -> dict:
 def equivalence_section(loaded: dict[str, dict], *, seq_len: int, devices: int, layers: int,
                         reference_description: str) -> dict:
     """The report's "equivalence" dict from `load_equivalence` dicts keyed "reference", "torch", "jax" (the
-    backends that ran): each backend against the reference, then torch against jax."""
+    backends that ran) and "<backend>-<scheme>" (the sequence-parallel schemes besides the ring, `twinflash compare
+    --schemes`): each backend against the reference, then torch against jax, then each scheme's run against the
+    reference."""
     backends = [b for b in BACKENDS if b in loaded]
     pairs = [(f"{b} vs reference", b, "reference") for b in backends]
     if len(backends) == 2:
         pairs.append(("torch vs jax", "torch", "jax"))
+    pairs += [(f"{name.replace('-', ' ')} vs reference", name, "reference") for name in loaded
+              if name not in (*BACKENDS, "reference")]
     with ThreadPoolExecutor(len(pairs)) as pool:  # numpy's loops and BLAS release the GIL: one core per pair
         comparisons = list(pool.map(lambda pair: compare_pair(pair[0], loaded[pair[1]], loaded[pair[2]]), pairs))
     curves = {name: list(run["loss_curve"]) for name, run in loaded.items() if run["loss_curve"]}

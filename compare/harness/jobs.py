@@ -66,7 +66,8 @@ _COLLECTIVE_OP = re.compile(r"(all[-_]gather|all[-_]reduce|reduce[-_]scatter|psu
 class Job:
     """One unit of a backend's work. `kind`: "equivalence", "bench", "curve", or one of the fast path's
     (`FAST_PATH_KINDS`); `attention`: the harness's name of the kernel family ("ours", "vendor", "reference") and
-    `attention_backend` the backend's own kernel name; `fp8`: the precision axis (`twinflash compare
+    `attention_backend` the backend's own kernel name; `scheme`, `ulysses_degree`: the sequence-parallel scheme
+    (`twinflash compare --schemes`); `fp8`: the precision axis (`twinflash compare
     --precisions`), the job trains as `twinflash train --fp8` does; `mesh`: "fsdp=A,sp=B" (`twinflash check`; by
     default sp over all `devices`), one sequence per fsdp row; `perturb`: a weight's name or an attention
     perturbation (compare/harness/perturb.py)."""
@@ -89,6 +90,8 @@ class Job:
     skip: str | None = None  # why the point is not attempted (decided up front by the plan), recorded as its result
     fp8: bool = False  # the decoder layers' linears in FP8, as `twinflash train --fp8` (weights/fp8.py)
     mesh: str = ""
+    scheme: str = "ring"  # the sequence-parallel scheme over sp, as `twinflash train --sp-scheme`
+    ulysses_degree: int | None = None  # the hybrid's U, as `--ulysses-degree`
 
     def mesh_shape(self) -> MeshShape:
         return MeshShape.parse(self.mesh) if self.mesh else MeshShape(sp=self.devices)
@@ -112,7 +115,7 @@ class Job:
                              mesh=mesh, batch=mesh.fsdp, dtype=self.dtype, seed=self.seed,
                              data="text" if check else "random", optimizer=optimizer,
                              activation_checkpointing=self.remat, attention_backend=self.attention_backend,
-                             eager=check, fp8=self.fp8)
+                             eager=check, fp8=self.fp8, sp_scheme=self.scheme, ulysses_degree=self.ulysses_degree)
 
 
 def job_batches(job: Job) -> np.ndarray:

@@ -30,6 +30,7 @@ from weights.data import BYTE_VOCAB
 from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
 from weights.layout import check_split
 from weights.parallel import RING_LAYOUT
+from weights.sequence_parallel import SCHEMES, check_heads, scheme_degrees
 from weights.training import BACKENDS
 
 KERNELS = {"torch": {"ours": "triton", "vendor": "sdpa_cudnn", "reference": "reference"},  # the attention backend
@@ -79,6 +80,8 @@ class CompareSettings:
     device_memory_bytes: int | None = None  # per GPU; None on CPU (nothing skipped up front)
     time_to_tokens: float = TIME_TO_TOKENS
     precisions: tuple[str, ...] = ("bf16",)
+    schemes: tuple[str, ...] = ("ring",)  # the ring first; the others at the most devices (`scheme_jobs`)
+    ulysses_degree: int | None = None  # the hybrid's U
     out: Path | None = None
     weights: str | None = None
 
@@ -88,7 +91,8 @@ class CompareSettings:
                 "device_counts": list(self.device_counts), "devices": self.devices, "steps": self.steps,
                 "dtype": self.dtype, "backends": list(self.backends),
                 "attention_ablation": list(self.attention_ablation), "time_to_tokens": self.time_to_tokens,
-                "precisions": list(self.precisions)}
+                "precisions": list(self.precisions), "schemes": list(self.schemes),
+                "ulysses_degree": self.ulysses_degree}
 
 
 def gpu_count() -> int:
@@ -233,13 +237,30 @@ def plan_settings(args: argparse.Namespace, gpus: int, device_memory_bytes: int 
         raise BadInputError(f"the float32 reference runs on the torch backend: {INSTALL_HINT['torch']}")
     perturb = parse_perturbation(args.perturb, backends, parameter_shapes(config)) if args.perturb else None
     precisions = _precisions(args.precisions, args.mode, dtype, seq_lens, counts)
+    schemes, ulysses_degree = _schemes(args.schemes, args.ulysses_degree, devices, config)
     return CompareSettings(
         model=args.model, mode=args.mode, seq_lens=seq_lens, device_counts=counts, devices=devices, steps=steps,
         dtype=dtype, backends=tuple(backends),
         attention_ablation=tuple(_parsed_list(args.ablation, ("ours", "vendor", "reference"), "--ablation")),
         activation_checkpointing=remat, check_seq_len=check_seq_len, check_layers=check_layers, bench=args.bench,
         platform="gpu" if gpus else "cpu", notes=tuple(notes), perturb=perturb, device_memory_bytes=memory,
-        precisions=precisions)
+        precisions=precisions, schemes=schemes, ulysses_degree=ulysses_degree)
+
+
+def _schemes(asked: str, ulysses_degree: int | None, devices: int, config: LlamaConfig
+             ) -> tuple[tuple[str, ...], int | None]:
+    """(the schemes, the ring first; the hybrid's U, by default devices / 2), each checked against the devices and
+    the model's heads (BadInputError naming what works)."""
+    schemes = ("ring", *(s for s in _parsed_list(asked, SCHEMES, "--schemes") if s != "ring"))
+    if "hybrid" not in schemes:
+        if ulysses_degree is not None:
+            raise BadInputError("--ulysses-degree is the hybrid scheme's: add hybrid to --schemes")
+    elif ulysses_degree is None:
+        ulysses_degree = devices // 2
+    for scheme in schemes[1:]:
+        degrees = scheme_degrees(scheme, devices, ulysses_degree if scheme == "hybrid" else None)
+        check_heads(degrees.ulysses, config.num_heads, config.num_kv_heads)
+    return schemes, ulysses_degree
 
 
 def prepare_weights(settings: CompareSettings, work_dir: Path) -> CompareSettings:
@@ -303,6 +324,9 @@ def plan_jobs(settings: CompareSettings, check_model_path: str, trace_dir: Path)
         perturb = settings.perturb and settings.perturb.for_job(backend, "equivalence", "ours", "fp32")
         jobs.append(J.Job(id=f"{backend}-equivalence", backend=backend, devices=devices, attention="ours",
                           attention_backend=KERNELS[backend]["ours"], perturb=perturb, **eq))
+        jobs += [J.Job(id=f"{backend}-{scheme}-equivalence", backend=backend, devices=devices, attention="ours",
+                       attention_backend=KERNELS[backend]["ours"], **eq, **_scheme_fields(settings, scheme))
+                 for scheme in settings.schemes[1:]]
     for backend in settings.backends:
         jobs += fast_path_jobs(backend, settings.platform, check_model_path, settings.check_seq_len,
                                settings.device_counts, devices, settings.perturb, steps=steps)
@@ -324,7 +348,18 @@ def plan_jobs(settings: CompareSettings, check_model_path: str, trace_dir: Path)
                                   devices=count, attention=attention, attention_backend=kernel, dtype=settings.dtype,
                                   mode=mode, steps=steps, remat=settings.activation_checkpointing,
                                   trace_dir=str(trace_dir) if traced else None, skip=skip, fp8=fp8))
+            skip = skip_reason(config, settings, seq_len=seq_len, devices=devices, attention="ours")
+            jobs += [J.Job(id=f"{backend}-s{seq_len}-d{devices}-ours-{scheme}", kind="bench", backend=backend,
+                           model=settings.weights, seq_len=seq_len, devices=devices, attention="ours",
+                           attention_backend=KERNELS[backend]["ours"], dtype=settings.dtype, mode=mode, steps=steps,
+                           remat=settings.activation_checkpointing, skip=skip, **_scheme_fields(settings, scheme))
+                     for scheme in settings.schemes[1:]]
     return jobs
+
+
+def _scheme_fields(settings: CompareSettings, scheme: str) -> dict:
+    """A job's scheme and, for the hybrid, its Ulysses degree."""
+    return {"scheme": scheme, "ulysses_degree": settings.ulysses_degree if scheme == "hybrid" else None}
 
 
 FAST_PATH_VENDOR = {"gpu": "vendor", "cpu": "reference"}  # off-GPU the plain-math reference plays the vendor

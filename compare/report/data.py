@@ -42,7 +42,8 @@ def _parameter_gathers(job: J.Job, train: bool) -> int:
 def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: CompareSettings) -> dict:
     """One row of the benchmark section (scaling efficiency filled in later by `add_scaling`)."""
     point = {"backend": job.backend, "seq_len": job.seq_len, "devices": job.devices, "attention": job.attention,
-             "kernel": job.attention_backend, "precision": "fp8" if job.fp8 else job.dtype,
+             "kernel": job.attention_backend, "precision": "fp8" if job.fp8 else job.dtype, "scheme": job.scheme,
+             "ulysses_degree": job.ulysses_degree,
              "status": result["status"], "message": result.get("message"), "trace": None,
              **dict.fromkeys(_MEASURED)}
     if result["status"] != "ok":
@@ -66,7 +67,8 @@ def benchmark_point(job: J.Job, result: dict, config: LlamaConfig, settings: Com
         point["comm_bytes"] = step_comm_bytes(
             config, seq_len=job.seq_len, batch=1, mesh=MeshShape(sp=job.devices), compute_bytes=compute_bytes,
             train=train, remat=job.remat, parameter_gathers=_parameter_gathers(job, train),
-            gradient_bytes=4 if job.backend == "torch" else compute_bytes)["total"]
+            gradient_bytes=4 if job.backend == "torch" else compute_bytes, sp_scheme=job.scheme,
+            ulysses_degree=job.ulysses_degree)["total"]
         if result["comm_s"]:
             point["comm_bandwidth_gbps"] = point["comm_bytes"] / result["comm_s"] / 1e9
     if result.get("trace"):
@@ -91,7 +93,7 @@ def add_scaling(points: list[dict], platform: str) -> None:
         return
 
     def key(p: dict) -> tuple:
-        return p["backend"], p["seq_len"], p["attention"], p.get("precision")
+        return p["backend"], p["seq_len"], p["attention"], p.get("precision"), p.get("scheme", "ring")
 
     single = {key(p): p["step_s"] for p in points if p["devices"] == 1 and p["step_s"]}
     for p in points:

@@ -25,11 +25,13 @@ def fmt_seq(s: int) -> str:
     return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
 
 
-def sorted_points(report: dict, fp8: bool = False) -> list[dict]:
-    """The benchmark points in table order; the FP8 ones (`--precisions ...,fp8`) only with `fp8`: every section
-    but the precision section shows the run's dtype alone."""
+def sorted_points(report: dict, fp8: bool = False, schemes: bool = False) -> list[dict]:
+    """The benchmark points in table order; the FP8 ones (`--precisions ...,fp8`) only with `fp8`, those of the
+    schemes besides the ring (`--schemes`) only with `schemes`: every section but the precision and the scheme
+    sections shows the run's dtype on the ring alone."""
     order = {b: i for i, b in enumerate(report["settings"]["backends"])}
-    points = [p for p in report["benchmark"]["points"] if fp8 or p.get("precision") != "fp8"]
+    points = [p for p in report["benchmark"]["points"] if (fp8 or p.get("precision") != "fp8")
+              and (schemes or p.get("scheme", "ring") == "ring")]
     return sorted(points, key=lambda p: (order.get(p["backend"], len(order)), ATTENTIONS.index(p["attention"]),
                                          p["seq_len"], p["devices"], p.get("precision") == "fp8"))
 

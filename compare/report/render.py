@@ -21,7 +21,7 @@ import html
 import math
 import re
 
-from compare.report import fastpath, hf, noise_floor, precision, summary
+from compare.report import fastpath, hf, noise_floor, precision, schemes, summary
 from compare.report.fields import (ATTENTIONS, DASH, STATUS_LABELS, WORST_PARAMETERS, finite, fmt, fmt_seq, fmt_tokens,
                                    max_devices, on_cpu, sorted_points)
 
@@ -63,7 +63,8 @@ def _document(report: dict) -> list[tuple]:
     doc.append(("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence and fast path{', HF rows' if report.get('hf') else ''}) — {detail}"]))
     return (doc + summary.blocks(report) + _setup(report) + _equivalence(report) + fastpath.blocks(report) + noise_floor.blocks(report)
             + _benchmark(report)
-            + _ablation(report) + precision.blocks(report) + hf.blocks(report) + _peers(report) + _jobs(report) + _flops_and_traces(report))
+            + _ablation(report) + schemes.blocks(report) + precision.blocks(report) + hf.blocks(report)
+            + _peers(report) + _jobs(report) + _flops_and_traces(report))
 
 
 CPU_CAVEAT = ("The kernels ran in Triton's interpreter and in Pallas's interpret mode on {devices} emulated devices "
@@ -92,6 +93,9 @@ def _setup(report: dict) -> list[tuple]:
              ["backends", ", ".join(s["backends"])], ["attention ablation", ", ".join(s["attention_ablation"])]]
     if "fp8" in s.get("precisions", []):
         rows.append(["precisions", ", ".join(s["precisions"]) + " (the precision section below)"])
+    if len(s.get("schemes", ["ring"])) > 1:
+        hybrid = f" (hybrid U={s['ulysses_degree']})" if "hybrid" in s["schemes"] else ""
+        rows.append(["sequence-parallel schemes", ", ".join(s["schemes"]) + hybrid + " (the scheme section below)"])
     return [("h", 2, "Setup"), ("code", report["command"]), ("p", [f"Created {report['created']}."]),
             ("table", ["", "value"], rows)]
 
