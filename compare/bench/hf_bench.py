@@ -26,7 +26,6 @@ import datetime
 import functools
 import gc
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from compare.args import OneLineParser, integer, lengths, number, recorded_command, with_error_contract
 from compare.bench.common import default_out_path, write_json
-from compare.launch import Interrupted, interruptible, owned_process, torchrun_launcher
+from compare.launch import Interrupted, interruptible, log_tail, run_logged, torchrun_launcher
 from weights import BadInputError, ConvertedCheckpoint, convert_hf_checkpoint, export_hf_checkpoint, open_weights
 from weights.attention import VARIANTS
 from weights.checkpoint import write_converted_checkpoint
@@ -237,12 +236,7 @@ def _launch(args, plan: dict, work: Path) -> tuple[dict, list[dict], str | None]
     plan_path.write_text(json.dumps(plan))
     command = [*launcher, "-m", __spec__.name, "--plan", str(plan_path)]
     log_path = work / "worker.log"
-    with open(log_path, "w") as log, owned_process(command, env=env, stdout=log, stderr=log) as proc:
-        try:
-            proc.wait(timeout=args.launch_timeout_s)
-            failure = f"the workers exited with {proc.returncode}" if proc.returncode else None
-        except subprocess.TimeoutExpired:
-            failure = f"the workers timed out after {args.launch_timeout_s:.0f} s"
+    failure = run_logged(command, env, log_path, args.launch_timeout_s)
     meta, rows = {}, []
     rows_path = Path(plan["rows_path"])
     for line in rows_path.read_text().splitlines() if rows_path.exists() else []:
@@ -250,7 +244,7 @@ def _launch(args, plan: dict, work: Path) -> tuple[dict, list[dict], str | None]
         meta.update(record["meta"])
         rows.append(record["row"])
     if failure:
-        failure += ": " + " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])[-600:]
+        failure = f"the workers {failure}: {log_tail(log_path, 600)}"
     return meta, rows, failure
 
 
