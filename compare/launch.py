@@ -11,7 +11,8 @@ agent then stops its workers). Inside `interruptible()` the first SIGINT or SIGT
 CLI, whose command stops its launch, says in one line what is left and exits 128 + the signal (130, 143). A worker
 that dies is named in one line by `worker_failure`, read from the launch's log, which the command keeps. A launch
 that is waited for with a deadline, its output in a log (the benchmarks'), runs through `run_logged`, and its
-failure quotes the log's end (`log_tail`).
+failure quotes the log's end (`log_tail`). What a command does on a thread beside its launches while it waits
+(a run's live progress, a node's heartbeat) repeats through `repeating`.
 """
 
 from __future__ import annotations
@@ -88,6 +89,27 @@ def interruptible() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def repeating(action: Callable[[], None], period_s: float, name: str) -> Iterator[None]:
+    """While the block runs, `action()` on a daemon thread of its own named `name`: at once, then every `period_s`
+    until the block ends, which waits for a call under way (no call outlives the block). What a command does beside
+    its launches while it waits for them: poll their progress, beat a node's heartbeat."""
+    stop = threading.Event()
+
+    def run() -> None:
+        action()
+        while not stop.wait(period_s):
+            action()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def torchrun_launcher(device_count: int, rendezvous: tuple[str, ...] = ("--standalone",)
