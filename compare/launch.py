@@ -9,7 +9,10 @@ ends (`owned_process`; torchrun starts each worker in a session of its own, so t
 group killed). On Linux a launch gets SIGTERM if the CLI dies without stopping it (PR_SET_PDEATHSIG; torchrun's
 agent then stops its workers). Inside `interruptible()` the first SIGINT or SIGTERM raises `Interrupted` in the
 CLI, whose command stops its launch, says in one line what is left and exits 128 + the signal (130, 143). A worker
-that dies is named in one line by `worker_failure`, read from the launch's log, which the command keeps.
+that dies is named in one line by `worker_failure`, read from the launch's log, which the command keeps. A launch
+that is waited for with a deadline, its output in a log (the benchmarks'), runs through `run_logged`, and its
+failure quotes the log's end (`log_tail`). What a command does on a thread beside its launches while it waits
+(a run's live progress, a node's heartbeat) repeats through `repeating`.
 """
 
 from __future__ import annotations
@@ -88,6 +91,27 @@ def interruptible() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+@contextlib.contextmanager
+def repeating(action: Callable[[], None], period_s: float, name: str) -> Iterator[None]:
+    """While the block runs, `action()` on a daemon thread of its own named `name`: at once, then every `period_s`
+    until the block ends, which waits for a call under way (no call outlives the block). What a command does beside
+    its launches while it waits for them: poll their progress, beat a node's heartbeat."""
+    stop = threading.Event()
+
+    def run() -> None:
+        action()
+        while not stop.wait(period_s):
+            action()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def torchrun_launcher(device_count: int, rendezvous: tuple[str, ...] = ("--standalone",)
                       ) -> tuple[list[str], dict[str, str]]:
     """(`python -m torch.distributed.run` with one process per device on this host, its environment: this
@@ -158,6 +182,24 @@ def owned_process(command: list[str], **popen) -> Iterator[subprocess.Popen]:
         yield process
     finally:
         stop_process_tree(process)
+
+
+def run_logged(command: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> str | None:
+    """Runs `command` as an owned process (`owned_process`) with its output in `log_path` until it exits or
+    `timeout_s` passes (then it is stopped): None when it exited 0, else what went wrong ("exited with 1", "timed out
+    after 600s"), for the caller to put after the name of what it launched."""
+    with open(log_path, "w") as log, owned_process(command, env=env, stdout=log, stderr=log) as process:
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout_s:.0f}s"
+    return f"exited with {code}" if code else None
+
+
+def log_tail(log_path: Path, chars: int) -> str:
+    """The last three lines of a launch's log on one line (" | " between them), at most its last `chars` characters:
+    what a one-line failure quotes."""
+    return " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])[-chars:]
 
 
 def _children_by_parent() -> dict[int, list[int]]:

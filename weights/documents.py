@@ -1,7 +1,8 @@
 """Packed documents (document masking): the one contract of both backends' kernels, rings, models and data, in
 numpy. `torch_impl/documents.py` and `jax_impl/documents.py` (twins) compute the same spans on the device; the
-functions here are the definition they are tested against, the checks of bad input, and the measure of the work
-the kernels do (which the layout's balance is judged by).
+functions here are the definition they are tested against, the checks of bad input (and the refusal of the kernels
+that take no documents, `documents_refusal`), and the measure of the work the kernels do (which the layout's balance
+is judged by).
 
 Documents are SEGMENT IDS: int32 [B, S], the document of each token in position order, non-decreasing along the
 sequence (a document is a run of equal ids; ids need not start at 0 nor be consecutive). Query i sees key j iff
@@ -52,6 +53,14 @@ def check_segment_ids(segment_ids: np.ndarray, batch: int, seq_len: int) -> None
     if decreasing.size:
         raise ValueError(f"segment_ids must be non-decreasing along the sequence (documents are contiguous runs in "
                          f"position order); they decrease after position {int(decreasing[0])}")
+
+
+def documents_refusal(backend: str, portable: str, dispatcher: str) -> str:
+    """The error of a kernel backend asked to attend packed documents that it cannot (the Hopper family's Gluon and
+    Mosaic kernels, the vendors' kernels), naming those that can: the backend's `portable` family, the `dispatcher`
+    that runs the portable family for documents, and the reference. One wording for both backends' kernels."""
+    return (f"backend {backend!r} does not take documents; the portable family does (backend {portable!r}, or "
+            f"{dispatcher!r}, which then runs it), and so does 'reference'")
 
 
 def document_offsets(segment_ids: np.ndarray) -> np.ndarray:

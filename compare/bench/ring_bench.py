@@ -32,7 +32,6 @@ import datetime
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 from compare.args import OneLineParser, ints, lengths, names, recorded_command, with_error_contract
 from compare.bench import common
 from compare.bench.common import check_parts_and_heads, previous_rows, write_json
-from compare.launch import Interrupted, interruptible, owned_process, torchrun_launcher
+from compare.launch import Interrupted, interruptible, log_tail, run_logged, torchrun_launcher
 from weights import BadInputError
 from weights.attention import VARIANTS
 from weights.layout import check_split
@@ -225,12 +224,9 @@ def run_worker(worker: str, tasks: list[dict], args, workdir: Path) -> tuple[dic
         command, env = _worker_command(worker, plan_path, args.gpus)
         log_path = workdir / f"{worker}-{launch}.log"
         print(f"[ring bench] {worker}: {len(remaining)} tasks: {shlex.join(command)} (log {log_path})", flush=True)
-        with open(log_path, "w") as log, owned_process(command, env=env, stdout=log, stderr=log) as proc:
-            try:
-                proc.wait(timeout=args.launch_timeout_s)
-                failure = f"worker exited with {proc.returncode}" if proc.returncode else None
-            except subprocess.TimeoutExpired:
-                failure = f"worker timed out after {args.launch_timeout_s:.0f}s"
+        failure = run_logged(command, env, log_path, args.launch_timeout_s)
+        if failure:
+            failure = f"worker {failure}"
         launch_meta, launch_rows, started = read_rows_file(rows_path)
         meta.update(launch_meta)
         rows += launch_rows
@@ -238,7 +234,7 @@ def run_worker(worker: str, tasks: list[dict], args, workdir: Path) -> tuple[dic
         unfinished = [t for t in remaining if t["id"] in started and t["id"] not in done]
         if failure is None and not unfinished and len(done) < len(remaining):
             failure = "worker exited early"
-        tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])[-400:]
+        tail = log_tail(log_path, 400)
         for task in unfinished:  # the task the worker died on
             rows.append(dict(task, error=f"{failure}: {tail}"))
         if not started:  # died before its first task: the rest would fail the same way

@@ -34,20 +34,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from compare.harness import jobs as J
 from compare.harness.plan import CompareSettings
-from compare.launch import Interrupted, interruptible, owned_process, stop_process_tree
+from compare.launch import Interrupted, interruptible, owned_process, repeating, stop_process_tree
 from compare.nodes import Nodes, launch_failure
 from weights import BadInputError
 from weights.atomic import write_text_atomically
@@ -102,26 +102,15 @@ def _write_json(path: Path, data: dict) -> None:
     write_text_atomically(path, json.dumps(data))
 
 
-@contextlib.contextmanager
-def heartbeat(path: Path) -> Iterator[None]:
+def heartbeat(path: Path) -> contextlib.AbstractContextManager[None]:
     """Rewrites `path` with a growing counter every HEARTBEAT_S while the block runs (a thread of this process)."""
-    stop = threading.Event()
+    counter = itertools.count(1)
 
     def beat() -> None:
-        count = 0
-        while not stop.is_set():
-            count += 1
-            with contextlib.suppress(OSError):  # a full or vanished directory: the readers judge the silence
-                write_text_atomically(path, str(count))
-            stop.wait(HEARTBEAT_S)
+        with contextlib.suppress(OSError):  # a full or vanished directory: the readers judge the silence
+            write_text_atomically(path, str(next(counter)))
 
-    thread = threading.Thread(target=beat, name="twinflash-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+    return repeating(beat, HEARTBEAT_S, "twinflash-heartbeat")
 
 
 class Heartbeats:

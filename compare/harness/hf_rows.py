@@ -26,14 +26,13 @@ import dataclasses
 import functools
 import gc
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from compare.harness.plan import KERNELS, CompareSettings
-from compare.launch import owned_process, torchrun_launcher
+from compare.launch import log_tail, run_logged, torchrun_launcher
 from weights import (
     ConvertedCheckpoint,
     convert_hf_checkpoint,
@@ -223,12 +222,7 @@ def launch_rows(plan: dict, work: Path, devices: int, timeout_s: float) -> tuple
     plan_path.write_text(json.dumps(plan))
     command = [*launcher, "-m", __spec__.name, "--plan", str(plan_path)]
     log_path = work / "worker.log"
-    with open(log_path, "w") as log, owned_process(command, env=env, stdout=log, stderr=log) as proc:
-        try:
-            proc.wait(timeout=timeout_s)
-            failure = f"the workers exited with {proc.returncode}" if proc.returncode else None
-        except subprocess.TimeoutExpired:
-            failure = f"the workers timed out after {timeout_s:.0f} s"
+    failure = run_logged(command, env, log_path, timeout_s)
     meta, rows = {}, []
     rows_path = Path(plan["rows_path"])
     for line in rows_path.read_text().splitlines() if rows_path.exists() else []:
@@ -236,7 +230,7 @@ def launch_rows(plan: dict, work: Path, devices: int, timeout_s: float) -> tuple
         meta.update(record["meta"])
         rows.append(record["row"])
     if failure:
-        failure += ": " + " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])[-600:]
+        failure = f"the workers {failure}: {log_tail(log_path, 600)}"
     return meta, rows, failure
 
 

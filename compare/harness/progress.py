@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
 from compare.harness import jobs as J
+from compare.launch import repeating
 
 POLL_S = 0.5
 
@@ -106,17 +107,5 @@ class RunProgress:
     @contextlib.contextmanager
     def shown(self) -> Iterator[None]:
         """The live view while the block runs."""
-        stop = threading.Event()
-
-        def poll() -> None:
-            while not stop.wait(POLL_S):
-                self._poll()
-
-        thread = threading.Thread(target=poll, daemon=True)
-        with self.progress:
-            thread.start()
-            try:
-                yield
-            finally:
-                stop.set()
-                thread.join()
+        with self.progress, repeating(self._poll, POLL_S, "twinflash-progress"):
+            yield

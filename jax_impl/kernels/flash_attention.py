@@ -70,6 +70,7 @@ from jax_impl.kernels.portable.config import PortableConfig
 from jax_impl.kernels.portable.forward import portable_forward
 from jax_impl.remat import keep_for_backward
 from weights.attention import check_attention_shapes, check_config_family
+from weights.documents import documents_refusal
 from weights.training import ATTENTION_BACKENDS
 
 BACKENDS = ATTENTION_BACKENDS["jax"]
@@ -176,8 +177,7 @@ def _check_spans(spans, q, backend: str) -> None:
     if spans is None:
         return
     if backend not in DOCUMENT_BACKENDS:
-        raise ValueError(f"backend {backend!r} does not take documents; the portable family does (backend "
-                         f"'pallas_portable', or 'pallas', which then runs it), and so does 'reference'")
+        raise ValueError(documents_refusal(backend, portable="pallas_portable", dispatcher="pallas"))
     if not isinstance(spans, Spans):
         raise ValueError(f"spans must be a jax_impl.documents.Spans, got {type(spans).__name__}")
     for name, x in zip(spans._fields, spans):

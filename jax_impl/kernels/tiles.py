@@ -3,7 +3,8 @@ arithmetic, the `pallas_call` output spec that declares its varying mesh axes, a
 and backward share. Twin of `torch_impl/kernels/tiles.py`.
 
 Portable (Pallas Triton lowering): head dim and block fitting, the fp32-accumulating matmuls, the visibility mask,
-the causal block ranges, the documents' span block ranges and the grid's index maps.
+the causal block ranges, the documents' span block ranges, the runs of key blocks the forward and dQ kernels walk
+(`key_block_runs`, `fold_block_runs`) and the grid's index maps.
 
 Hopper (Pallas Mosaic GPU): the GPU interpreter switch, register-layout hints, the Q K^T wgmma, a query tile's K/V
 step range, the TMA producer loop and every Mosaic kernel's launch. Pallas's Mosaic GPU interpreter (CPU tests,
@@ -122,6 +123,18 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, *, causal: bool, offset: int, se
     return causal_visible(q_pos, k_pos, offset) if causal else k_pos < seq_k
 
 
+def visible_keys(q_pos: jax.Array, k_block, block_k: int, row_spans, *, causal: bool, offset: int,
+                 seq_k: int) -> jax.Array:
+    """[rows, block_k] mask of the keys of key block `k_block` each query row (positions `q_pos` [rows, 1]) sees:
+    with documents (`row_spans`: the rows' key span (start, end), [rows] each) the keys in the row's span, else
+    `visible`'s."""
+    k_pos = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+    if row_spans is not None:
+        span_start, span_end = row_spans
+        return in_spans(span_start[:, None], span_end[:, None], k_pos)
+    return visible(q_pos, k_pos, causal=causal, offset=offset, seq_k=seq_k)
+
+
 def traced(value: int):
     """`value` as a traced int32 (Triton folds it back to the constant). Loop bounds go through this: with
     Python-int bounds fori_loop becomes a scan that carries the kernel's refs, and Pallas's interpreter cannot
@@ -188,6 +201,35 @@ def span_block_range(span_start_ref, span_end_ref, block: int):
         full_end = jnp.clip(index_div(lowest_end, block), full_first, end)
         return first, full_first, full_end, end
     return lax.fori_loop(0, traced(1), bounds, (traced(0),) * 4)
+
+
+def span_block_runs(span_start_ref, span_end_ref, block: int):
+    """`span_block_range` as the runs of blocks a kernel loops over, (first, end, masked) each: the blocks only some
+    rows see part of (masked), those every row sees whole (unmasked), then the rest (masked)."""
+    bounds = span_block_range(span_start_ref, span_end_ref, block)
+    return tuple(zip(bounds, bounds[1:], (True, False, True)))
+
+
+def key_block_runs(q_first, block_q: int, block_k: int, *, causal: bool, offset: int, seq_k: int, num_k_blocks: int,
+                   span_refs=None):
+    """The key blocks the query rows [q_first, q_first + block_q) visit, as runs (first, end, masked) of blocks in
+    the order the forward and dQ kernels walk them. With documents (`span_refs`: the Refs of the rows' key spans)
+    `span_block_runs`; otherwise the blocks every row sees whole from block 0 on, unmasked, then those crossing the
+    causal diagonal or holding padded keys, masked (no such run is traced where there can be none)."""
+    if span_refs is not None:
+        return span_block_runs(*span_refs, block_k)
+    n_full, n_end = kv_block_range(q_first, block_q, block_k, causal=causal, offset=offset, seq_k=seq_k,
+                                   num_k_blocks=num_k_blocks)
+    masked_run = ((n_full, n_end, True),) if has_masked_blocks(causal, seq_k, block_k) else ()
+    return ((0, n_full, False),) + masked_run
+
+
+def fold_block_runs(step, runs, carry):
+    """`carry` threaded through `step(block, carry, masked=...)` over every block of `runs` (`key_block_runs`) in
+    order, one fori_loop a run (`masked` is static: each run traces its own loop body)."""
+    for first, end, masked in runs:
+        carry = lax.fori_loop(first, end, functools.partial(step, masked=masked), carry)
+    return carry
 
 
 def in_spans(span_start: jax.Array, span_end: jax.Array, pos: jax.Array) -> jax.Array:

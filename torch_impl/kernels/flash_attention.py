@@ -52,6 +52,7 @@ from torch_impl.kernels.portable.forward import portable_forward
 from torch_impl.kernels.tiles import interpreter_problem
 from torch_impl.remat import keep_for_backward
 from weights.attention import check_attention_shapes, check_config_family
+from weights.documents import documents_refusal
 from weights.training import ATTENTION_BACKENDS
 
 aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
@@ -100,8 +101,7 @@ def _check_spans(spans, q, backend) -> None:
     if spans is None:
         return
     if backend not in DOCUMENT_BACKENDS:
-        raise ValueError(f"backend {backend!r} does not take documents; the portable family does (backend "
-                         f"'triton_portable', or 'triton', which then runs it), and so does 'reference'")
+        raise ValueError(documents_refusal(backend, portable="triton_portable", dispatcher="triton"))
     if not isinstance(spans, Spans):
         raise ValueError(f"spans must be a torch_impl.documents.Spans, got {type(spans).__name__}")
     for name, t in zip(spans._fields, spans):

@@ -1,7 +1,8 @@
 """What more than one kernel module of the PyTorch backend uses: Triton's interpreter switch (`INTERPRETED`,
 `interpreter_problem`), the exp2-domain constants, the `tl` tile helpers the portable forward and backward kernels
-share (masked tile loads and stores, rounding as the GPU rounds, the key mask, program and key-range arithmetic), the
-sequence bucket both families key their configs by, the delta = rowsum(dout * out) kernel both backwards run, and what
+share (masked tile loads and stores, rounding as the GPU rounds, the key mask, program and key-range arithmetic, the
+documents' span block ranges, the runs of key blocks the forward and dQ kernels walk: `key_block_runs`), the sequence
+bucket both families key their configs by, the delta = rowsum(dout * out) kernel both backwards run, and what
 the Gluon (Hopper) kernels share: the Triton release they are written for, their `gluon_jit` decorator and the
 allocator of their on-device tensor descriptors. Twin of `jax_impl/kernels/tiles.py`.
 
@@ -106,26 +107,21 @@ def visible_keys(cols, rows, seq_k, diagonal, span_start, span_end, CAUSAL: tl.c
 
 
 @triton.jit
-def load_spans(start_ptr, end_ptr, rows, n_rows, n_cols):
-    """The spans [start, end) of a block of rows (int32 [rows]; rows past n_rows read as empty) and their bounds
-    over the real rows: (start, end, lowest start, highest start, lowest end, highest end)."""
+def span_block_range(start_ptr, end_ptr, rows, n_rows, n_cols, BLOCK: tl.constexpr):
+    """The spans [start, end) of a block of rows (int32 [rows]; rows past n_rows read as empty) and (first,
+    full_first, full_end, end), multiples of BLOCK: blocks [first, end) hold every column any row sees (none when
+    every span is empty), and [full_first, full_end) the blocks every row sees whole (no mask needed); the rest of
+    [first, end) needs the mask. Returns (start, end, first, full_first, full_end, end)."""
     valid = rows < n_rows
-    start = tl.load(start_ptr + rows, mask=valid, other=0)
-    end = tl.load(end_ptr + rows, mask=valid, other=0)
-    return (start, end, tl.min(tl.where(valid, start, n_cols)), tl.max(tl.where(valid, start, 0)),
-            tl.min(tl.where(valid, end, n_cols)), tl.max(tl.where(valid, end, 0)))
-
-
-@triton.jit
-def span_blocks(lowest_start, highest_start, lowest_end, highest_end, BLOCK: tl.constexpr):
-    """(first, full_first, full_end, end), multiples of BLOCK, for a block of rows whose spans have these bounds:
-    blocks [first, end) hold every column any row sees (none when every span is empty), and [full_first, full_end)
-    the blocks every row sees whole (no mask needed); the rest of [first, end) needs the mask."""
+    span_start = tl.load(start_ptr + rows, mask=valid, other=0)
+    span_end = tl.load(end_ptr + rows, mask=valid, other=0)
+    lowest_start, highest_start = tl.min(tl.where(valid, span_start, n_cols)), tl.max(tl.where(valid, span_start, 0))
+    lowest_end, highest_end = tl.min(tl.where(valid, span_end, n_cols)), tl.max(tl.where(valid, span_end, 0))
     first = lowest_start // BLOCK * BLOCK
     end = tl.where(highest_end > lowest_start, (highest_end + BLOCK - 1) // BLOCK * BLOCK, first)
     full_first = tl.minimum(tl.maximum((highest_start + BLOCK - 1) // BLOCK * BLOCK, first), end)
     full_end = tl.minimum(tl.maximum(lowest_end // BLOCK * BLOCK, full_first), end)
-    return first, full_first, full_end, end
+    return span_start, span_end, first, full_first, full_end, end
 
 
 @triton.jit
@@ -171,6 +167,24 @@ def key_range(row0, seq_k, diagonal, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
         full_end = seq_k // BLOCK_N * BLOCK_N
         end = seq_k
     return full_end, end
+
+
+@triton.jit
+def key_block_runs(KeyStart, KeyEnd, batch, row0, seq_q, seq_k, diagonal, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPANS: tl.constexpr):
+    """The keys the BLOCK_M query rows from row0 visit, as the bounds of the three runs of BLOCK_N key blocks the
+    forward and dQ kernels walk in order, [first, full_first) masked, [full_first, full_end) unmasked, [full_end, end)
+    masked, with the rows' key spans the masked runs test: (span_start, span_end, first, full_first, full_end, end).
+    With documents (SPANS: batch row `batch`'s spans at KeyStart / KeyEnd, [B, seq_q]) `span_block_range`; otherwise
+    the first run is empty, the unmasked one starts at key 0 (`key_range`) and the spans are unused zeros."""
+    if SPANS:
+        spans_row0 = batch.to(tl.int64) * seq_q
+        span_start, span_end, first, full_first, full_end, end = span_block_range(
+            KeyStart + spans_row0, KeyEnd + spans_row0, row0 + tl.arange(0, BLOCK_M), seq_q, seq_k, BLOCK_N)
+    else:
+        span_start, span_end, first, full_first = 0, 0, 0, 0
+        full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
+    return span_start, span_end, first, full_first, full_end, end
 
 
 def spans_or_none(spans, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

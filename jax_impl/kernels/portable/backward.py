@@ -35,10 +35,10 @@ from jax.experimental.pallas import triton as plgpu
 from jax_impl.documents import query_spans
 from jax_impl.kernels.portable.config import KernelConfig
 from jax_impl.kernels.tiles import (LOG2E, causal_visible, dot_precision, edge_padded_spans, fit_block,
-                                    has_masked_blocks, in_spans, index_div, index_rem, kv_block_range, matmul,
+                                    fold_block_runs, in_spans, index_div, index_rem, key_block_runs, matmul,
                                     matmul_nt, output_struct, pad_axis, padded_head_dim, program_q_block,
-                                    q_block_range, query_block_map, query_grid_maps, round_up, span_block_range,
-                                    visible)
+                                    q_block_range, query_block_map, query_grid_maps, round_up, span_block_runs,
+                                    visible_keys)
 
 
 def _dkdv_kernel(*refs, causal: bool, spans: bool, scale: float, block_q: int, group: int, offset: int,
@@ -79,8 +79,7 @@ def _dkdv_kernel(*refs, causal: bool, spans: bool, scale: float, block_q: int, g
 
     carry = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     if spans:  # documents: query blocks that see none of these keys are skipped, those that see all unmasked
-        bounds = span_block_range(query_start_ref, query_end_ref, block_q)
-        runs = tuple(zip(bounds, bounds[1:], (True, False, True)))
+        runs = span_block_runs(query_start_ref, query_end_ref, block_q)
     else:
         start, full_start = q_block_range(k_first, block_k, block_q, causal=causal, offset=offset,
                                           num_q_blocks=num_q_blocks)
@@ -98,9 +97,10 @@ def _dq_kernel(*refs, causal: bool, spans: bool, scale: float, block_k: int, off
                num_q_blocks: int, num_k_blocks: int, precision):
     if spans:
         q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, span_start_ref, span_end_ref, dq_ref = refs
-        span_start, span_end = span_start_ref[...], span_end_ref[...]
+        row_spans = span_start_ref[...], span_end_ref[...]
     else:
         q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref = refs
+        row_spans = None
     block_q = q_ref.shape[0]
     q_first = program_q_block(causal, num_q_blocks) * block_q
     q = q_ref[...]
@@ -116,26 +116,15 @@ def _dq_kernel(*refs, causal: bool, spans: bool, scale: float, block_k: int, off
         v = v_ref[rows, :]
         probs = jnp.exp2(matmul_nt(q, k, precision) * scale_log2 - lse2[:, None])
         if masked:
-            k_pos = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-            seen = (in_spans(span_start[:, None], span_end[:, None], k_pos) if spans
-                    else visible(q_pos, k_pos, causal=causal, offset=offset, seq_k=seq_k))
+            seen = visible_keys(q_pos, k_block, block_k, row_spans, causal=causal, offset=offset, seq_k=seq_k)
             probs = jnp.where(seen, probs, 0.0)
         dscores = probs * (matmul_nt(dout, v, precision) - delta[:, None])
         return dq + matmul(dscores.astype(k.dtype), k, precision)
 
-    dq = jnp.zeros(dq_ref.shape, jnp.float32)
-    if spans:  # documents: as the forward, key blocks outside every row's span skipped
-        first, full_first, full_end, end = span_block_range(span_start_ref, span_end_ref, block_k)
-        dq = lax.fori_loop(first, full_first, functools.partial(step, masked=True), dq)
-        dq = lax.fori_loop(full_first, full_end, functools.partial(step, masked=False), dq)
-        dq = lax.fori_loop(full_end, end, functools.partial(step, masked=True), dq)
-    else:
-        n_full, n_end = kv_block_range(q_first, block_q, block_k, causal=causal, offset=offset, seq_k=seq_k,
-                                       num_k_blocks=num_k_blocks)
-        dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
-        if has_masked_blocks(causal, seq_k, block_k):
-            dq = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), dq)
-    dq_ref[...] = dq * scale
+    # The forward's walk: with documents, key blocks outside every row's span skipped.
+    runs = key_block_runs(q_first, block_q, block_k, causal=causal, offset=offset, seq_k=seq_k,
+                          num_k_blocks=num_k_blocks, span_refs=(span_start_ref, span_end_ref) if spans else None)
+    dq_ref[...] = fold_block_runs(step, runs, jnp.zeros(dq_ref.shape, jnp.float32)) * scale
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "dkdv_config", "dq_config", "interpret"))

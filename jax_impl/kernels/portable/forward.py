@@ -27,24 +27,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_impl.kernels.portable.config import KernelConfig
-from jax_impl.kernels.tiles import (LN2, LOG2E, dot_precision, edge_padded_spans, fit_block, has_masked_blocks,
-                                    in_spans, kv_block_range, matmul, matmul_nt, output_struct, pad_axis,
-                                    padded_head_dim, program_q_block, query_block_map, query_grid_maps, round_up,
-                                    span_block_range, visible)
+from jax_impl.kernels.tiles import (LN2, LOG2E, dot_precision, edge_padded_spans, fit_block, fold_block_runs,
+                                    key_block_runs, matmul, matmul_nt, output_struct, pad_axis, padded_head_dim,
+                                    program_q_block, query_block_map, query_grid_maps, round_up, visible_keys)
 
 
 def _forward_kernel(*refs, causal: bool, spans: bool, scale_log2: float, block_k: int, offset: int, seq_k: int,
                     num_q_blocks: int, num_k_blocks: int, precision):
     if spans:
         q_ref, k_ref, v_ref, span_start_ref, span_end_ref, out_ref, lse_ref = refs
-        span_start, span_end = span_start_ref[...], span_end_ref[...]
+        row_spans = span_start_ref[...], span_end_ref[...]
     else:
         q_ref, k_ref, v_ref, out_ref, lse_ref = refs
+        row_spans = None
     block_q, head_dim = q_ref.shape
     q_first = program_q_block(causal, num_q_blocks) * block_q
     q = q_ref[...]
@@ -57,9 +56,7 @@ def _forward_kernel(*refs, causal: bool, spans: bool, scale_log2: float, block_k
         v = v_ref[rows, :]
         scores = matmul_nt(q, k, precision) * scale_log2
         if masked:
-            k_pos = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-            seen = (in_spans(span_start[:, None], span_end[:, None], k_pos) if spans
-                    else visible(q_pos, k_pos, causal=causal, offset=offset, seq_k=seq_k))
+            seen = visible_keys(q_pos, k_block, block_k, row_spans, causal=causal, offset=offset, seq_k=seq_k)
             scores = jnp.where(seen, scores, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
         if masked:
@@ -76,18 +73,10 @@ def _forward_kernel(*refs, causal: bool, spans: bool, scale_log2: float, block_k
     carry = (jnp.zeros((block_q, head_dim), jnp.float32),
              jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    if spans:  # documents: key blocks outside every row's span are skipped, those inside all of them unmasked
-        first, full_first, full_end, end = span_block_range(span_start_ref, span_end_ref, block_k)
-        carry = lax.fori_loop(first, full_first, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(full_first, full_end, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(full_end, end, functools.partial(step, masked=True), carry)
-    else:
-        n_full, n_end = kv_block_range(q_first, block_q, block_k, causal=causal, offset=offset, seq_k=seq_k,
-                                       num_k_blocks=num_k_blocks)
-        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-        if has_masked_blocks(causal, seq_k, block_k):
-            carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
-    acc, row_max, row_sum = carry
+    # With documents, key blocks outside every row's span are skipped and those inside all of them run unmasked.
+    runs = key_block_runs(q_first, block_q, block_k, causal=causal, offset=offset, seq_k=seq_k,
+                          num_k_blocks=num_k_blocks, span_refs=(span_start_ref, span_end_ref) if spans else None)
+    acc, row_max, row_sum = fold_block_runs(step, runs, carry)
 
     seen = row_sum > 0  # False only for rows that see no key (causal with Sq > Sk): out 0, lse -inf
     out_ref[...] = (acc * jnp.where(seen, 1.0 / row_sum, 0.0)[:, None]).astype(out_ref.dtype)

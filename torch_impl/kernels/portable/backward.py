@@ -26,9 +26,9 @@ import triton.language as tl
 from torch_impl.kernels.portable.config import (DKDV_SHAPES, DQ_SHAPES, PortableConfig, autotuned,
                                                 dkdv_shared_bytes, dq_shared_bytes, launch)
 from torch_impl.documents import Spans, query_spans
-from torch_impl.kernels.tiles import (INTERPRETED, LOG2E, dot_precision, key_range, key_scores, key_tile_pointers,
-                                      load_spans, load_tile, query_block_program, round_to, row_delta, seq_bucket,
-                                      span_blocks, spans_or_none, store_tile, visible_keys)
+from torch_impl.kernels.tiles import (INTERPRETED, LOG2E, dot_precision, key_block_runs, key_scores,
+                                      key_tile_pointers, load_tile, query_block_program, round_to, row_delta,
+                                      seq_bucket, span_block_range, spans_or_none, store_tile, visible_keys)
 
 
 @triton.jit
@@ -128,9 +128,8 @@ def _dkdv_kernel(Q, K, V, DOut, Lse, Delta, DK, DV, KeyStart, KeyEnd, QueryStart
     key_end_base = KeyEnd + batch.to(tl.int64) * seq_q
     if SPANS:  # documents: the query blocks that see none of these keys are skipped, those that see all unmasked
         spans_col0 = batch.to(tl.int64) * seq_k
-        _, _, lowest_start, highest_start, lowest_end, highest_end = load_spans(
-            QueryStart + spans_col0, QueryEnd + spans_col0, cols, seq_k, seq_q)
-        first, full_start, full_end, end = span_blocks(lowest_start, highest_start, lowest_end, highest_end, BLOCK_M)
+        _, _, first, full_start, full_end, end = span_block_range(QueryStart + spans_col0, QueryEnd + spans_col0, cols,
+                                                                  seq_k, seq_q, BLOCK_M)
     else:  # the query tail past seq_q is masked too
         full_start = tl.minimum(full_start, padded_end)
         full_end = tl.maximum(full_start, in_bounds_end)
@@ -206,16 +205,9 @@ def _dq_kernel(Q, K, V, DOut, Lse, Delta, DQ, KeyStart, KeyEnd,
 
     diagonal = seq_k - seq_q
     qk_scale = softmax_scale * LOG2E
-    if SPANS:  # documents: as the forward, key blocks outside every row's span skipped
-        spans_row0 = batch.to(tl.int64) * seq_q
-        span_start, span_end, lowest_start, highest_start, lowest_end, highest_end = load_spans(
-            KeyStart + spans_row0, KeyEnd + spans_row0, offs_m, seq_q, seq_k)
-        first, full_first, full_end, end = span_blocks(lowest_start, highest_start, lowest_end, highest_end, BLOCK_N)
-    else:  # no documents: the unmasked blocks start at key 0
-        span_start, span_end = 0, 0
-        full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
-        first, full_first = 0, 0
-
+    # The forward's walk: with documents, key blocks outside every row's span skipped.
+    span_start, span_end, first, full_first, full_end, end = key_block_runs(
+        KeyStart, KeyEnd, batch, row0, seq_q, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL, SPANS)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
                    first, full_first, seq_k, diagonal, span_start, span_end, qk_scale,

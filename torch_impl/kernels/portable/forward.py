@@ -22,9 +22,9 @@ import triton.language as tl
 
 from torch_impl.kernels.portable.config import FORWARD_SHAPES, KernelConfig, autotuned, forward_shared_bytes, launch
 from torch_impl.documents import Spans
-from torch_impl.kernels.tiles import (INTERPRETED, LN2, LOG2E, dot_precision, key_range, key_scores,
-                                      key_tile_pointers, load_spans, load_tile, query_block_program, round_to,
-                                      seq_bucket, span_blocks, spans_or_none, store_tile, visible_keys)
+from torch_impl.kernels.tiles import (INTERPRETED, LN2, LOG2E, dot_precision, key_block_runs, key_scores,
+                                      key_tile_pointers, load_tile, query_block_program, round_to, seq_bucket,
+                                      spans_or_none, store_tile, visible_keys)
 
 
 @triton.jit
@@ -110,28 +110,18 @@ def _forward_kernel(Q, K, V, Out, Lse, KeyStart, KeyEnd,
     diagonal = seq_k - seq_q
     qk_scale = softmax_scale * LOG2E
     acc, l_i, m_i = empty_softmax_state(BLOCK_M, BLOCK_D)
-    if SPANS:  # documents: key blocks outside every row's span are skipped, those inside all of them unmasked
-        spans_row0 = batch.to(tl.int64) * seq_q
-        span_start, span_end, lowest_start, highest_start, lowest_end, highest_end = load_spans(
-            KeyStart + spans_row0, KeyEnd + spans_row0, offs_m, seq_q, seq_k)
-        first, full_first, full_end, end = span_blocks(lowest_start, highest_start, lowest_end, highest_end, BLOCK_N)
-        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n,
-                                       offs_d, first, full_first, seq_k, diagonal, span_start, span_end, qk_scale,
-                                       True, False, True, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
-        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n,
-                                       offs_d, full_first, full_end, seq_k, diagonal, span_start, span_end, qk_scale,
-                                       False, False, True, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
-        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n,
-                                       offs_d, full_end, end, seq_k, diagonal, span_start, span_end, qk_scale,
-                                       True, False, True, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
-    else:
-        full_end, end = key_range(row0, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
-        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n,
-                                       offs_d, 0, full_end, seq_k, diagonal, 0, 0, qk_scale,
-                                       False, CAUSAL, False, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
-        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n,
-                                       offs_d, full_end, end, seq_k, diagonal, 0, 0, qk_scale,
-                                       True, CAUSAL, False, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
+    # With documents, key blocks outside every row's span are skipped and those inside all of them run unmasked.
+    span_start, span_end, first, full_first, full_end, end = key_block_runs(
+        KeyStart, KeyEnd, batch, row0, seq_q, seq_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL, SPANS)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                                   first, full_first, seq_k, diagonal, span_start, span_end, qk_scale,
+                                   True, CAUSAL, SPANS, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                                   full_first, full_end, seq_k, diagonal, span_start, span_end, qk_scale,
+                                   False, CAUSAL, SPANS, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                                   full_end, end, seq_k, diagonal, span_start, span_end, qk_scale,
+                                   True, CAUSAL, SPANS, HEAD_DIM, BLOCK_D, BLOCK_N, EMULATE, DOT_PRECISION)
 
     out, lse = normalized_output(acc, l_i, m_i)
     o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
