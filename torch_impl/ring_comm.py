@@ -91,13 +91,12 @@ def all_reduce_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup | 
     exit the worker thread is ended inside a destructor and the process aborts ("terminate called without an
     active exception", pytorch/pytorch#179291; 1 run in 10 of torch_impl/README.md's example on a loaded 2-core
     CPU). Waiting for the use counts to fall back makes the caller's reference the last one."""
-    before = [t._use_count() for t in tensors]
+    on_cpu = [(t, t._use_count()) for t in tensors if t.device.type == "cpu"]
     works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
     while works:
         works.pop().wait()  # the popped handle is dropped here: the tensors are then the worker's and ours
     deadline = time.monotonic() + _RELEASE_TIMEOUT_S
-    while (any(not t.is_cuda and t._use_count() > count for t, count in zip(tensors, before))
-           and time.monotonic() < deadline):
+    while any(t._use_count() > count for t, count in on_cpu) and time.monotonic() < deadline:
         time.sleep(_RELEASE_POLL_S)  # releases the GIL, which the worker may be waiting for
 
 
