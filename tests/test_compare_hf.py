@@ -126,6 +126,17 @@ def test_a_measurement_that_did_not_run_is_shown_and_fails_nothing():
     assert "FAILED" in text and "CUDA out of memory" in text
 
 
+def test_an_hf_row_without_ours_has_no_verdict_and_fails_nothing():
+    """Ours ran after HF's row in the same launch; when it did not finish, HF's row has nothing to agree with."""
+    section = hf_section([_record([_row("hf", 5.0, 2.0, 40.0)], "failed", "the workers exited with 1: OOM")], [],
+                         None, "gpu")
+    [row] = section["measurements"][0]["rows"]
+    assert row["agrees"] is None and row["speed_vs_ours"] is None and section["passed"]
+    report = _report_with(section)
+    validate_report(report)
+    assert "the workers exited with 1: OOM" in render_markdown(report)
+
+
 def test_no_section_without_an_hf_directory_and_a_note_when_rows_cannot_run():
     assert hf_section([], [], None, "gpu") is None
     settings = CompareSettings(model="hf", mode="forward", seq_lens=(64,), device_counts=(2,), devices=2, steps=1,

@@ -25,15 +25,8 @@ from compare.args import (
     with_error_contract,
 )
 from compare.bench.common import default_out_path, write_json
-from compare.harness.hf_rows import (
-    AGREEMENT_TOLERANCE,
-    LAYOUT,
-    METHOD,
-    compare_rows,
-    launch_rows,
-    measurement_plan,
-    prepare_weights,
-)
+from compare.harness.hf_rows import (AGREEMENT_TOLERANCE, LAYOUT, METHOD, compare_rows, launch_rows, measurement_plan,
+                                     prepare_weights)
 from compare.launch import Interrupted, interruptible
 from weights import BadInputError
 from weights.attention import VARIANTS
@@ -61,13 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def render(rows: list[dict]) -> str:
+    def number(value, spec: str) -> str:  # a row without ours to compare with has None there
+        return format(value, spec) if value is not None else format("-", ">" + spec.split(".")[0])
+
     lines = [f"{'model':40} {'step ms':>10} {'tokens/s':>10} {'vs ours':>8} {'peak GiB':>9} {'loss':>10} "
              f"{'loss diff':>10} {'grad norm diff':>15}"]
     for row in rows:
         lines.append(f"{row['model']:40} {row['step_s'] * 1e3:10.1f} {row['tokens_per_s']:10,.0f} "
-                     f"{row.get('speed_vs_ours', 1.0):8.3f} {row['peak_memory_bytes'] / 2**30:9.2f} "
-                     f"{row['loss']:10.5f} {row.get('loss_rel_diff_vs_ours', 0.0):10.2e} "
-                     f"{row.get('grad_norm_rel_diff_vs_ours', 0.0):15.2e}")
+                     f"{number(row.get('speed_vs_ours'), '8.3f')} {row['peak_memory_bytes'] / 2**30:9.2f} "
+                     f"{row['loss']:10.5f} {number(row.get('loss_rel_diff_vs_ours'), '10.2e')} "
+                     f"{number(row.get('grad_norm_rel_diff_vs_ours'), '15.2e')}")
     return "\n".join(lines)
 
 
@@ -101,7 +97,7 @@ def _main(argv: list[str]) -> int:
             print(f"twinflash: bench hf interrupted ({stop.signal_name})", file=sys.stderr)
             return stop.exit_code
     rows = compare_rows(rows)
-    disagreeing = [row["model"] for row in rows if not row.get("agrees", True)]
+    disagreeing = [row["model"] for row in rows if row.get("agrees") is False]
     if disagreeing:
         failure = (f"{', '.join(disagreeing)}: loss or gradient norm beyond {AGREEMENT_TOLERANCE[args.dtype]:.0e} "
                    f"(relative) of ours" + (f"; {failure}" if failure else ""))

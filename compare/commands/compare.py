@@ -352,10 +352,11 @@ def _hf_summary(section: dict) -> str:
     parts = []
     for m in section["measurements"]:
         hf = next((row for row in m["rows"] if row["kind"] == "hf"), None)
-        parts.append(f"S={fmt_seq(m['seq_len'])}: " + (m["status"] if hf is None else
-                                                       f"{'agrees' if hf['agrees'] else 'DISAGREES'} (loss "
-                                                       f"{hf['loss_rel_diff_vs_ours']:.2g}, grad norm "
-                                                       f"{hf['grad_norm_rel_diff_vs_ours']:.2g} rel.)"))
+        if hf is None or hf["agrees"] is None:
+            parts.append(f"S={fmt_seq(m['seq_len'])}: {m['status']}")
+        else:
+            parts.append(f"S={fmt_seq(m['seq_len'])}: {'agrees' if hf['agrees'] else 'DISAGREES'} (loss "
+                         f"{hf['loss_rel_diff_vs_ours']:.2g}, grad norm {hf['grad_norm_rel_diff_vs_ours']:.2g} rel.)")
     return "; ".join(parts)
 
 

@@ -33,13 +33,7 @@ from pathlib import Path
 
 from compare.harness.plan import KERNELS, CompareSettings
 from compare.launch import log_tail, run_logged, torchrun_launcher
-from weights import (
-    ConvertedCheckpoint,
-    convert_hf_checkpoint,
-    export_hf_checkpoint,
-    is_hf_checkpoint,
-    open_weights,
-)
+from weights import ConvertedCheckpoint, convert_hf_checkpoint, export_hf_checkpoint, is_hf_checkpoint, open_weights
 from weights.checkpoint import write_converted_checkpoint
 
 METHOD = " ".join(__doc__.split("\n\n")[1].split())
@@ -158,7 +152,6 @@ def run_worker(plan: dict) -> None:
     dist.destroy_process_group()
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # The parent
 # ---------------------------------------------------------------------------------------------------------------
@@ -190,10 +183,11 @@ AGREEMENT_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-3}
 
 def compare_rows(rows: list[dict]) -> list[dict]:
     """Each row with its loss, gradient norm and speed against ours (relative differences and a ratio) and whether
-    it agrees with ours (`AGREEMENT_TOLERANCE` of its dtype)."""
+    it agrees with ours (`AGREEMENT_TOLERANCE` of its dtype); None for each without a row of ours."""
     ours = next((row for row in rows if row["kind"] == "ours"), None)
-    if ours is None:
-        return rows
+    if ours is None:  # ours did not finish (its launch failed after HF's row): nothing to hold HF's against
+        return [dict(row, loss_rel_diff_vs_ours=None, grad_norm_rel_diff_vs_ours=None, agreement_tolerance=None,
+                     agrees=None, speed_vs_ours=None) for row in rows]
     compared = []
     for row in rows:
         loss_diff = abs(row["loss"] - ours["loss"]) / abs(ours["loss"])
@@ -203,7 +197,6 @@ def compare_rows(rows: list[dict]) -> list[dict]:
                              agreement_tolerance=tolerance, agrees=max(loss_diff, norm_diff) <= tolerance,
                              speed_vs_ours=row["tokens_per_s"] / ours["tokens_per_s"]))
     return compared
-
 
 
 def measurement_plan(hf_dir: Path, converted_dir: Path, work: Path, *, seq_len: int, batch: int, dtype: str,
@@ -232,7 +225,6 @@ def launch_rows(plan: dict, work: Path, devices: int, timeout_s: float) -> tuple
     if failure:
         failure = f"the workers {failure}: {log_tail(log_path, 600)}"
     return meta, rows, failure
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -283,7 +275,7 @@ def run_hf_rows(measurements: list[HFMeasurement], settings: CompareSettings, hf
                 warmup=WARMUP_STEPS[settings.platform], steps=settings.steps)
             announce(f"HF rows at S={measurement.seq_len} on {measurement.devices} device(s) ...")
             versions, rows, failure = launch_rows(plan, work, measurement.devices,
-                                                           min(timeout_s, deadline - time.monotonic()))
+                                                  min(timeout_s, deadline - time.monotonic()))
             record.update(status="failed" if failure else "ok", message=failure, versions=versions,
                           rows=compare_rows(rows))
         records.append(record)

@@ -33,7 +33,7 @@ def hf_section(records: list[dict], points: list[dict], note: str | None, platfo
             rows.append(dict(row, speed_vs_compare_point=ratio))
         measurements.append(dict(record, rows=rows))
     disagreeing = [f"S={fmt_seq(m['seq_len'])}: {row['model']}" for m in measurements for row in m["rows"]
-                   if not row.get("agrees", True)]
+                   if row.get("agrees") is False]
     return {"method": METHOD, "tolerance": AGREEMENT_TOLERANCE, "note": note, "measurements": measurements,
             "passed": not disagreeing, "failures": [f"{d} disagrees with ours beyond its tolerance"
                                                     for d in disagreeing]}
@@ -60,9 +60,9 @@ def blocks(report: dict) -> list[tuple]:
             row = [fmt_seq(m["seq_len"]), str(m["devices"]), r["model"], fmt(r["step_s"], "seconds"),
                    fmt(r["tokens_per_s"], "count"), fmt(r["peak_memory_bytes"], "bytes"), f"{r['loss']:.6g}",
                    fmt(r["loss_rel_diff_vs_ours"], "sig"), fmt(r["grad_norm_rel_diff_vs_ours"], "sig"),
-                   ("b", "yes" if r["agrees"] else "NO")]
+                   ("b", {True: "yes", False: "NO", None: DASH}[r["agrees"]])]
             if gpu:
-                row += [f"{r['speed_vs_ours']:.3g}×",
+                row += [f"{r['speed_vs_ours']:.3g}×" if finite(r["speed_vs_ours"]) else DASH,
                         f"{r['speed_vs_compare_point']:.3g}×" if finite(r["speed_vs_compare_point"]) else DASH]
             rows.append(row)
         if m["message"]:
