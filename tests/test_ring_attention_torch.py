@@ -408,43 +408,57 @@ def case_ring_vs_one_gpu(rank, world, *, seq, heads, kv_heads, dim, layout, vari
 
 
 GPU = dict(heads=16, batch=1, seq=4096, dim=128, dtype="bfloat16")
-GPU_CASES = [RingCase(4, True, "zigzag", "ring", kv_heads=4, **GPU),
-             RingCase(4, True, "zigzag", "allgather", kv_heads=4, **GPU),
-             RingCase(4, True, "contiguous", "ring", kv_heads=16, **GPU),
-             RingCase(4, False, "zigzag", "ring", kv_heads=2, **GPU)]
-ATTENTION_GPU = {case.id: _attention_case(case, backend="triton", device="cuda") for case in GPU_CASES}
-REAL_SIZE_GPU = {
-    f"S{seq // 1024}k-{variant}": ("case_ring_vs_one_gpu", dict(seq=seq, heads=32, kv_heads=8, dim=128,
-                                                                 layout="zigzag", variant=variant))
-    for seq, variant in ((32768, "ring"), (32768, "allgather"), (131072, "ring"))
-}
+GPU_WORLDS = (2, 4)  # every GPU count the ring runs at on the lent machines
+GPU_CASES = [case for world in GPU_WORLDS for case in (
+    RingCase(world, True, "zigzag", "ring", kv_heads=4, **GPU),
+    RingCase(world, True, "zigzag", "allgather", kv_heads=4, **GPU),
+    RingCase(world, True, "contiguous", "ring", kv_heads=16, **GPU),
+    RingCase(world, False, "zigzag", "ring", kv_heads=2, **GPU))]
+REAL_SIZES = ((32768, "ring"), (32768, "allgather"), (131072, "ring"))
+REAL_SIZE_GPU = {f"p{world}-S{seq // 1024}k-{variant}": (world, dict(seq=seq, heads=32, kv_heads=8, dim=128,
+                                                                     layout="zigzag", variant=variant))
+                 for world in GPU_WORLDS for seq, variant in REAL_SIZES}
 
 
 @pytest.fixture(scope="module")
-def p4_gpu():
-    if torch.cuda.device_count() < 4:
-        pytest.skip("needs 4 CUDA GPUs")
-    return run_on_ranks(4, {**ATTENTION_GPU, **REAL_SIZE_GPU}, module=__name__, comm_backend="nccl")
+def gpu_ranks():
+    """`of(world)`: every GPU task of that GPU count (the flash-rule cases and the real sizes), run in one NCCL
+    launch on first use; skips when the machine has fewer GPUs."""
+    runs = {}
+
+    def of(world: int):
+        if torch.cuda.device_count() < world:
+            pytest.skip(f"needs {world} CUDA GPUs")
+        if world not in runs:
+            tasks = {case.id: _attention_case(case, backend="triton", device="cuda")
+                     for case in GPU_CASES if case.world == world}
+            tasks.update({name: ("case_ring_vs_one_gpu", kwargs)
+                          for name, (size_world, kwargs) in REAL_SIZE_GPU.items() if size_world == world})
+            runs[world] = run_on_ranks(world, tasks, module=__name__, comm_backend="nccl")
+        return runs[world]
+    return of
 
 
 @pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=ids(GPU_CASES))
-def test_gpu_nccl_flash_rule(p4_gpu, case):
-    _check_no_errors(p4_gpu, case.id)
-    assert_matches_single_device([r[case.id] for r in p4_gpu], case, device="cuda")
+def test_gpu_nccl_flash_rule(gpu_ranks, case):
+    per_rank = gpu_ranks(case.world)
+    _check_no_errors(per_rank, case.id)
+    assert_matches_single_device([r[case.id] for r in per_rank], case, device="cuda")
 
 
 @pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(REAL_SIZE_GPU))
-def test_gpu_nccl_real_size_matches_one_gpu(p4_gpu, name):
+def test_gpu_nccl_real_size_matches_one_gpu(gpu_ranks, name):
     """Tolerance: two bf16 ulps of the largest magnitude (2^-6 x max) for out and the gradients -- both sides round
     fp32 results once, but the kernels round P to bf16 against different running maxima, so elements may differ
     by a couple of ulps; a missing or misplaced block changes them by O(max). lse is float32 on both sides, summed
     in another order: 1e-4 absolute."""
-    _check_no_errors(p4_gpu, name)
-    for rank, results in enumerate(p4_gpu):
+    per_rank = gpu_ranks(REAL_SIZE_GPU[name][0])
+    _check_no_errors(per_rank, name)
+    for rank, results in enumerate(per_rank):
         for tensor, (err, scale) in results[name].items():
             bound = 1e-4 if tensor == "lse" else 2.0 ** -6 * scale
             assert err <= bound, f"rank {rank} {tensor}: max error {err:.3g} > {bound:.3g}"
