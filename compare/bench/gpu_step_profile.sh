@@ -7,7 +7,8 @@
 # POINT = backend:model:attention:seq_len[:checkpointing[:extras]] (e.g. torch:llama3.1-8b:sdpa_cudnn:32768:save-attention,
 # jax:llama3.2-1b:cudnn:32768, torch:llama3.2-1b:sdpa_cudnn:32768:off:eager+fp8); extras, joined by '+': eager
 # (`--eager`), fp8 (`--fp8`; torch needs torchao importable), ulysses (`--sp-scheme ulysses`: all-to-all of the
-# heads over sp instead of the ring). Every point: bf16, random tokens,
+# heads over sp instead of the ring), text (`--data text`: the text corpus instead of random tokens), pack (`--data
+# text --pack`: its files packed as documents). Every point: bf16, random tokens unless text or pack,
 # fsdp=1 x sp=$SP (2), $STEPS steps (7: step 0 compiles, the last 3 are traced), under `timeout $POINT_S` (150); a
 # point that could not finish within $BUDGET_S (540) of the script's start is not started (named in the log).
 # Lands in $OUT (default ./out): one log per point, profiles.json (every point's train.jsonl rows and profile.json,
@@ -23,8 +24,8 @@ mkdir -p "$OUT"
 for point in "$@"; do  # every point's extras checked before the first point runs
     IFS=: read -r _ _ _ _ _ extra <<< "$point"
     for option in ${extra//+/ }; do
-        [[ $option == eager || $option == fp8 || $option == ulysses ]] ||
-            { echo "unknown extra '$option' in point $point (eager, fp8, ulysses)" >&2; exit 2; }
+        [[ $option =~ ^(eager|fp8|ulysses|text|pack)$ ]] ||
+            { echo "unknown extra '$option' in point $point (eager, fp8, ulysses, text, pack)" >&2; exit 2; }
     done
 done
 for point in "$@"; do
@@ -35,11 +36,18 @@ for point in "$@"; do
         continue
     fi
     flags=(--backend "$backend" --model "$model" --attention-backend "$attention" --seq-len "$seq" --steps "$STEPS"
-           --mesh "fsdp=1,sp=$SP" --dtype bf16 --data random --profile --out "$scratch/$name")
+           --mesh "fsdp=1,sp=$SP" --dtype bf16 --profile --out "$scratch/$name")
     [ -n "$remat" ] && flags+=(--activation-checkpointing "$remat")
+    data=(--data random)
     for option in ${extra//+/ }; do
-        if [[ $option == ulysses ]]; then flags+=(--sp-scheme ulysses); else flags+=("--$option"); fi
+        case $option in
+            ulysses) flags+=(--sp-scheme ulysses) ;;
+            text) data=(--data text) ;;
+            pack) data=(--data text --pack) ;;
+            *) flags+=("--$option") ;;
+        esac
     done
+    flags+=("${data[@]}")
     began=$(date +%s)
     timeout "$POINT_S" python3 -m compare.cli train "${flags[@]}" > "$OUT/$name.log" 2>&1
     echo "== $name: exit $? after $(( $(date +%s) - began )) s"
