@@ -49,13 +49,12 @@ def test_hopper_takes_no_portable_config():
 
 def test_triton_backend_picks_one_family_for_both_directions(monkeypatch):
     q, k, v = (torch.randn(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3))
-    assert fa._uses_hopper("triton_hopper", q, k, v, False) and not fa._uses_hopper("triton_portable", q, k, v, False)
+    assert fa._uses_hopper("triton_hopper", q, k, v) and not fa._uses_hopper("triton_portable", q, k, v)
     monkeypatch.setattr(fa, "hopper_unsupported", lambda *_: None)  # as on an sm_90 GPU with Triton 3.6
-    assert fa._uses_hopper("triton", q, k, v, False)
-    assert not fa._uses_hopper("triton", q, k, v, True)  # documents: only the portable family takes them
-    assert not fa._uses_hopper("triton_portable", q, k, v, False)
+    assert fa._uses_hopper("triton", q, k, v)  # with documents or without: both families take key spans
+    assert not fa._uses_hopper("triton_portable", q, k, v)
     monkeypatch.setattr(fa, "hopper_unsupported", lambda *_: "needs an sm_90 (Hopper) GPU")
-    assert not fa._uses_hopper("triton", q, k, v, False)
+    assert not fa._uses_hopper("triton", q, k, v)
 
 
 def test_hopper_config_reaches_both_hopper_kernels(monkeypatch):
@@ -63,14 +62,14 @@ def test_hopper_config_reaches_both_hopper_kernels(monkeypatch):
     `backward` (recorded here with the portable kernels computing, as Gluon has no interpreter)."""
     seen = {}
 
-    def forward(q, k, v, *, causal, softmax_scale, out_dtype, config):
+    def forward(q, k, v, *, causal, softmax_scale, out_dtype, config, spans):
         seen["forward"] = config
-        return portable_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype)
+        return portable_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, spans=spans)
 
-    def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, grad_dtype, config):
+    def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, grad_dtype, config, spans):
         seen["backward"] = config
         return portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                 grad_dtype=grad_dtype)
+                                 grad_dtype=grad_dtype, spans=spans)
 
     monkeypatch.setattr(fa, "hopper_unsupported", lambda *_: None)
     monkeypatch.setattr(fa, "hopper_forward", forward)
