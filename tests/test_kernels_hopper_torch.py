@@ -82,6 +82,39 @@ def test_hopper_config_reaches_both_hopper_kernels(monkeypatch):
     assert seen == {"forward": None, "backward": None}  # the kernels' own choice per call class
 
 
+def test_documents_reach_the_hopper_kernels_as_spans(monkeypatch):
+    """With documents, "triton" on sm_90 runs the Hopper family both ways and hands its kernels the key spans, the
+    causal rule folded in (causal off): recorded with the portable kernels computing in their place, the results
+    are those of the portable family given the same documents."""
+    seen = []
+
+    def forward(q, k, v, *, causal, softmax_scale, out_dtype, config, spans):
+        seen.append(("forward", causal, spans))
+        return portable_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, spans=spans)
+
+    def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, grad_dtype, config, spans):
+        seen.append(("backward", causal, spans))
+        return portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                 grad_dtype=grad_dtype, spans=spans)
+
+    inputs = [torch.randn(1, 24, 2, 64) for _ in range(4)]
+    ids = torch.tensor([[0] * 5 + [1] * 12 + [2] * 7])
+    results = {}
+    for backend in ("triton_portable", "triton"):
+        if backend == "triton":
+            monkeypatch.setattr(fa, "hopper_unsupported", lambda *_: None)
+            monkeypatch.setattr(fa, "hopper_forward", forward)
+            monkeypatch.setattr(fa, "hopper_backward", backward)
+        q, k, v = (x.clone().requires_grad_() for x in inputs[:3])
+        out = flash_attention(q, k, v, backend=backend, segment_ids=ids)
+        out.backward(inputs[3])
+        results[backend] = (out, q.grad, k.grad, v.grad)
+    assert [(name, causal, spans is not None) for name, causal, spans in seen] == [("forward", False, True),
+                                                                                    ("backward", False, True)]
+    for got, want in zip(results["triton"], results["triton_portable"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 
 def _check_rule(q, k, v, dout, causal, backend="triton_hopper"):
