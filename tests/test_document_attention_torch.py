@@ -1,13 +1,16 @@
 """Packed documents through the PyTorch attention (`flash_attention(..., segment_ids=)`, the pair functions'
 `spans`): the portable Triton kernels (interpreted on CPU) and the reference against the same documents attended one
 at a time, by the flash rule (bf16/fp16) and in fp32; the negative control (a dropped boundary fails); blocks with
-no pair skipped, not masked; the families that do not take documents refuse them. Twin of
-tests/test_document_attention_jax.py; the cases, the answer and the tolerances (with their reasons) are
-tests/document_twins.py's.
+no pair skipped, not masked; the backends that do not take documents refuse them. On a GPU (`gpu`): every family
+that takes documents (the Hopper one on sm_90, the portable one, and "triton" picking) at real sizes, the Hopper
+family's negative control and its skipped blocks. Twin of tests/test_document_attention_jax.py; the cases, the
+answer and the tolerances (with their reasons) are tests/document_twins.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import document_twins as twins
@@ -19,9 +22,17 @@ import torch
 from torch_impl.attention import reference_attention, reference_attention_backward, reference_attention_forward
 from torch_impl.documents import Spans
 from torch_impl.kernels.flash_attention import flash_attention, flash_attention_backward, flash_attention_forward
+from torch_impl.kernels.hopper.config import forward_config, lockstep_config
 from torch_impl.kernels.portable.config import KernelConfig, PortableConfig
+from torch_impl.kernels.tiles import GLUON_AVAILABLE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+needs_gluon_gpu = pytest.mark.skipif(not (ON_HOPPER and GLUON_AVAILABLE), reason="needs an sm_90 GPU and the "
+                                     "Triton release the Gluon kernels are written for")
+# The portable family at one launch shape on the GPU, so its tests do not autotune (the Hopper family's shapes are
+# picked per call class, without autotuning).
+PORTABLE_GPU = PortableConfig(*(KernelConfig(64, 64, 4, 2),) * 3)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -51,11 +62,18 @@ def naive_one_at_a_time(case, arrays, causal, dtype):
     return twins.one_at_a_time(case, attend, *arrays)
 
 
-def _violations(case, dtype, causal, segment_ids):
+@functools.lru_cache(maxsize=4)
+def _answers(case, dtype, causal):
+    """(inputs, naive, exact) of a case, kept for the next backend on the same case (the float64 answer of real
+    sizes is the slow part of the GPU tests)."""
     arrays = twins.case_inputs(case, dtype)
-    ours = _ours(*_tensors(arrays, dtype), causal, segment_ids)
-    return kernel_twins.flash_rule_violations(ours, naive_one_at_a_time(case, arrays, causal, dtype),
-                                              twins.exact(case, *arrays, causal))
+    return arrays, naive_one_at_a_time(case, arrays, causal, dtype), twins.exact(case, *arrays, causal)
+
+
+def _violations(case, dtype, causal, segment_ids, backend="triton", config=None):
+    arrays, naive, exact = _answers(case, dtype, causal)
+    ours = _ours(*_tensors(arrays, dtype), causal, segment_ids, backend=backend, config=config)
+    return kernel_twins.flash_rule_violations(ours, naive, exact)
 
 
 @pytest.mark.parametrize("case", twins.CASES, ids=twins.ids(twins.CASES))
@@ -82,26 +100,40 @@ def test_a_dropped_boundary_fails_the_rule():
     assert _violations(case, "bfloat16", True, merged)
 
 
+def _poisoned_runs(case, dtype, causal, poisoned, **ours):
+    """(clean, dirty, rows): our results on the case's documents, and again with NaN in q, k, v and dout of
+    document `poisoned` (its `rows`)."""
+    ids = twins.segment_ids(case)
+    arrays = twins.case_inputs(case, dtype)
+    clean = _ours(*_tensors(arrays, dtype), causal, ids, **ours)
+    rows = ids[0] == poisoned
+    for x in arrays:
+        x[:, rows] = np.nan
+    return clean, _ours(*_tensors(arrays, dtype), causal, ids, **ours), rows
+
+
+def _assert_poison_stays(clean, dirty, rows, tolerance=None):
+    """For each result in `clean`: the poisoned document's are NaN (the poison took); the other's finite and equal to
+    the clean run's (within `tolerance`, assert_allclose's rtol/atol, where given)."""
+    for name in clean:
+        tokens = 2 if name == "lse" else 1  # lse is [B, H, S]
+        assert not np.isfinite(np.compress(rows, dirty[name], tokens)).any(), name  # the poison took
+        kept, want = np.compress(~rows, dirty[name], tokens), np.compress(~rows, clean[name], tokens)
+        assert np.isfinite(kept).all(), name
+        if tolerance is None:
+            np.testing.assert_array_equal(kept, want, err_msg=name)
+        else:
+            np.testing.assert_allclose(kept, want, **tolerance, err_msg=name)
+
+
 @pytest.mark.parametrize("poisoned", [0, 1], ids=["first-poisoned", "second-poisoned"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_blocks_without_a_pair_are_skipped(causal, poisoned):
     """NaN in one document's q, k, v and dout leaves the other's results finite and unchanged: no kernel loads a
     tile of it (a masked tile would still multiply its NaN V or dO by a zero P)."""
-    case = twins.SKIP_CASE
     config = PortableConfig(*(KernelConfig(*twins.SKIP_BLOCKS[name], 4, 1)
                               for name in ("forward", "backward_dkdv", "backward_dq")))
-    ids = twins.segment_ids(case)
-    arrays = twins.case_inputs(case, "float32")
-    clean = _ours(*_tensors(arrays, "float32"), causal, ids, config=config)
-    rows = ids[0] == poisoned
-    for x in arrays:
-        x[:, rows] = np.nan
-    dirty = _ours(*_tensors(arrays, "float32"), causal, ids, config=config)
-    for name in kernel_twins.NAMES:
-        tokens = 2 if name == "lse" else 1  # lse is [B, H, S]
-        assert not np.isfinite(np.compress(rows, dirty[name], tokens)).any(), name  # the poison took
-        np.testing.assert_array_equal(np.compress(~rows, dirty[name], tokens), np.compress(~rows, clean[name], tokens),
-                                      err_msg=name)
+    _assert_poison_stays(*_poisoned_runs(twins.SKIP_CASE, "float32", causal, poisoned, config=config))
 
 
 def _random_spans(batch, seq_q, seq_k, seed):
@@ -145,11 +177,10 @@ def test_reference_pair_functions_mask_by_spans():
 
 
 @pytest.mark.parametrize("backend, message", [
-    ("triton_hopper", "backend 'triton_hopper' does not take documents; the portable family does"),
-    ("sdpa_cudnn", "backend 'sdpa_cudnn' does not take documents"),
+    ("sdpa_cudnn", "backend 'sdpa_cudnn' does not take documents; the portable family does"),
     ("flash_attn", "backend 'flash_attn' does not take documents"),
 ])
-def test_families_without_documents_refuse_them(backend, message):
+def test_backends_without_documents_refuse_them(backend, message):
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=message):
         flash_attention(q, q, q, backend=backend, segment_ids=torch.zeros(1, 8, dtype=torch.int32))
@@ -172,12 +203,62 @@ def test_documents_need_self_attention():
         flash_attention(q, k, k, segment_ids=torch.zeros(1, 4, dtype=torch.int32))
 
 
+# ------------------------------------------------------------------------------------------------------ GPU
+
+# The families that take documents, each forced, and "triton" picking one (the Hopper family on sm_90).
+GPU_BACKENDS = [pytest.param("triton_hopper", None, marks=needs_gluon_gpu, id="hopper"),
+                pytest.param("triton_portable", PORTABLE_GPU, id="portable"),
+                pytest.param("triton", None, id="triton")]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend, config", GPU_BACKENDS)
 @pytest.mark.parametrize("lengths", [(4096,), (1, 777, 3000, 318), (128,) * 32], ids=["one", "mixed", "short"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_documents_on_the_gpu_by_the_flash_rule(dim, lengths):
-    """Real sizes: bf16, "triton" (the portable family once documents are given), documents as the corpus packs
-    them and many short ones, by the flash rule against the documents one at a time."""
+def test_documents_on_the_gpu_by_the_flash_rule(dim, lengths, backend, config):
+    """Real sizes: bf16, every family that takes documents, documents as the corpus packs them and many short ones,
+    by the flash rule against the documents one at a time (causal, as the model runs them)."""
     case = twins.DocumentCase((lengths,), heads=8, kv_heads=2, dim=dim)
-    violations = _violations(case, "bfloat16", True, twins.segment_ids(case))
-    assert not violations, f"(ours, naive) errors beyond the rule: {violations}"
+    violations = _violations(case, "bfloat16", True, twins.segment_ids(case), backend=backend, config=config)
+    assert not violations, f"({backend}, naive) errors beyond the rule: {violations}"
+
+
+@pytest.mark.gpu
+@needs_gluon_gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_hopper_documents_meet_the_rule_and_a_dropped_boundary_fails_it(dim, causal):
+    """The Hopper family at the negative control's documents (lengths of no block multiple): the flash rule holds
+    with the right segment ids, and fails with one boundary dropped."""
+    case = dataclasses.replace(twins.NEGATIVE_CONTROL, heads=8, kv_heads=2, dim=dim)
+    ids = twins.segment_ids(case)
+    assert not _violations(case, "bfloat16", causal, ids, backend="triton_hopper")
+    assert _violations(case, "bfloat16", causal, twins.merged_boundary(ids, twins.DROPPED_BOUNDARY),
+                       backend="triton_hopper")
+
+
+# Two documents of 384 tokens: a whole number of every Hopper block (forward 128 or 192 query rows and 128 keys,
+# backward 128 keys and 64 or 128 query rows), so no tile holds both.
+HOPPER_SKIP_CASE = twins.DocumentCase(((384, 384),), heads=4, kv_heads=2)
+
+
+@pytest.mark.gpu
+@needs_gluon_gpu
+@pytest.mark.parametrize("poisoned", [0, 1], ids=["first-poisoned", "second-poisoned"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_hopper_skips_blocks_without_a_pair(dim, causal, poisoned):
+    """`test_blocks_without_a_pair_are_skipped` for the Hopper family (its default shapes at both head dims, and
+    the lockstep backward): NaN in one document does not reach the other's results. Out, lse, dk, dv are computed
+    in a fixed order, so they must be equal. dq sums the 3 key blocks' float32 shares by TMA reduce-adds in whatever
+    order the programs finish: held to rtol 2^-6 (a reordered float32 sum moves the bf16 result by at most one ulp,
+    2^-7 relative at worst) and atol 1e-5 of its largest value (a sum that nearly cancels: 3 float32 roundings of
+    the largest share, 2^-22, with margin); a leaked NaN would still show as non-finite."""
+    case = dataclasses.replace(HOPPER_SKIP_CASE, dim=dim)
+    # documents run non-causal shapes (the causal rule is in the spans)
+    for config in (None, dataclasses.replace(forward_config(dim, False, 0), backward=lockstep_config(dim))):
+        clean, dirty, rows = _poisoned_runs(case, "bfloat16", causal, poisoned, backend="triton_hopper",
+                                            config=config)
+        _assert_poison_stays({k: x for k, x in clean.items() if k != "dq"}, dirty, rows)
+        dq_tolerance = dict(rtol=2 ** -6, atol=1e-5 * np.abs(clean["dq"]).max())
+        _assert_poison_stays({"dq": clean["dq"]}, dirty, rows, tolerance=dq_tolerance)

@@ -2,7 +2,8 @@
 case: each layout (contiguous, zigzag, zigzag_stripes), variant and mask against the same documents attended one
 at a time (fp32 with the reference pair backend; bf16 through the Triton kernels by the flash rule), the negative
 control (a dropped boundary fails), and the zigzag_stripes layout without documents against plain causal
-attention; over NCCL on 2 GPUs (`gpu`), real sizes. Twin of
+attention; over NCCL on 2 GPUs (`gpu`), real sizes, through the kernels "triton" picks (on sm_90 the Hopper
+family, which the test asserts). Twin of
 tests/test_document_ring_jax.py; the cases, the answer and the tolerances (with their reasons) are
 tests/document_twins.py's.
 """
@@ -18,6 +19,8 @@ import torch
 from distributed import run_on_ranks
 from test_document_attention_torch import naive_one_at_a_time
 
+from torch_impl.kernels import flash_attention as fa
+from torch_impl.kernels.tiles import GLUON_AVAILABLE
 from torch_impl.ring_attention import ring_attention, shard_for_ring
 from weights.layout import gather_sequence
 
@@ -37,8 +40,10 @@ def case_documents(rank, world, *, case: twins.DocumentRingCase, backend: str, d
     out, lse = ring_attention(q, k, v, causal=case.causal, layout=case.layout, variant=case.variant,
                               return_lse=True, backend=backend, segment_ids=ids if with_documents else None)
     out.backward(dout)
-    return {name: x.detach().double().cpu().numpy() for name, x in zip(kernel_twins.NAMES, (out, lse, q.grad,
-                                                                                              k.grad, v.grad))}
+    results = {name: x.detach().double().cpu().numpy() for name, x in zip(kernel_twins.NAMES, (out, lse, q.grad,
+                                                                                                 k.grad, v.grad))}
+    results["hopper"] = backend == "triton" and fa._uses_hopper(backend, q, k, v)  # the family that served it
+    return results
 
 
 CASES = {f"reference-{case.id}": ("case_documents", dict(case=case, backend="reference"))
@@ -108,7 +113,11 @@ def p2_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", twins.RING_GPU, ids=twins.ids(twins.RING_GPU))
 def test_gpu_ring_documents_meet_the_flash_rule(p2_gpu, case):
-    """2 GPUs over NCCL, bf16 through the portable kernels ("triton" with documents)."""
+    """2 GPUs over NCCL, bf16 through the kernels "triton" picks: on sm_90 with the Triton the Gluon kernels are
+    written for, the Hopper family (asserted), else the portable one."""
+    got = _results(p2_gpu, case.id, case.layout)
+    if torch.cuda.get_device_capability()[0] == 9 and GLUON_AVAILABLE:
+        assert all(r[case.id]["hopper"] for r in p2_gpu), "the ring's documents did not run the Hopper family"
     arrays = twins.case_inputs(case.documents, case.dtype)
     naive = naive_one_at_a_time(case.documents, arrays, case.causal, case.dtype)
-    ring_twins.assert_flash_rule(_results(p2_gpu, case.id, case.layout), naive, _exact(case))
+    ring_twins.assert_flash_rule(got, naive, _exact(case))

@@ -49,13 +49,12 @@ def test_hopper_takes_no_portable_config():
 
 def test_triton_backend_picks_one_family_for_both_directions(monkeypatch):
     q, k, v = (torch.randn(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3))
-    assert fa._uses_hopper("triton_hopper", q, k, v, False) and not fa._uses_hopper("triton_portable", q, k, v, False)
+    assert fa._uses_hopper("triton_hopper", q, k, v) and not fa._uses_hopper("triton_portable", q, k, v)
     monkeypatch.setattr(fa, "hopper_unsupported", lambda *_: None)  # as on an sm_90 GPU with Triton 3.6
-    assert fa._uses_hopper("triton", q, k, v, False)
-    assert not fa._uses_hopper("triton", q, k, v, True)  # documents: only the portable family takes them
-    assert not fa._uses_hopper("triton_portable", q, k, v, False)
+    assert fa._uses_hopper("triton", q, k, v)  # with documents or without: both families take key spans
+    assert not fa._uses_hopper("triton_portable", q, k, v)
     monkeypatch.setattr(fa, "hopper_unsupported", lambda *_: "needs an sm_90 (Hopper) GPU")
-    assert not fa._uses_hopper("triton", q, k, v, False)
+    assert not fa._uses_hopper("triton", q, k, v)
 
 
 def test_hopper_config_reaches_both_hopper_kernels(monkeypatch):
@@ -63,14 +62,14 @@ def test_hopper_config_reaches_both_hopper_kernels(monkeypatch):
     `backward` (recorded here with the portable kernels computing, as Gluon has no interpreter)."""
     seen = {}
 
-    def forward(q, k, v, *, causal, softmax_scale, out_dtype, config):
+    def forward(q, k, v, *, causal, softmax_scale, out_dtype, config, spans):
         seen["forward"] = config
-        return portable_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype)
+        return portable_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, spans=spans)
 
-    def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, grad_dtype, config):
+    def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, grad_dtype, config, spans):
         seen["backward"] = config
         return portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                 grad_dtype=grad_dtype)
+                                 grad_dtype=grad_dtype, spans=spans)
 
     monkeypatch.setattr(fa, "hopper_unsupported", lambda *_: None)
     monkeypatch.setattr(fa, "hopper_forward", forward)
@@ -81,6 +80,39 @@ def test_hopper_config_reaches_both_hopper_kernels(monkeypatch):
     assert seen == {"forward": config, "backward": config.backward}
     flash_attention(q, k, v).sum().backward()
     assert seen == {"forward": None, "backward": None}  # the kernels' own choice per call class
+
+
+def test_documents_reach_the_hopper_kernels_as_spans(monkeypatch):
+    """With documents, "triton" on sm_90 runs the Hopper family both ways and hands its kernels the key spans, the
+    causal rule folded in (causal off): recorded with the portable kernels computing in their place, the results
+    are those of the portable family given the same documents."""
+    seen = []
+
+    def forward(q, k, v, *, causal, softmax_scale, out_dtype, config, spans):
+        seen.append(("forward", causal, spans))
+        return portable_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype, spans=spans)
+
+    def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, grad_dtype, config, spans):
+        seen.append(("backward", causal, spans))
+        return portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                 grad_dtype=grad_dtype, spans=spans)
+
+    inputs = [torch.randn(1, 24, 2, 64) for _ in range(4)]
+    ids = torch.tensor([[0] * 5 + [1] * 12 + [2] * 7])
+    results = {}
+    for backend in ("triton_portable", "triton"):
+        if backend == "triton":
+            monkeypatch.setattr(fa, "hopper_unsupported", lambda *_: None)
+            monkeypatch.setattr(fa, "hopper_forward", forward)
+            monkeypatch.setattr(fa, "hopper_backward", backward)
+        q, k, v = (x.clone().requires_grad_() for x in inputs[:3])
+        out = flash_attention(q, k, v, backend=backend, segment_ids=ids)
+        out.backward(inputs[3])
+        results[backend] = (out, q.grad, k.grad, v.grad)
+    assert [(name, causal, spans is not None) for name, causal, spans in seen] == [("forward", False, True),
+                                                                                    ("backward", False, True)]
+    for got, want in zip(results["triton"], results["triton_portable"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------------ GPU

@@ -7,7 +7,9 @@ the wrappers use, causal and not; nothing is launched. The compiled PTX must hol
 kernel is built around (a kernel whose dots were lost would still compile). A kernel given a block size its
 `tl.arange` cannot take must fail to compile: the negative control that the check compiles for real. The Gluon
 kernels compile only where the installed Triton is the release they are written for (the GPU image's 3.6), else
-skip; the Gluon backward's registers (from ptxas) and shared memory must also fit an sm_90 block.
+skip; the Gluon backward's registers (from ptxas) and shared memory must also fit an sm_90 block. Every kernel is
+also compiled with documents' spans on (SPANS), as the dispatcher runs it for packed documents (the causal rule
+folded into the spans: CAUSAL off).
 """
 
 from __future__ import annotations
@@ -79,9 +81,10 @@ for causal, spans in ((True, False), (False, False), (False, True)):  # document
 
 
 # The Gluon forward at both head dims in every config the sweep times (compare.bench.gluon_sweep; the GPU tests
-# launch them all), causal and not: its PTX must hold the warpgroup matmuls, the TMA tile loads and the register
-# hand-over between the warp-specialised partitions; ptxas must keep the matmuls asynchronous, and its registers
-# (ptxas's count, whose spills it reports) and shared memory must fit one sm_90 block.
+# launch them all), causal and not, and the non-causal ones with documents' spans: its PTX must hold the warpgroup
+# matmuls, the TMA tile loads and the register hand-over between the warp-specialised partitions; ptxas must keep
+# the matmuls asynchronous, and its registers (ptxas's count, whose spills it reports) and shared memory must fit
+# one sm_90 block.
 _GLUON_COMPILE_CHECK = r"""
 import contextlib, io, os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
@@ -92,6 +95,14 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 SM90_REGISTERS, SM90_SHARED_BYTES = 65536, 227 * 1024  # per block
+FP32_POINTERS = {"Lse2", "Lse", "Delta", "DQ", "DK", "DV"}
+INT32_POINTERS = {"KeyStart", "KeyEnd", "QueryStart", "QueryEnd"}  # documents' spans
+
+
+def signature_of(fn):
+    return {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name in FP32_POINTERS else "*i32"
+            if p.name in INT32_POINTERS else "*bf16" if p.name[0].isupper() else "fp32" if "scale" in p.name
+            else "i32" for p in fn.params}
 
 
 def compile_checked(fn, signature, constexprs, options, ops, name):
@@ -123,25 +134,23 @@ from compare.bench.gluon_sweep import candidates
 
 fn = gf._gluon_forward_kernel
 for head_dim in (128, 64):
-    for causal in (True, False):
+    for causal, spans in ((True, False), (False, False), (False, True)):  # documents: the non-causal configs
         for config in candidates(head_dim, causal):
             q_layout, kv_layout = gf.shared_layouts(torch.bfloat16, head_dim, config.block_n)
-            constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, CONSUMERS=config.consumers, BLOCK_N=config.block_n,
-                              NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, Q_LAYOUT=q_layout,
-                              KV_LAYOUT=kv_layout, CONSUMER_REGS=config.consumer_regs,
+            constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, SPANS=spans, CONSUMERS=config.consumers,
+                              BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong,
+                              Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, CONSUMER_REGS=config.consumer_regs,
                               PRODUCER_REGS=config.producer_regs)
-            signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name == "Lse" else "*bf16"
-                         if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
-            compile_checked(fn, signature, constexprs, {"num_warps": 4, "maxnreg": config.max_regs},
+            compile_checked(fn, signature_of(fn), constexprs, {"num_warps": 4, "maxnreg": config.max_regs},
                             ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"),
-                            f"gluon forward D={head_dim} causal={causal} {config}")
+                            f"gluon forward D={head_dim} causal={causal} spans={spans} {config}")
 """
 
 
 # The Gluon backward at both head dims in every config the sweep times (compare.bench.gluon_sweep; the GPU tests
-# launch them all) and dQ by vector atomics, causal and not, in both forms (lockstep; warp-specialised, whose PTX
-# must also hand registers over between its partitions): the warpgroup matmuls, TMA loads and dq's float32
-# reductions (TMA reduce-add or atomics) must be in its PTX; ptxas must keep the matmuls asynchronous (it serializes
+# launch them all) and dQ by vector atomics, causal and not, the non-causal ones with documents' spans too, in both
+# forms (lockstep; warp-specialised, whose PTX must also hand registers over between its partitions): the warpgroup
+# matmuls, TMA loads and dq's float32 reductions (TMA reduce-add or atomics) must be in its PTX; ptxas must keep the matmuls asynchronous (it serializes
 # them all when it cannot prove a pipeline safe, and says so); its registers (ptxas's count, whose spills it
 # reports) and shared memory must fit one sm_90 block.
 _COMPILE_GLUON_BACKWARD = _GLUON_COMPILE_CHECK + r"""
@@ -154,10 +163,10 @@ REDUCTION_OPS = {"tma": "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add",
                  "vector_atomics": "red.relaxed.gpu.global.add.v2.f32"}
 atomics = HopperBackwardConfig(**{**vars(lockstep_config(128)), "dq_reduction": "vector_atomics"})
 for head_dim in (128, 64):
-    for causal in (True, False):
+    for causal, spans in ((True, False), (False, False), (False, True)):  # documents: the non-causal configs
         for config in backward_candidates(head_dim, causal) + ([atomics] if head_dim == 128 else []):
             layouts = gb.shared_layouts(torch.bfloat16, head_dim, config)
-            constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
+            constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, SPANS=spans, BLOCK_M=config.block_m,
                               NUM_STAGES=config.num_stages, STAGGER=config.stagger,
                               **dict(zip(("Q_LAYOUT", "KV_LAYOUT", "DS_LAYOUT", "STATS_LAYOUT", "DQ_LAYOUT"), layouts)))
             ops = ["wgmma.mma_async", "cp.async.bulk.tensor", REDUCTION_OPS[config.dq_reduction]]
@@ -172,11 +181,8 @@ for head_dim in (128, 64):
                 fn = gb._gluon_backward_kernel
                 constexprs.update(BLOCK_N=config.block_n, DQ_REDUCTION=config.dq_reduction,
                                   DP_FIRST=config.dp_first)
-            fp32 = {"Lse2", "Lse", "Delta", "DQ", "DK", "DV"}
-            signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name in fp32 else "*bf16"
-                         if p.name[0].isupper() else "fp32" if "scale" in p.name else "i32" for p in fn.params}
-            compile_checked(fn, signature, constexprs, options, ops,
-                            f"gluon backward D={head_dim} causal={causal} {config}")
+            compile_checked(fn, signature_of(fn), constexprs, options, ops,
+                            f"gluon backward D={head_dim} causal={causal} spans={spans} {config}")
 """
 
 
@@ -203,7 +209,8 @@ def test_a_kernel_the_compiler_rejects_fails_the_check():
 def test_gluon_forward_compiles_for_sm90_within_its_registers_and_shared_memory():
     done = _compile(block_d=128, script=_COMPILE_GLUON)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-    configs = sum(len(candidates(head_dim, causal)) for head_dim in (128, 64) for causal in (True, False))
+    configs = sum(len(candidates(head_dim, causal)) for head_dim in (128, 64)
+                  for causal, _spans in ((True, False), (False, False), (False, True)))
     assert done.stdout.count("compiled gluon forward") == configs, done.stdout
     print(done.stdout)
 
@@ -213,5 +220,6 @@ def test_gluon_forward_compiles_for_sm90_within_its_registers_and_shared_memory(
 def test_gluon_backward_compiles_for_sm90_within_its_registers_and_shared_memory():
     done = _compile(block_d=128, script=_COMPILE_GLUON_BACKWARD)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-    assert done.stdout.count("compiled gluon backward") == 16, done.stdout
+    assert done.stdout.count("compiled gluon backward") == 24, done.stdout  # 16 + the 8 non-causal with spans
+    assert done.stdout.count("spans=True") == 8, done.stdout
     print(done.stdout)

@@ -22,9 +22,10 @@ imported triton: the `twinflash` CLI and tests/conftest.py set it when there is 
 CPU tensors raises one line naming that fix (`tiles.interpreter_problem`).
 
 Packed documents (`weights/documents.py`): `flash_attention(..., segment_ids=)` turns them into key spans
-(`torch_impl/documents.py`), which the pair functions take as `spans=` (the ring's per-step spans); the portable
-kernels and "reference" take them, "triton" then runs the portable family, every other backend refuses them with
-one ValueError naming those that take them (the Gluon kernels have no span path yet).
+(`torch_impl/documents.py`), which the pair functions take as `spans=` (the ring's per-step spans); both of our
+kernel families take them (the portable kernels and the Gluon ones, each under its SPANS switch), so "triton" picks
+the family as without documents, and "reference" takes them too; every other backend refuses them with one
+ValueError naming those that take them.
 
 Launch shapes (`config=`, every entry point): those of the kernel family serving the call, a `PortableConfig`
 (`kernels/portable/config.py`: one `KernelConfig` per kernel) or a `HopperConfig` (`kernels/hopper/config.py`: the
@@ -59,7 +60,7 @@ aten = torch.ops.aten  # the CUDA-only SDPA ops behind the sdpa_* backends
 
 BACKENDS = ATTENTION_BACKENDS["torch"]
 _TRITON_BACKENDS = ("triton", "triton_portable", "triton_hopper")
-DOCUMENT_BACKENDS = ("triton", "triton_portable", "reference")  # those that take documents (`_check_spans`)
+DOCUMENT_BACKENDS = _TRITON_BACKENDS + ("reference", )  # those that take documents (`_check_spans`)
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -90,14 +91,14 @@ def _validate(q, k, v, *, causal, softmax_scale, backend, config, spans=None) ->
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     _check_spans(spans, q, backend)
-    _check_config(config, backend, q, k, v, spans is not None)
+    _check_config(config, backend, q, k, v)
     _check_backend_limits(backend, q, (k, v), causal)
     return scale
 
 
 def _check_spans(spans, q, backend) -> None:
     """Documents' key spans (`torch_impl.documents.Spans`, int32 [B, Sq] each on q's device) and a backend that
-    takes them: the portable kernels (also through "triton") and the reference."""
+    takes them: our kernel families (either, or "triton" picking one) and the reference."""
     if spans is None:
         return
     if backend not in DOCUMENT_BACKENDS:
@@ -112,7 +113,7 @@ def _check_spans(spans, q, backend) -> None:
             raise ValueError(f"spans.{name} is on {t.device} but q is on {q.device}")
 
 
-def _check_config(config, backend, q, k, v, documents) -> None:
+def _check_config(config, backend, q, k, v) -> None:
     """A config must be the one of the kernel family that serves the call (`_uses_hopper`)."""
     if config is None:
         return
@@ -120,7 +121,7 @@ def _check_config(config, backend, q, k, v, documents) -> None:
         raise ValueError(f"config sets our Triton kernels' launch shapes; backend={backend!r} takes none")
     if not isinstance(config, (PortableConfig, HopperConfig)):
         raise ValueError(f"config must be a PortableConfig, a HopperConfig or None, got {type(config).__name__}")
-    check_config_family(config, uses_hopper=_uses_hopper(backend, q, k, v, documents), hopper_config=HopperConfig,
+    check_config_family(config, uses_hopper=_uses_hopper(backend, q, k, v), hopper_config=HopperConfig,
                         portable_config=PortableConfig, backend=backend)
     if isinstance(config, HopperConfig):
         if config.backward is not None and not isinstance(config.backward, HopperBackwardConfig):
@@ -270,15 +271,15 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _uses_hopper(backend, q, k, v, documents) -> bool:
+def _uses_hopper(backend, q, k, v) -> bool:
     """Which kernel family serves a Triton backend's call, both directions: the forced one, or for "triton" the
-    Hopper kernels where they run the inputs (sm_90, Triton 3.6, D 64/128, 16-bit, no documents), else the portable
-    ones. On H200
+    Hopper kernels where they run the inputs (sm_90, Triton 3.6, D 64/128, 16-bit; documents or not: both families
+    take key spans), else the portable ones. On H200
     the Hopper forward ran 587-609 TF/s at D=128, 16k (compare/results/kernels-gluon-2026-11-22-h200), its
     warp-specialised backward 520-540 TF/s against the portable one's 377-395 at D=128, 426-429 against 332-337 at
     D=64 (compare/results/kernels-gluon-backward-2026-11-23-h200-h13d)."""
     if backend == "triton":
-        return not documents and hopper_unsupported(q, k, v) is None
+        return hopper_unsupported(q, k, v) is None
     return backend == "triton_hopper"
 
 
@@ -293,8 +294,9 @@ def _forward(q, k, v, causal, scale, out_dtype, backend, config, spans=None):
     causal, spans = _document_mask(causal, spans, k.shape[1])
     if backend in _TRITON_BACKENDS:
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        if _uses_hopper(backend, q, k, v, spans is not None):
-            return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config)
+        if _uses_hopper(backend, q, k, v):
+            return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config,
+                                  spans=spans)
         return portable_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype,
                                 config=None if config is None else config.forward, spans=spans)
     if backend == "reference":
@@ -310,9 +312,9 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, config, grad_dtyp
     if backend in _TRITON_BACKENDS:
         # dout joins q, k, v as a tensor-core operand, so it takes their dtype.
         dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout.to(q.dtype), q, k, v, out))
-        if _uses_hopper(backend, q, k, v, spans is not None):
+        if _uses_hopper(backend, q, k, v):
             return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype,
-                                   config=None if config is None else config.backward)
+                                   config=None if config is None else config.backward, spans=spans)
         return portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, grad_dtype=grad_dtype,
                                  config=config, spans=spans)
     if backend == "reference":
@@ -357,7 +359,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     key (only possible when Sq > Sk) gets output 0, lse -inf and zero gradients. `config`: the launch shapes of
     the kernel family serving the call, None for the family's own choice (module doc). `segment_ids` [B, S]
     (self-attention, Sq == Sk): packed documents (`weights/documents.py`), each token attending only within its
-    own; the portable family and "reference" take them ("triton" then runs the portable family).
+    own; both of our kernel families and "reference" take them.
     """
     spans = None
     if segment_ids is not None:

@@ -1,7 +1,8 @@
 """What more than one kernel module of the PyTorch backend uses: Triton's interpreter switch (`INTERPRETED`,
 `interpreter_problem`), the exp2-domain constants, the `tl` tile helpers the portable forward and backward kernels
 share (masked tile loads and stores, rounding as the GPU rounds, the key mask, program and key-range arithmetic, the
-documents' span block ranges, the runs of key blocks the forward and dQ kernels walk: `key_block_runs`), the sequence
+documents' span block ranges, `span_block_range`, which the Gluon kernels call too, and the runs of key blocks the
+forward and dQ kernels walk: `key_block_runs`), the sequence
 bucket both families key their configs by, the delta = rowsum(dout * out) kernel both backwards run, and what
 the Gluon (Hopper) kernels share: the Triton release they are written for, their `gluon_jit` decorator and the
 allocator of their on-device tensor descriptors. Twin of `jax_impl/kernels/tiles.py`.
@@ -111,7 +112,9 @@ def span_block_range(start_ptr, end_ptr, rows, n_rows, n_cols, BLOCK: tl.constex
     """The spans [start, end) of a block of rows (int32 [rows]; rows past n_rows read as empty) and (first,
     full_first, full_end, end), multiples of BLOCK: blocks [first, end) hold every column any row sees (none when
     every span is empty), and [full_first, full_end) the blocks every row sees whole (no mask needed); the rest of
-    [first, end) needs the mask. Returns (start, end, first, full_first, full_end, end)."""
+    [first, end) needs the mask. Returns (start, end, first, full_first, full_end, end). The Gluon (Hopper) kernels
+    call it as it is: a tl helper compiles in a Gluon kernel when its tensors come with a layout (`rows` does, and
+    it uses no tl.arange), so both families share this one block-range arithmetic."""
     valid = rows < n_rows
     span_start = tl.load(start_ptr + rows, mask=valid, other=0)
     span_end = tl.load(end_ptr + rows, mask=valid, other=0)

@@ -35,6 +35,12 @@ key block, the keys past the end); longest key blocks are the first ones, launch
 Non-causal, each key block starts its walk at a different query block (`stagger`), so that the programs running
 at once add into different dQ rows.
 
+Documents (SPANS, `weights/documents.py`; the causal rule folded into the spans): a key block walks the query
+blocks between its keys' lowest query_start and highest query_end (QueryStart / QueryEnd, int32 [B, Sk], derived
+from the key spans as for the portable dK/dV kernel), those whose rows all see every key of the block unmasked
+(`backward_ws.key_block_walk`); the masked ones test each key's query span (`backward_ws.visible_pairs`). The dQ side
+needs no key spans: it is this same walk. A key block no row sees walks nothing and writes dK = dV = 0.
+
 Contract as the portable backward: delta = rowsum(dout * out) from the `out` it is given (the portable
 preprocessing kernel), so a ring passing the global out/lse gets its exact share; P recomputed from the given lse
 (rows with lse -inf and padding rows get P = 0); bottom-right causal alignment; any lengths (descriptor loads read
@@ -54,10 +60,13 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_impl.documents import Spans, query_spans
 from torch_impl.kernels.hopper.backward_ws import (gluon_backward_ws_kernel, input_descriptors, issue_tile_loads,
-                                                   key_block_walk, step_tile, tma_reduce_add)
+                                                   key_block_walk, key_query_spans, masked_block, step_tile,
+                                                   tma_reduce_add, visible_pairs)
 from torch_impl.kernels.hopper.config import HopperBackwardConfig, backward_config
-from torch_impl.kernels.tiles import GLUON_AVAILABLE, LOG2E, gluon_jit, row_delta, set_descriptor_allocator
+from torch_impl.kernels.tiles import (GLUON_AVAILABLE, LOG2E, gluon_jit, row_delta, set_descriptor_allocator,
+                                      spans_or_none)
 
 if GLUON_AVAILABLE:
     from triton.experimental import gluon
@@ -123,12 +132,12 @@ def _reduce_dq_tile(dq_desc, dq_bufs, step, walk):
 # Lengths and head counts are not specialized on (divisible by 16, equal to 1): one compile per head dim, causal
 # setting, config and dtype serves every shape, so the GPU tests' odd lengths run the very kernels the bench times.
 @(gluon.jit(do_not_specialize=("n_kv_heads", "group", "seq_q", "seq_k")) if GLUON_AVAILABLE else gluon_jit)
-def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
+def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart, QueryEnd,
                            stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                            stride_dob, stride_dos, stride_dqb, stride_dqs,
                            stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                            n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
-                           CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           CAUSAL: gl.constexpr, SPANS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, DQ_REDUCTION: gl.constexpr, DP_FIRST: gl.constexpr,
                            STAGGER: gl.constexpr,
                            Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
@@ -152,8 +161,11 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     col0 = gl.program_id(0) * BLOCK_N
     n_heads = n_kv_heads * group
     diagonal = seq_k - seq_q
-    walk, n_steps, full_block = key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL, STAGGER, BLOCK_M,
-                                               BLOCK_N)
+    query_start, query_end = QueryStart, QueryEnd
+    if SPANS:  # this batch row's query spans [Sk]
+        query_start, query_end = QueryStart + batch.to(gl.int64) * seq_k, QueryEnd + batch.to(gl.int64) * seq_k
+    walk, n_steps, full = key_block_walk(col0, seq_q, seq_k, group, kv_head, query_start, query_end, CAUSAL, SPANS,
+                                         STAGGER, BLOCK_M, BLOCK_N)
 
     k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc = input_descriptors(
         Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
@@ -191,6 +203,7 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
 
     qk_scale = softmax_scale * LOG2E
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    cols_spans = key_query_spans(query_start, query_end, cols, seq_k, SPANS)
     dq_base = DQ + batch.to(gl.int64) * stride_dqb
     zeros_t = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
     zeros_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
@@ -220,11 +233,8 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
             dp_t = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
         lse2 = lse_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
-        if block < full_block:
-            visible = gl.expand_dims(cols, 1) < seq_k
-            if CAUSAL:
-                visible = visible & (gl.expand_dims(cols, 1) <= gl.expand_dims(rows, 0) + diagonal)
-            p_t = gl.where(visible, p_t, 0.0)
+        if masked_block(block, full, SPANS):
+            p_t = gl.where(visible_pairs(cols, rows, seq_k, diagonal, cols_spans, CAUSAL, SPANS), p_t, 0.0)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(Q.dtype.element_ty), kv_operand), do_buf, dv, is_async=True)
         dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
         delta = delta_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
@@ -298,11 +308,12 @@ def _heads_packed(x: torch.Tensor) -> torch.Tensor:
 
 def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, *, causal: bool, softmax_scale: float, grad_dtype: torch.dtype,
-                    config: HopperBackwardConfig | None = None, delta: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    config: HopperBackwardConfig | None = None, delta: torch.Tensor | None = None,
+                    spans: Spans | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the Gluon backward on validated inputs that `hopper_unsupported` accepts: (dq, dk, dv) in grad_dtype.
     `delta` (rowsum(dout * out), float32 [B, H, Sq]) replaces the one computed from `out` (tests' negative
-    control)."""
+    control). `spans`: the documents' key spans as for `portable_backward` (the causal rule folded in, `causal`
+    False); the kernel walks the query spans derived from them."""
     batch, seq_q, n_heads, head_dim = q.shape
     seq_k, n_kv_heads = k.shape[1], k.shape[2]
     config = config or backward_config(head_dim, causal, 0)
@@ -315,26 +326,27 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     lse2, delta = padded_row_stats(lse, delta, config.block_m)
     q_layout, kv_layout, ds_layout, stats_layout, dq_layout = shared_layouts(q.dtype, head_dim, config)
     set_descriptor_allocator(q.device)
+    query_start, query_end = spans_or_none(None if spans is None else query_spans(spans, seq_k), q.device)
     grid = (triton.cdiv(seq_k, config.block_n), batch * n_kv_heads)
     tensors_and_strides = (
-        q, k, v, dout, lse2, delta, dq, dk, dv,
+        q, k, v, dout, lse2, delta, dq, dk, dv, query_start, query_end,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, lse2.shape[-1], softmax_scale)
-    layouts = dict(Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout,
-                   DQ_LAYOUT=dq_layout)
+    constexprs = dict(SPANS=spans is not None, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
+                      STATS_LAYOUT=stats_layout, DQ_LAYOUT=dq_layout)
     if config.warp_specialize:
         gluon_backward_ws_kernel[grid](
             *tensors_and_strides, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
             NUM_STAGES=config.num_stages, DQ_BUFFERS=config.dq_buffers, STAGGER=config.stagger,
-            KV_IN_REGS=config.kv_in_regs, **layouts,
+            KV_IN_REGS=config.kv_in_regs, **constexprs,
             CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
             num_warps=config.num_warps, maxnreg=config.max_regs)
     else:
         _gluon_backward_kernel[grid](
             *tensors_and_strides, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             NUM_STAGES=config.num_stages, DQ_REDUCTION=config.dq_reduction, DP_FIRST=config.dp_first,
-            STAGGER=config.stagger, **layouts, num_warps=config.num_warps)
+            STAGGER=config.stagger, **constexprs, num_warps=config.num_warps)
     dq = dq.mul_(softmax_scale)
     return (dq if grad_dtype == torch.float32 else dq.to(grad_dtype)), dk, dv

@@ -1,6 +1,7 @@
 """The warp-specialised form of the Gluon (sm_90) FlashAttention backward (FlashAttention-3's structure), and the
-tile walk both forms share. The public API is `backward.hopper_backward`, which launches this kernel when its
-config says `warp_specialize` (see `backward.py` for the math and the contract, the same here).
+tile walk both forms share, with documents' query spans too (`key_block_walk`, `masked_block`, `visible_pairs`).
+The public API is `backward.hopper_backward`, which launches this kernel when its config says `warp_specialize`
+(see `backward.py` for the math and the contract, the same here).
 
 Where the lockstep form (`backward._gluon_backward_kernel`) runs two warpgroups that issue their own
 loads and meet at a CTA-wide barrier every step, here one program (`block_n` = 128 keys of one batch and KV head)
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from torch_impl.kernels.tiles import GLUON_AVAILABLE, LOG2E, gluon_jit
+from torch_impl.kernels.tiles import GLUON_AVAILABLE, LOG2E, gluon_jit, span_block_range
 
 if GLUON_AVAILABLE:
     from triton._C.libtriton import ir as triton_ir
@@ -66,28 +67,86 @@ def input_descriptors(Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_k
 
 
 @gluon_jit
-def key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL: gl.constexpr, STAGGER: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(walk, n_steps, full_block) of the key block at `col0`: the query blocks it meets, [first_block, n_blocks)
-    of every query head of the group, masked before full_block (query i sees key j iff j <= i + diagonal, and
-    everywhere in the key block that runs past the end). walk = (first_block, blocks_per_head, first_head,
-    rotation) for `step_tile`."""
-    diagonal = seq_k - seq_q
-    n_blocks = gl.cdiv(seq_q, BLOCK_M)
-    if CAUSAL:
-        first_block = gl.minimum(gl.maximum(col0 - diagonal, 0) // BLOCK_M, n_blocks)
-        full_block = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(col0 + BLOCK_N - 1 - diagonal, 0), BLOCK_M),
-                                           first_block), n_blocks)
+def key_block_walk(col0, seq_q, seq_k, group, kv_head, query_start, query_end, CAUSAL: gl.constexpr,
+                   SPANS: gl.constexpr, STAGGER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(walk, n_steps, full) of the key block at `col0`: the query blocks it meets of every query head of the
+    group, and which of them need no mask (`masked_block`). Without documents: blocks [first_block, n_blocks),
+    masked before full = full_block (query i sees key j iff j <= i + diagonal, and everywhere in the key block that
+    runs past the end). With documents (SPANS: the batch row's query spans at query_start / query_end, [Sk]):
+    blocks [first, end) between the keys' lowest query_start and highest query_end (none when no row sees a key
+    of the block), unmasked in full = (full_first, full_end), the blocks whose rows all see every key of the block
+    (`tiles.span_block_range`, the portable dK/dV kernel's walk; a tl helper that compiles in Gluon too). walk =
+    (first_block, blocks_per_head, first_head, rotation) for `step_tile`."""
+    if SPANS:
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+        _, _, first, full_first, full_end, end = span_block_range(query_start, query_end, cols, seq_k, seq_q,
+                                                                  BLOCK_M)
+        # The last key block's keys past the end read as zero: masked at every step, as without documents.
+        full_end = gl.where(col0 + BLOCK_N > seq_k, full_first, full_end)
+        first_block = first // BLOCK_M
+        n_walk = (end - first) // BLOCK_M
+        full = (full_first // BLOCK_M, full_end // BLOCK_M)
     else:
-        first_block = 0
-        full_block = 0
-    full_block = gl.where(col0 + BLOCK_N > seq_k, n_blocks, full_block)
-    blocks_per_head = gl.maximum(n_blocks - first_block, 1)
-    n_steps = group * (n_blocks - first_block)
+        diagonal = seq_k - seq_q
+        n_blocks = gl.cdiv(seq_q, BLOCK_M)
+        if CAUSAL:
+            first_block = gl.minimum(gl.maximum(col0 - diagonal, 0) // BLOCK_M, n_blocks)
+            full_block = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(col0 + BLOCK_N - 1 - diagonal, 0), BLOCK_M),
+                                               first_block), n_blocks)
+        else:
+            first_block = 0
+            full_block = 0
+        full = gl.where(col0 + BLOCK_N > seq_k, n_blocks, full_block)
+        n_walk = n_blocks - first_block
+    blocks_per_head = gl.maximum(n_walk, 1)
+    n_steps = group * n_walk
     # Without a causal mask every program would walk the same query blocks in step, all adding into the same dQ
     # rows at once; STAGGER starts key block j's walk 2j blocks in, as the causal walks start.
     rotation = (col0 // BLOCK_M) % blocks_per_head if STAGGER and not CAUSAL else 0
-    return (first_block, blocks_per_head, kv_head * group, rotation), n_steps, full_block
+    return (first_block, blocks_per_head, kv_head * group, rotation), n_steps, full
+
+
+@gluon_jit
+def masked_block(block, full, SPANS: gl.constexpr):
+    """Whether query block `block` of a key block's walk needs the mask: before the run of blocks every row of which
+    sees every key (`key_block_walk`'s `full`), and with documents after it too."""
+    if SPANS:
+        masked = (block < full[0]) | (block >= full[1])
+    else:
+        masked = block < full
+    return masked
+
+
+@gluon_jit
+def key_query_spans(query_start, query_end, cols, seq_k, SPANS: gl.constexpr):
+    """With documents, (first row, rows) of the query span of each key `cols` (keys past seq_k: none, as their K and
+    V read as zero), read once per key block for `visible_pairs`; else unused zeros."""
+    if SPANS:
+        first_row = gl.load(query_start + cols, mask=cols < seq_k, other=0)
+        n_rows = gl.maximum(gl.load(query_end + cols, mask=cols < seq_k, other=0) - first_row, 0)
+    else:
+        first_row = 0
+        n_rows = 0
+    return first_row, n_rows
+
+
+@gluon_jit
+def visible_pairs(cols, rows, seq_k, diagonal, query_spans, CAUSAL: gl.constexpr, SPANS: gl.constexpr):
+    """[keys, queries] mask of a masked step (keys `cols` on the rows, query `rows` on the columns). With documents
+    the rows in each key's query span (`key_query_spans`): for monotone key spans the pairs of the key spans'
+    `tiles.visible_keys` (the rows that see key j are a run, `weights.documents.query_spans`), at two values a
+    thread per key block where the key spans would take two per query column and step; one unsigned compare (a row
+    before the span wraps around past any count). Without documents: keys before seq_k and, if CAUSAL, at most
+    `diagonal` past the row."""
+    if SPANS:
+        first_row, n_rows = query_spans
+        offset = gl.expand_dims(rows, 0) - gl.expand_dims(first_row, 1)
+        visible = offset.to(gl.uint32, bitcast=True) < gl.expand_dims(n_rows, 1).to(gl.uint32, bitcast=True)
+    else:
+        visible = gl.expand_dims(cols, 1) < seq_k
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(cols, 1) <= gl.expand_dims(rows, 0) + diagonal)
+    return visible
 
 
 @gluon_jit
@@ -133,8 +192,8 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 @gluon_jit
 def _loader(args):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
-     dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
-     stride_dks, stride_dvs) = args
+     dq_full, dq_empty, walk, n_steps, full, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
+     stride_dks, stride_dvs, query_start, query_end) = args
     num_stages: gl.constexpr = bufs[0].type.shape[0]
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [col0, 0], kv_ready, k_buf)
@@ -147,8 +206,8 @@ def _loader(args):
 @gluon_jit
 def _dq_writer(args):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
-     dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
-     stride_dks, stride_dvs) = args
+     dq_full, dq_empty, walk, n_steps, full, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
+     stride_dks, stride_dvs, query_start, query_end) = args
     n_buffers: gl.constexpr = dq_bufs.type.shape[0] // 2
     block_m: gl.constexpr = dq_bufs.type.shape[1]
     half_dim: gl.constexpr = dq_bufs.type.shape[2]
@@ -164,10 +223,10 @@ def _dq_writer(args):
 
 
 @gluon_jit
-def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
+def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
-     dq_full, dq_empty, walk, n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
-     stride_dks, stride_dvs) = args
+     dq_full, dq_empty, walk, n_steps, full, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
+     stride_dks, stride_dvs, query_start, query_end) = args
     q_bufs, do_bufs, lse_bufs, delta_bufs = bufs
     num_stages: gl.constexpr = q_bufs.type.shape[0]
     block_m: gl.constexpr = q_bufs.type.shape[1]
@@ -189,6 +248,7 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.
     v_mine = v_buf.slice(consumer * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
     k_dq = k_buf.slice(consumer * half_dim, half_dim, dim=1)  # dQ's columns of this consumer
     cols = my_col0 + gl.arange(0, KEYS_PER_CONSUMER, layout=gl.SliceLayout(1, st_layout))
+    cols_spans = key_query_spans(query_start, query_end, cols, seq_k, SPANS)
     diagonal = seq_k - seq_q
     qk_scale = softmax_scale * LOG2E
     zeros_t = gl.zeros([KEYS_PER_CONSUMER, block_m], gl.float32, st_layout)
@@ -213,11 +273,8 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.
         lse2 = lse_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
-        if block < full_block:
-            visible = gl.expand_dims(cols, 1) < seq_k
-            if CAUSAL:
-                visible = visible & (gl.expand_dims(cols, 1) <= gl.expand_dims(rows, 0) + diagonal)
-            p_t = gl.where(visible, p_t, 0.0)
+        if masked_block(block, full, SPANS):
+            p_t = gl.where(visible_pairs(cols, rows, seq_k, diagonal, cols_spans, CAUSAL, SPANS), p_t, 0.0)
         delta = delta_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
         dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
@@ -252,13 +309,13 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, KV_IN_REGS: gl.
 
 
 @gluon_jit
-def _consumer0(args, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
-    _consume(args, 0, CAUSAL, KV_IN_REGS)
+def _consumer0(args, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    _consume(args, 0, CAUSAL, SPANS, KV_IN_REGS)
 
 
 @gluon_jit
-def _consumer1(args, CAUSAL: gl.constexpr, KV_IN_REGS: gl.constexpr):
-    _consume(args, 1, CAUSAL, KV_IN_REGS)
+def _consumer1(args, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    _consume(args, 1, CAUSAL, SPANS, KV_IN_REGS)
 
 
 def _kernel_decorator():
@@ -270,13 +327,14 @@ def _kernel_decorator():
 
 # Lengths and head counts are not specialized on, as in the lockstep form.
 @_kernel_decorator()
-def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
+def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart, QueryEnd,
                              stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                              stride_dob, stride_dos, stride_dqb, stride_dqs,
                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                              n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
-                             CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                             DQ_BUFFERS: gl.constexpr, STAGGER: gl.constexpr, KV_IN_REGS: gl.constexpr,
+                             CAUSAL: gl.constexpr, SPANS: gl.constexpr, BLOCK_M: gl.constexpr,
+                             NUM_STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr, STAGGER: gl.constexpr,
+                             KV_IN_REGS: gl.constexpr,
                              Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
                              STATS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -287,8 +345,11 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     kv_head = pid_bh % n_kv_heads
     col0 = gl.program_id(0) * BLOCK_N
     n_heads = n_kv_heads * group
-    walk, n_steps, full_block = key_block_walk(col0, seq_q, seq_k, group, kv_head, CAUSAL, STAGGER, BLOCK_M,
-                                               BLOCK_N)
+    query_start, query_end = QueryStart, QueryEnd
+    if SPANS:  # this batch row's query spans [Sk]
+        query_start, query_end = QueryStart + batch.to(gl.int64) * seq_k, QueryEnd + batch.to(gl.int64) * seq_k
+    walk, n_steps, full = key_block_walk(col0, seq_q, seq_k, group, kv_head, query_start, query_end, CAUSAL, SPANS,
+                                         STAGGER, BLOCK_M, BLOCK_N)
 
     k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc = input_descriptors(
         Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
@@ -325,11 +386,11 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV,
     dv_base = DV + batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
     args = ((q_desc, do_desc, lse_desc, delta_desc), (q_bufs, do_bufs, lse_bufs, delta_bufs), k_desc, v_desc,
             k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs, dq_full, dq_empty, walk,
-            n_steps, full_block, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
-            stride_dks, stride_dvs)
+            n_steps, full, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
+            stride_dks, stride_dvs, query_start, query_end)
     gl.warp_specialize([
-        (_consumer0, (args, CAUSAL, KV_IN_REGS)),
-        (_consumer1, (args, CAUSAL, KV_IN_REGS)),
+        (_consumer0, (args, CAUSAL, SPANS, KV_IN_REGS)),
+        (_consumer1, (args, CAUSAL, SPANS, KV_IN_REGS)),
         (_loader, (args, )),
         (_dq_writer, (args, )),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
