@@ -7,7 +7,9 @@ the causal block ranges, the documents' span block ranges, the runs of key block
 (`key_block_runs`, `fold_block_runs`) and the grid's index maps.
 
 Hopper (Pallas Mosaic GPU): the GPU interpreter switch, register-layout hints, the Q K^T wgmma, a query tile's K/V
-step range, the TMA producer loop and every Mosaic kernel's launch. Pallas's Mosaic GPU interpreter (CPU tests,
+step range, the documents' block ranges of a tile and its warpgroups (`tile_span_bounds`, from the same
+`span_bounds` as the portable kernels'), per-row vectors in register layout, the TMA producer loop and every Mosaic
+kernel's launch. Pallas's Mosaic GPU interpreter (CPU tests,
 `interpret=True`) lacks wgmma with a register left operand, `pl.run_state` over a wgmma accumulator, a rule for
 register-layout casts and wgmma reading a transposed operand, so a few helpers differ under interpretation (lines
 marked INTERPRET: `wgmma_nt` here and `matmul_acc` in `hopper/forward.py` are plain fp32-accumulating dots on the
@@ -302,12 +304,15 @@ def causal_kv_steps(q_first, block_q: int, block_kv: int, *, causal: bool, offse
     return n_full, n_end
 
 
-def load_rows(ref, kind, *, interpret: bool):
-    """A vector of per-row values (lse, delta, documents' spans) from a Ref in shared or global memory, in register
-    layout `kind` (a reduction of `plgpu.Layout.WGMMA`: the rows or the columns of a wgmma tile)."""
+def load_rows(ref, kind, *, interpret: bool, from_global: bool = False):
+    """A vector of per-row values (lse, delta, documents' spans) from a Ref in shared memory, or `from_global`
+    memory, in register layout `kind` (a reduction of `plgpu.Layout.WGMMA`: the rows or the columns of a wgmma
+    tile). Mosaic GPU plans its vectorised ("optimized") transfers for shared memory only; a global load of one
+    vector per warpgroup and tile, as the documents' spans are, takes the plain one."""
     if interpret:  # INTERPRET: layouts are Mosaic compiler hints (see `layout`)
         return ref[...]
-    return plgpu.load(ref, (), layout=kind) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=kind)
+    options = dict(layout=kind, optimized=False) if from_global else dict(layout=kind)
+    return plgpu.load(ref, (), **options) if _LOAD_TAKES_INDEX else plgpu.load(ref, **options)
 
 
 def tile_span_bounds(span_start: jax.Array, span_end: jax.Array, *, rows: int, parts: int, block: int) -> jax.Array:

@@ -130,8 +130,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         if span_refs is None:
             _, full_start = q_range(k_first)
         else:  # the query rows that see each of this warpgroup's keys: its rows of S^T
-            query_start, query_end = (load_rows(ref.at[batch, pl.ds(k_first, block_kv)], plgpu.Layout.WGMMA.reduce(1),
-                                                interpret=interpret) for ref in span_refs[:2])
+            query_start, query_end = (load_rows(ref.at[batch, pl.ds(k_first, block_kv)],
+                                                plgpu.Layout.WGMMA.reduce(1), interpret=interpret, from_global=True)
+                                      for ref in span_refs[:2])
         dim = k_smem.shape[-1]
         zeros = layout(jnp.zeros((block_kv, dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
 

@@ -80,7 +80,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, *refs, q_smem
             runs = part_runs(span_refs[2], batch, tile, wg, first_block)
             n_end = runs[-1][1]
             key_start, key_end = (load_rows(ref.at[batch, pl.ds(q_first, block_q)], plgpu.Layout.WGMMA.reduce(1),
-                                            interpret=interpret) for ref in span_refs[:2])
+                                            interpret=interpret, from_global=True) for ref in span_refs[:2])
             drain(0, runs[0][0])
 
         def step(kv_step, dq, *, masked: bool):

@@ -20,8 +20,14 @@ Kernel shape (one CTA = compute_warpgroups * block_q query rows of one (batch, h
     or holding padded keys run masked; blocks no row sees are never loaded;
   - causal grids visit the query tiles longest first; full attention may take its own K/V block and warpgroup
     count and a persistent grid (one CTA per SM walking (batch, head, query tile) items): `forward_schedule`.
+Documents (`spans`, `weights/documents.py`): each row sees its key span instead of the causal rule. A tile streams
+the K/V blocks between its rows' lowest start and highest end (`tiles.tile_span_bounds`, computed before the launch);
+each warpgroup runs its own rows' blocks, masked by each row's span where only some rows see part of a block,
+unmasked where every row sees it whole, and drains the tile's other blocks without reading them, so a block of
+another document is never loaded by a warpgroup that does not attend it. Documents take the causal schedule (no
+persistent grid: tiles walk different step counts).
 Tails: the wrapper pads Sq to compute_warpgroups * block_q and Sk to block_kv (padded keys are masked by
-position, padded query rows are sliced off).
+position, or lie past every span; padded query rows repeat the last row's span and are sliced off).
 
 GPU interpreter (CPU tests, `interpret=True`): `matmul_acc` (P V) here, like `tiles.wgmma_nt` (Q K^T), is a plain
 fp32-accumulating dot under interpretation (lines marked INTERPRET; `kernels/tiles.py` says why).
@@ -161,7 +167,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem2, o_smem2, lse
                 take_turn()
             else:  # each row's key span, for the masked runs; the steps before this warpgroup's first are drained
                 span_rows = (item_batch, pl.ds(q_first, block_q))
-                key_start, key_end = (load_rows(ref.at[span_rows], rows_layout, interpret=interpret)
+                key_start, key_end = (load_rows(ref.at[span_rows], rows_layout, interpret=interpret, from_global=True)
                                       for ref in span_refs[:2])
                 take_turn()
                 drain(0, runs[0][0], first_step)
