@@ -4,6 +4,12 @@ time, by the flash rule (bf16/fp16) and in fp32; the negative control (a dropped
 pair skipped, not masked; segment ids traced under jit; the families that do not take documents refuse them. Twin
 of tests/test_document_attention_torch.py; the cases, the answer and the tolerances (with their reasons) are
 tests/document_twins.py's.
+
+The Hopper family (Mosaic GPU kernels, `backend="pallas_hopper"`) runs under Pallas's Mosaic GPU interpreter on the
+CPU (tests/test_kernels_hopper_jax.py says what that covers), at one tile of each kernel: its documents by the flash
+rule with another document poisoned (skipped blocks never read), causal and full; its negative control; the ring's
+pair contract on monotone spans with rows that see no key (HALF_P_TOL, its reason in tests/kernel_twins.py). On the
+GPU (`gpu`) every family that takes documents runs real sizes by the flash rule, with a negative control.
 """
 
 from __future__ import annotations
@@ -284,12 +290,38 @@ def test_documents_need_self_attention():
         flash_attention(q, k, k, segment_ids=jnp.zeros((1, 4), jnp.int32))
 
 
+def _on_hopper() -> bool:
+    return jax.default_backend() == "gpu" and getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+
+
+GPU_LENGTHS = {"one": (4096,), "mixed": (1, 777, 3000, 318), "short": (128,) * 32}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(4096,), (1, 777, 3000, 318), (128,) * 32], ids=["one", "mixed", "short"])
+@pytest.mark.parametrize("lengths", GPU_LENGTHS.values(), ids=GPU_LENGTHS.keys())
 @pytest.mark.parametrize("dim", [64, 128])
 def test_documents_on_the_gpu_by_the_flash_rule(dim, lengths):
-    """Real sizes: bf16, "pallas" (the portable family once documents are given), documents as the corpus packs
-    them and many short ones, by the flash rule against the documents one at a time."""
+    """Real sizes, bf16, through every family that takes documents: the Mosaic kernels ("pallas_hopper", on an
+    sm90 GPU), the portable ones ("pallas_portable") and the dispatcher ("pallas": the Mosaic kernels on sm90);
+    documents as the corpus packs them and many short ones, by the flash rule against the documents one at a time
+    (the naive and exact answers made once for all three)."""
     case = twins.DocumentCase((lengths,), heads=8, kv_heads=2, dim=dim)
-    violations = _violations(case, "bfloat16", True, twins.segment_ids(case))
-    assert not violations, f"(ours, naive) errors beyond the rule: {violations}"
+    arrays = twins.case_inputs(case, "bfloat16")
+    naive, exact = naive_one_at_a_time(case, arrays, True, "bfloat16"), twins.exact(case, *arrays, True)
+    backends = (["pallas_hopper"] if _on_hopper() else []) + ["pallas_portable", "pallas"]
+    for backend in backends:
+        ours = _ours(*_arrays(arrays, jnp.bfloat16), True, twins.segment_ids(case), backend=backend)
+        violations = kernel_twins.flash_rule_violations(ours, naive, exact)
+        assert not violations, f"{backend}: (ours, naive) errors beyond the rule: {violations}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm90 (Hopper) GPU")
+def test_mosaic_documents_dropped_boundary_fails_on_the_gpu():
+    """Negative control of the GPU rule on the Mosaic kernels: the mixed documents with one boundary dropped."""
+    case = twins.DocumentCase((GPU_LENGTHS["mixed"],), heads=8, kv_heads=2, dim=128)
+    arrays = twins.case_inputs(case, "bfloat16")
+    merged = twins.merged_boundary(twins.segment_ids(case), twins.DROPPED_BOUNDARY)
+    ours = _ours(*_arrays(arrays, jnp.bfloat16), True, merged, backend="pallas_hopper")
+    assert kernel_twins.flash_rule_violations(ours, naive_one_at_a_time(case, arrays, True, "bfloat16"),
+                                              twins.exact(case, *arrays, True))
