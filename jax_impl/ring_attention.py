@@ -52,7 +52,8 @@ rank (static shapes in each). Its backward gathers K/V again (instead of keeping
 Packed documents (`segment_ids`, `weights/documents.py`), and the zigzag_stripes layout with or without them: every
 step is the whole K/V block on its key spans (`_step_spans`: segment ids travel with their block, positions come
 from a table indexed by the traced rank, so no cond); the allgather variant makes one call on the spans of the
-whole sequence (no switch).
+whole sequence (no switch). The pair calls take the spans in whichever Pallas family serves them (`"pallas"`: the
+Mosaic kernels on sm90), one kernel shape for every step.
 
 Per-pair work goes to `jax_impl.kernels.flash_attention` (`backend="pallas"` kernels, `"reference"` plain math, or
 `"cudnn"`). Shapes are static in JAX, so inside `shard_map` every device has the same local shapes and settings:

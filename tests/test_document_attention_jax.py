@@ -4,6 +4,12 @@ time, by the flash rule (bf16/fp16) and in fp32; the negative control (a dropped
 pair skipped, not masked; segment ids traced under jit; the families that do not take documents refuse them. Twin
 of tests/test_document_attention_torch.py; the cases, the answer and the tolerances (with their reasons) are
 tests/document_twins.py's.
+
+The Hopper family (Mosaic GPU kernels, `backend="pallas_hopper"`) runs under Pallas's Mosaic GPU interpreter on the
+CPU (tests/test_kernels_hopper_jax.py says what that covers), at one tile of each kernel: its documents by the flash
+rule with another document poisoned (skipped blocks never read), causal and full; its negative control; the ring's
+pair contract on monotone spans with rows that see no key (HALF_P_TOL, its reason in tests/kernel_twins.py). On the
+GPU (`gpu`) every family that takes documents runs real sizes by the flash rule, with a negative control.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import pytest
 from jax_impl.attention import reference_attention, reference_attention_backward, reference_attention_forward
 from jax_impl.documents import Spans
 from jax_impl.kernels.flash_attention import flash_attention, flash_attention_backward, flash_attention_forward
+from jax_impl.kernels.hopper.config import HopperConfig
 from jax_impl.kernels.portable.config import KernelConfig, PortableConfig
 
 # Interpret-mode kernels are tiny loops; XLA's CPU optimisation passes dominate their compile time.
@@ -169,14 +176,101 @@ def test_span_kernels_lower_through_triton_for_cuda(monkeypatch):
     assert lowered.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 3
 
 
-@pytest.mark.parametrize("backend, message", [
-    ("pallas_hopper", "backend 'pallas_hopper' does not take documents; the portable family does"),
-    ("cudnn", "backend 'cudnn' does not take documents"),
-])
-def test_families_without_documents_refuse_them(backend, message):
+def test_families_without_documents_refuse_them():
     q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match=message):
-        flash_attention(q, q, q, backend=backend, segment_ids=jnp.zeros((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match=r"backend 'cudnn' does not take documents.*so does the Hopper family"):
+        flash_attention(q, q, q, backend="cudnn", segment_ids=jnp.zeros((1, 8), jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Hopper family (Mosaic GPU kernels) under Pallas's GPU interpreter
+# ---------------------------------------------------------------------------------------------------------------
+
+# 128 tokens: documents of length 1 (at 0 and 54), odd lengths, GQA 2:1, D=64 (a Mosaic head dim); the last document
+# fills the second half, one 64-row warpgroup of the tile, and is the one poisoned. 64-key blocks for the forward and
+# dQ kernels, so a tile (2 warpgroups x 64 rows) streams two blocks and each warpgroup runs one and drains the other,
+# as the dK/dV kernel's warpgroups do with the two 64-row query blocks (the skipped blocks the poison must not reach).
+MOSAIC_CASE = twins.DocumentCase(((1, 20, 33, 1, 9, 64),), heads=2, kv_heads=1, dim=64)
+MOSAIC_POISONED = 5
+MOSAIC_BLOCKS = HopperConfig(block_kv=64, dq_block_kv=64)
+
+
+def _positions(result: dict, tokens) -> dict:
+    """`result` at the query/key positions `tokens` (lse is [B, H, S], the rest [B, S, heads, D])."""
+    return {name: np.compress(tokens, x, 2 if name == "lse" else 1) for name, x in result.items()}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_mosaic_documents_meet_the_rule_and_skip_other_documents(causal):
+    """Forward and backward of the Mosaic kernels with documents, NaN in one document's q, k, v and dout: its own
+    results are NaN (the poison took), every other document's are finite and meet the flash rule against the clean
+    documents one at a time (so no kernel read a tile of the poisoned document for them: a masked tile would still
+    multiply its NaN V or dO by a zero P)."""
+    case = MOSAIC_CASE
+    ids = twins.segment_ids(case)
+    clean = twins.case_inputs(case, "bfloat16")
+    poisoned = [x.copy() for x in clean]
+    rows = ids[0] == MOSAIC_POISONED
+    for x in poisoned:
+        x[:, rows] = np.nan
+    ours = _ours(*_arrays(poisoned, jnp.bfloat16), causal, ids, backend="pallas_hopper", config=MOSAIC_BLOCKS)
+    for name, x in _positions(ours, rows).items():
+        assert not np.isfinite(x).any(), name  # the poison took (NaN; lse -inf: a NaN row sum counts as no key)
+    naive = naive_one_at_a_time(case, clean, causal, "bfloat16")
+    exact = twins.exact(case, *clean, causal)
+    violations = kernel_twins.flash_rule_violations(*(_positions(x, ~rows) for x in (ours, naive, exact)))
+    assert not violations, f"(ours, naive) errors beyond the rule: {violations}"
+
+
+def test_mosaic_documents_dropped_boundary_fails_the_rule():
+    """Negative control of the Mosaic kernels' documents (forward, default blocks: one 128-key block, masked per
+    row): one boundary missing from the segment ids breaks the rule."""
+    case = MOSAIC_CASE
+    arrays = twins.case_inputs(case, "bfloat16")
+    merged = jnp.asarray(twins.merged_boundary(twins.segment_ids(case), twins.DROPPED_BOUNDARY))
+    out, lse = jax.jit(lambda q, k, v, ids: flash_attention(q, k, v, return_lse=True, backend="pallas_hopper",
+                                                             segment_ids=ids))(*_arrays(arrays[:3], jnp.bfloat16),
+                                                                               merged)
+    exact = twins.exact(case, *arrays, True)
+    naive = naive_one_at_a_time(case, arrays, True, "bfloat16")
+    forward = {"out": np.asarray(out, np.float64), "lse": np.asarray(lse, np.float64)}
+    assert kernel_twins.flash_rule_violations(forward | {name: exact[name] for name in ("dq", "dk", "dv")}, naive,
+                                              exact)
+
+
+def test_mosaic_pair_functions_take_any_monotone_spans():
+    """The ring's contract on the Mosaic kernels: the pair forward (fp32 out, as the ring's partials) and backward
+    on monotone spans that are no documents' (rows that see no key, Sq != Sk, a span ending at Sk) match the
+    reference pair functions on the same bf16 inputs within HALF_P_TOL (the kernel rounds P to bf16 before P V,
+    the reference does not: kernel_twins' reason); rows that see no key get lse -inf and out 0 in both."""
+    case = kernel_twins.KernelCase(77, 120, 2, 1, 64)  # one tile of every kernel: the interpreter's cost
+    q, k, v, dout = _arrays(kernel_twins.inputs(case, "bfloat16"), jnp.bfloat16)
+    spans = _random_spans(1, 77, 120, seed=2)
+    results = {}
+    for backend in ("pallas_hopper", "reference"):
+        def pairs(q, k, v, dout, spans):
+            out, lse = flash_attention_forward(q, k, v, causal=False, out_dtype=jnp.float32, backend=backend,
+                                               spans=spans)
+            grads = flash_attention_backward(dout, q, k, v, out.astype(jnp.bfloat16), lse, causal=False,
+                                             backend=backend, spans=spans)
+            return out, lse, *grads
+        results[backend] = jax.jit(pairs, compiler_options=FAST_COMPILE)(q, k, v, dout, spans)
+    assert np.isneginf(np.asarray(results["reference"][1])).any()  # some rows see no key
+    for name, got, want in zip(NAMES, results["pallas_hopper"], results["reference"]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **kernel_twins.HALF_P_TOL, err_msg=name)
+
+
+def test_mosaic_one_kernel_backward_refuses_documents():
+    """The one-kernel forms add a step's dQ from both warpgroups' dS tiles; a warpgroup skipping another
+    document's query blocks would leave its tile stale, so they refuse documents (at trace time, in one line)."""
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 2, 128), jnp.float32)
+    spans = Spans(*(jax.ShapeDtypeStruct((1, 128), jnp.int32),) * 2)
+    with pytest.raises(ValueError, match="bwd_form='one_kernel' takes no documents"):
+        jax.eval_shape(lambda q, k, v, out, lse, spans: flash_attention_backward(
+            q, q, k, v, out, lse, causal=True, backend="pallas_hopper", config=HopperConfig(bwd_form="one_kernel"),
+            spans=Spans(*spans)), q, kv, kv, q, lse, spans)
 
 
 @pytest.mark.parametrize("segment_ids, message", [
@@ -196,12 +290,38 @@ def test_documents_need_self_attention():
         flash_attention(q, k, k, segment_ids=jnp.zeros((1, 4), jnp.int32))
 
 
+def _on_hopper() -> bool:
+    return jax.default_backend() == "gpu" and getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+
+
+GPU_LENGTHS = {"one": (4096,), "mixed": (1, 777, 3000, 318), "short": (128,) * 32}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(4096,), (1, 777, 3000, 318), (128,) * 32], ids=["one", "mixed", "short"])
+@pytest.mark.parametrize("lengths", GPU_LENGTHS.values(), ids=GPU_LENGTHS.keys())
 @pytest.mark.parametrize("dim", [64, 128])
 def test_documents_on_the_gpu_by_the_flash_rule(dim, lengths):
-    """Real sizes: bf16, "pallas" (the portable family once documents are given), documents as the corpus packs
-    them and many short ones, by the flash rule against the documents one at a time."""
+    """Real sizes, bf16, through every family that takes documents: the Mosaic kernels ("pallas_hopper", on an
+    sm90 GPU), the portable ones ("pallas_portable") and the dispatcher ("pallas": the Mosaic kernels on sm90);
+    documents as the corpus packs them and many short ones, by the flash rule against the documents one at a time
+    (the naive and exact answers made once for all three)."""
     case = twins.DocumentCase((lengths,), heads=8, kv_heads=2, dim=dim)
-    violations = _violations(case, "bfloat16", True, twins.segment_ids(case))
-    assert not violations, f"(ours, naive) errors beyond the rule: {violations}"
+    arrays = twins.case_inputs(case, "bfloat16")
+    naive, exact = naive_one_at_a_time(case, arrays, True, "bfloat16"), twins.exact(case, *arrays, True)
+    backends = (["pallas_hopper"] if _on_hopper() else []) + ["pallas_portable", "pallas"]
+    for backend in backends:
+        ours = _ours(*_arrays(arrays, jnp.bfloat16), True, twins.segment_ids(case), backend=backend)
+        violations = kernel_twins.flash_rule_violations(ours, naive, exact)
+        assert not violations, f"{backend}: (ours, naive) errors beyond the rule: {violations}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="needs an sm90 (Hopper) GPU")
+def test_mosaic_documents_dropped_boundary_fails_on_the_gpu():
+    """Negative control of the GPU rule on the Mosaic kernels: the mixed documents with one boundary dropped."""
+    case = twins.DocumentCase((GPU_LENGTHS["mixed"],), heads=8, kv_heads=2, dim=128)
+    arrays = twins.case_inputs(case, "bfloat16")
+    merged = twins.merged_boundary(twins.segment_ids(case), twins.DROPPED_BOUNDARY)
+    ours = _ours(*_arrays(arrays, jnp.bfloat16), True, merged, backend="pallas_hopper")
+    assert kernel_twins.flash_rule_violations(ours, naive_one_at_a_time(case, arrays, True, "bfloat16"),
+                                              twins.exact(case, *arrays, True))

@@ -8,6 +8,8 @@ cases, the answer and the tolerances (with their reasons) are tests/document_twi
 
 from __future__ import annotations
 
+import importlib
+
 import document_twins as twins
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import ring_twins
 from jax.sharding import Mesh
 from test_document_attention_jax import FAST_COMPILE, naive_one_at_a_time
 
+from compare.bench.jax_compile_profile import kernel_hashes
 from jax_impl.ring_attention import ring_attention_sharded
 
 
@@ -71,10 +74,32 @@ def test_zigzag_stripes_without_documents_is_causal_attention():
     kernel_twins.assert_fp32_close(_ring(case, "reference", with_documents=False), _exact(case))
 
 
+@pytest.mark.parametrize("variant", ["ring", "allgather"])
+def test_ring_documents_reach_the_mosaic_kernels_where_they_are_the_default(variant, monkeypatch):
+    """On an sm90 GPU "pallas" serves documents with the Mosaic kernels: the ring with segment ids, lowered for CUDA
+    on the CPU as on a Hopper GPU (the calls switched from the interpreter, the device taken for an sm90), holds
+    Mosaic GPU kernels with the document path lowered, three (forward, dK/dV, dQ): every step is the whole block on
+    its key spans, one kernel shape (the numbers: the interpreted pair tests of test_document_attention_jax.py)."""
+    kernels = importlib.import_module("jax_impl.kernels.flash_attention")
+    monkeypatch.setattr(kernels, "_interpret", lambda: False)
+    monkeypatch.setattr(kernels, "_on_hopper", lambda: True)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+    q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+
+    def forward_and_backward(q, k, v, ids):
+        out, pullback = jax.vjp(lambda q, k, v: ring_attention_sharded(q, k, v, mesh, layout="zigzag_stripes",
+                                                                       variant=variant, segment_ids=ids), q, k, v)
+        return pullback(out)
+    lowered = jax.jit(forward_and_backward).trace(q, kv, kv, jax.ShapeDtypeStruct((1, 512), jnp.int32))
+    assert len(kernel_hashes(lowered.lower(lowering_platforms=("cuda",)))) == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", twins.RING_GPU, ids=twins.ids(twins.RING_GPU))
 def test_gpu_ring_documents_meet_the_flash_rule(case):
-    """2 GPUs, bf16 through the portable Pallas kernels ("pallas" with documents)."""
+    """2 GPUs, bf16 through our kernels ("pallas" with documents: the Mosaic kernels on sm90, else the portable
+    ones)."""
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < case.world:
         pytest.skip(f"needs {case.world} GPUs visible to JAX")

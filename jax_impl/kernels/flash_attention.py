@@ -29,9 +29,10 @@ Backends (`backend=`, `weights.training.ATTENTION_BACKENDS["jax"]`):
     pair contract are exact casts of half-precision results (the ring accumulates them with that rounding).
 
 Packed documents (`weights/documents.py`): `flash_attention(..., segment_ids=)` turns them into key spans
-(`jax_impl/documents.py`, traceable), which the pair functions take as `spans=` (the ring's per-step spans); the
-portable kernels and "reference" take them, "pallas" then runs the portable family, every other backend refuses
-them with one ValueError naming those that take them (the Mosaic kernels have no span path yet).
+(`jax_impl/documents.py`, traceable), which the pair functions take as `spans=` (the ring's per-step spans); both
+Pallas families and "reference" take them ("pallas" picks the family as without documents: the Hopper one on sm90
+where it serves the inputs; the Mosaic backward in its two-kernel form, the default), cuDNN refuses them with one
+ValueError naming those that take them (`DOCUMENT_BACKENDS`).
 
 Block sizes (`config=`, every entry point): those of the Pallas kernel family serving the call, a `PortableConfig`
 or a `HopperConfig` (the other family's is a ValueError naming both, and so is any config for "reference" and
@@ -80,7 +81,7 @@ BACKENDS = ATTENTION_BACKENDS["jax"]
 # its retuned blocks (2026-11-21, non-causal, Hkv=8, where Mosaic runs 410).
 HOPPER_DEFAULT_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-DOCUMENT_BACKENDS = ("pallas", "pallas_portable", "reference")  # those that take documents (`_check_spans`)
+DOCUMENT_BACKENDS = ("pallas", "pallas_portable", "pallas_hopper", "reference")  # take documents (`_check_spans`)
 MAX_HEAD_DIM = 256
 
 
@@ -94,10 +95,10 @@ def _on_hopper() -> bool:
     return jax.default_backend() == "gpu" and getattr(device, "compute_capability", None) == "9.0"
 
 
-def _uses_hopper(backend: str, q, documents: bool = False) -> bool:
+def _uses_hopper(backend: str, q) -> bool:
     """Which Pallas kernel family serves this call: True for the Hopper family (Mosaic GPU), False for the portable
-    one (Triton lowering), which alone takes documents."""
-    if backend == "pallas_portable" or (documents and backend == "pallas"):
+    one (Triton lowering). Both take documents, so they do not decide it."""
+    if backend == "pallas_portable":
         return False
     unsupported = hopper_unsupported(q, q.shape[3])
     if backend == "pallas_hopper":
@@ -124,13 +125,12 @@ def runs_hopper_kernels(backend: str, q) -> bool:
     return backend in ("pallas", "pallas_hopper") and _uses_hopper(backend, q)
 
 
-def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None,
-                   documents: bool = False) -> PortableConfig | HopperConfig:
+def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None) -> PortableConfig | HopperConfig:
     """The config of the Pallas kernel family serving this call (a `HopperConfig` for the Hopper family, else a
     `PortableConfig`): `config` if given, else the family's heuristic for q's head dim and dtype, and for the Hopper
     family the forward's out dtype (None: q's; the ring's fp32 partials take more shared memory) and the device's
     shared memory."""
-    uses_hopper = _uses_hopper(backend, q, documents)
+    uses_hopper = _uses_hopper(backend, q)
     if config is None:
         return (hopper_config.default_config(q.shape[3], dtype=q.dtype, out_dtype=out_dtype,
                                              limit=smem_limit(interpret)) if uses_hopper
@@ -172,12 +172,15 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
 
 
 def _check_spans(spans, q, backend: str) -> None:
-    """Documents' key spans (`jax_impl.documents.Spans`, int32 [B, Sq] each) and a backend that takes them: the
-    portable family (also through "pallas") and the reference."""
+    """Documents' key spans (`jax_impl.documents.Spans`, int32 [B, Sq] each) and a backend that takes them: either
+    Pallas family (also through "pallas") and the reference."""
     if spans is None:
         return
     if backend not in DOCUMENT_BACKENDS:
-        raise ValueError(documents_refusal(backend, portable="pallas_portable", dispatcher="pallas"))
+        # weights' wording (shared with torch, whose Hopper family takes none) names the portable family; here the
+        # Hopper family takes them too
+        raise ValueError(documents_refusal(backend, portable="pallas_portable", dispatcher="pallas")
+                         + "; so does the Hopper family ('pallas_hopper')")
     if not isinstance(spans, Spans):
         raise ValueError(f"spans must be a jax_impl.documents.Spans, got {type(spans).__name__}")
     for name, x in zip(spans._fields, spans):
@@ -285,11 +288,10 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal:
     if backend == "cudnn":
         return _cudnn_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
     interpret = _interpret()
-    config = _pallas_config(backend, q, config, interpret=interpret, out_dtype=out_dtype,
-                            documents=spans is not None)
+    config = _pallas_config(backend, q, config, interpret=interpret, out_dtype=out_dtype)
     if isinstance(config, HopperConfig):
         return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config,
-                              interpret=interpret)
+                              interpret=interpret, spans=spans)
     return portable_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config.forward,
                             interpret=interpret, spans=spans)
 
@@ -316,10 +318,10 @@ def flash_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax
     if backend == "cudnn":
         return _cudnn_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
     interpret = _interpret()
-    config = _pallas_config(backend, q, config, interpret=interpret, documents=spans is not None)
+    config = _pallas_config(backend, q, config, interpret=interpret)
     if isinstance(config, HopperConfig):
         return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, config=config,
-                               interpret=interpret)
+                               interpret=interpret, spans=spans)
     return portable_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
                              dkdv_config=config.backward_dkdv, dq_config=config.backward_dq, interpret=interpret,
                              spans=spans)
@@ -364,8 +366,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     `stop_gradient`: it is for inspection and merging, and gradients flow only through out. Works under jit
     and inside `jax.shard_map`. `backend`: one of BACKENDS, "pallas" by default; `config`: the Pallas kernels'
     block sizes, None for the heuristic (see module doc). `segment_ids` [B, S] (self-attention, Sq == Sk):
-    packed documents (`weights/documents.py`), each token attending only within its own; the portable family and
-    "reference" take them ("pallas" then runs the portable family).
+    packed documents (`weights/documents.py`), each token attending only within its own; both Pallas families
+    and "reference" take them (`DOCUMENT_BACKENDS`).
     """
     _check_backend(backend, config)
     _validate_qkv(q, k, v)

@@ -7,7 +7,9 @@ the causal block ranges, the documents' span block ranges, the runs of key block
 (`key_block_runs`, `fold_block_runs`) and the grid's index maps.
 
 Hopper (Pallas Mosaic GPU): the GPU interpreter switch, register-layout hints, the Q K^T wgmma, a query tile's K/V
-step range, the TMA producer loop and every Mosaic kernel's launch. Pallas's Mosaic GPU interpreter (CPU tests,
+step range, the documents' block ranges of a tile and its warpgroups (`tile_span_bounds`, from the same
+`span_bounds` as the portable kernels'), per-row vectors in register layout, the TMA producer loop and every Mosaic
+kernel's launch. Pallas's Mosaic GPU interpreter (CPU tests,
 `interpret=True`) lacks wgmma with a register left operand, `pl.run_state` over a wgmma accumulator, a rule for
 register-layout casts and wgmma reading a transposed operand, so a few helpers differ under interpretation (lines
 marked INTERPRET: `wgmma_nt` here and `matmul_acc` in `hopper/forward.py` are plain fp32-accumulating dots on the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 
 import jax
@@ -34,6 +37,9 @@ try:  # public from jax 0.11; jax 0.10 has it only under _src
     from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 except ImportError:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+# jax 0.10's plgpu.load takes an index argument that 0.11 dropped.
+_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
 
 
 LOG2E = math.log2(math.e)
@@ -193,21 +199,29 @@ def span_block_range(span_start_ref, span_end_ref, block: int):
     or only feed dots)."""
     def bounds(_, unused):
         span_start, span_end = span_start_ref[...], span_end_ref[...]
-        lowest_start, highest_start = jnp.min(span_start), jnp.max(span_start)
-        lowest_end, highest_end = jnp.min(span_end), jnp.max(span_end)
-        first = index_div(lowest_start, block)
-        end = jnp.where(highest_end > lowest_start, index_div(highest_end + block - 1, block), first)
-        full_first = jnp.clip(index_div(highest_start + block - 1, block), first, end)
-        full_end = jnp.clip(index_div(lowest_end, block), full_first, end)
-        return first, full_first, full_end, end
+        return span_bounds(jnp.min(span_start), jnp.max(span_start), jnp.min(span_end), jnp.max(span_end), block)
     return lax.fori_loop(0, traced(1), bounds, (traced(0),) * 4)
 
 
-def span_block_runs(span_start_ref, span_end_ref, block: int):
-    """`span_block_range` as the runs of blocks a kernel loops over, (first, end, masked) each: the blocks only some
-    rows see part of (masked), those every row sees whole (unmasked), then the rest (masked)."""
-    bounds = span_block_range(span_start_ref, span_end_ref, block)
+def span_bounds(lowest_start, highest_start, lowest_end, highest_end, block: int):
+    """`span_block_range`'s (first, full_first, full_end, end) from the extremes of a block of rows' spans (int32
+    scalars in a kernel, or arrays in plain JAX: `tile_span_bounds`)."""
+    first = index_div(lowest_start, block)
+    end = jnp.where(highest_end > lowest_start, index_div(highest_end + block - 1, block), first)
+    full_first = jnp.clip(index_div(highest_start + block - 1, block), first, end)
+    full_end = jnp.clip(index_div(lowest_end, block), full_first, end)
+    return first, full_first, full_end, end
+
+
+def block_runs(bounds):
+    """(first, full_first, full_end, end) as the runs of blocks a kernel loops over, (first, end, masked) each: the
+    blocks only some rows see part of (masked), those every row sees whole (unmasked), then the rest (masked)."""
     return tuple(zip(bounds, bounds[1:], (True, False, True)))
+
+
+def span_block_runs(span_start_ref, span_end_ref, block: int):
+    """`span_block_range` as the runs of blocks a kernel loops over (`block_runs`)."""
+    return block_runs(span_block_range(span_start_ref, span_end_ref, block))
 
 
 def key_block_runs(q_first, block_q: int, block_k: int, *, causal: bool, offset: int, seq_k: int, num_k_blocks: int,
@@ -288,6 +302,47 @@ def causal_kv_steps(q_first, block_q: int, block_kv: int, *, causal: bool, offse
     n_end = jnp.clip(index_div(jnp.maximum(q_first + block_q + offset + block_kv - 1, 0), block_kv), 0, num_kv)
     n_full = jnp.minimum(index_div(jnp.maximum(q_first + offset + 1, 0), block_kv), n_end)
     return n_full, n_end
+
+
+def load_rows(ref, kind, *, interpret: bool, from_global: bool = False):
+    """A vector of per-row values (lse, delta, documents' spans) from a Ref in shared memory, or `from_global`
+    memory, in register layout `kind` (a reduction of `plgpu.Layout.WGMMA`: the rows or the columns of a wgmma
+    tile). Mosaic GPU plans its vectorised ("optimized") transfers for shared memory only; a global load of one
+    vector per warpgroup and tile, as the documents' spans are, takes the plain one."""
+    if interpret:  # INTERPRET: layouts are Mosaic compiler hints (see `layout`)
+        return ref[...]
+    options = dict(layout=kind, optimized=False) if from_global else dict(layout=kind)
+    return plgpu.load(ref, (), **options) if _LOAD_TAKES_INDEX else plgpu.load(ref, **options)
+
+
+def tile_span_bounds(span_start: jax.Array, span_end: jax.Array, *, rows: int, parts: int, block: int) -> jax.Array:
+    """Documents' block ranges for the Mosaic kernels, in plain JAX before the launch (a kernel would need a
+    reduction across its warps for them): int32 [B, tiles, parts + 1, 4]. A tile (a CTA's rows: `parts` compute
+    warpgroups of `rows` rows each; `span_start` / `span_end` [B, tiles * parts * rows], padded rows repeating the
+    last row's: `edge_padded_spans`) gets `span_bounds` in units of `block` columns for each warpgroup's rows,
+    clipped into the tile's, and at index `parts` the tile's own: the blocks its producer streams, [first, end)."""
+    batch, total = span_start.shape
+    parted = (batch, total // (parts * rows), parts, rows)
+
+    def bounds(start, end):  # [..., rows] -> [..., 4]
+        return jnp.stack(span_bounds(start.min(-1), start.max(-1), end.min(-1), end.max(-1), block), axis=-1)
+    part = bounds(span_start.reshape(parted), span_end.reshape(parted))
+    tile = bounds(span_start.reshape(parted[:2] + (-1,)), span_end.reshape(parted[:2] + (-1,)))[:, :, None]
+    # A warpgroup whose rows see nothing has first == end anywhere; clipped, its steps are the tile's to drain.
+    return jnp.concatenate([jnp.clip(part, tile[..., :1], tile[..., 3:]), tile], axis=2)
+
+
+def tile_span(bounds_ref, batch, tile):
+    """In a Mosaic kernel: (first block, number of blocks) that tile `tile` streams (`tile_span_bounds`' Ref)."""
+    parts = bounds_ref.shape[2] - 1
+    first = bounds_ref[batch, tile, parts, 0]
+    return first, bounds_ref[batch, tile, parts, 3] - first
+
+
+def part_runs(bounds_ref, batch, tile, part, tile_first):
+    """In a Mosaic kernel: warpgroup `part`'s runs of the tile's steps (step s: block tile_first + s), (first, end,
+    masked) each (`block_runs`); the tile's steps before the first run and after the last are its to drain."""
+    return block_runs([bounds_ref[batch, tile, part, i] - tile_first for i in range(4)])
 
 
 def tile_index(causal: bool, num_tiles: int):

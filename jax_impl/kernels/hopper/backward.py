@@ -1,8 +1,9 @@
 """The Hopper family's backward: FlashAttention backward for sm90 as Pallas Mosaic GPU kernels, fp32 gradients.
-Twin of `torch_impl/kernels/hopper/backward.py` (the family's torch backward, a Gluon kernel of its own design); the
-config and the kernels' scratch (with its shared-memory check) come from `config.py`, the producer loop, step ranges,
-launch and interpreter switch from `kernels/tiles.py`.
-
+Twin of `torch_impl/kernels/hopper/backward.py` (the family's torch backward, a Gluon kernel of its own design). This
+module owns the form's choice, the dK/dV kernel (and in the one-kernel forms its dQ) and the wrapper; the two-kernel
+form's dQ kernel is `backward_dq.py`, the step both kernels run `backward_step.py`; the config and the kernels'
+scratch (with its shared-memory check) come from `config.py`, the producer loop, step ranges, launch and interpreter
+switch from `kernels/tiles.py`.
 Same contract as `portable.backward.portable_backward`: dout, q, k, v and a (possibly globally merged) out/lse;
 returns fp32 dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D]. Plain JAX first forms, in fp32, delta = rowsum(dout *
 out) and lse in the exp2 domain (rows with lse -inf and padded rows get +inf, so their P is exactly 0).
@@ -12,10 +13,14 @@ out) and lse in the exp2 domain (rows with lse -inf and padded rows get +inf, so
     (one flat loop, head fastest) through `bwd_num_stages` slots, starting at the first query block that
     sees the CTA's keys. Per step (4 wgmmas): S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
     dS^T = P^T (dP^T - delta), dK += dS^T Q. Blocks crossing the causal diagonal are masked.
-  - dQ kernel: a CTA owns 2 * dq_block_q query rows of one (batch, head); the TMA warpgroup streams K/V
-    blocks of dq_block_kv keys as in the forward (unmasked, then masked steps; longest tiles first). Per step
-    (3 wgmmas): S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
-The softmax scale multiplies dQ and dK once at the end. Both kernels run their steps through `_gradient_step`,
+  - dQ kernel (`backward_dq.py`): a CTA owns 2 * dq_block_q query rows of one (batch, head); the TMA warpgroup
+    streams K/V blocks of dq_block_kv keys as in the forward (unmasked, then masked steps; longest tiles first).
+    Per step (3 wgmmas): S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+Documents (`spans`, `weights/documents.py`): the dQ kernel walks key blocks as the forward does, the dK/dV kernel
+the query blocks between its keys' query spans (a CTA streams those of both warpgroups' keys; each warpgroup
+computes its own keys' runs, masked by the query span of each key at the edges, and drains the other blocks
+unread); blocks without a pair are never loaded. Two-kernel form only (`hopper_backward` says why).
+The softmax scale multiplies dQ and dK once at the end. Both kernels run their steps through `gradient_step`,
 which with `HopperConfig.bwd_overlap` issues S and dP together and awaits each wgmma only where its result is
 read; every step still ends with all of its wgmmas complete (the accumulators are values between steps).
 
@@ -51,7 +56,6 @@ CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -59,35 +63,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_impl.documents import query_spans
+from jax_impl.kernels.hopper.backward_dq import dq_call
+from jax_impl.kernels.hopper.backward_step import gradient_step, store_fp32
 from jax_impl.kernels.hopper.config import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, DQ_CHUNK, PRODUCER_REGISTERS,
-                                            HopperConfig, KernelScratch, backward_lengths, backward_stages, check_smem,
+                                            HopperConfig, backward_lengths, backward_stages, check_smem,
                                             dkdv_scratch, dq_scratch)
-from jax_impl.kernels.tiles import (LOG2E, copy_in, index_div, index_rem, iota, launch, layout, output_struct,
-                                    pad_axis, produce, query_tile, stream_blocks, warpgroup_rows, wgmma_nt)
-
-# jax 0.10's plgpu.load takes an index argument that 0.11 dropped.
-_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
-
-
-def _load_stats(ref, kind, *, interpret: bool):
-    """A row-statistics vector (lse or delta) from shared memory in register layout `kind`."""
-    if interpret:  # INTERPRET: layouts are Mosaic compiler hints (see tiles.layout)
-        return ref[...]
-    return plgpu.load(ref, (), layout=kind) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=kind)
-
-
-def _store_fp32(results, out_smem, out_refs):
-    """Write fp32 register tiles [rows, D] to global memory [..., rows, ..., D] through one shared-memory tile
-    [rows, width], one column chunk of `width` after the other."""
-    width = out_smem.shape[-1]
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a reduce-add of the one-kernel form may still read it
-    for result, out_ref in zip(results, out_refs):
-        for first in range(0, result.shape[-1], width):
-            out_smem[...] = result[:, first:first + width] if width < result.shape[-1] else result
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[..., pl.ds(first, width)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    plgpu.wait_smem_to_gmem(0)
+from jax_impl.kernels.tiles import (LOG2E, copy_in, edge_padded_spans, index_div, index_rem, iota, launch, layout,
+                                    load_rows, output_struct, pad_axis, part_runs, produce, tile_span,
+                                    tile_span_bounds, warpgroup_rows)
 
 
 def _matmul_tn_sum(pairs, *, interpret: bool):
@@ -105,68 +89,15 @@ def _matmul_tn_sum(pairs, *, interpret: bool):
     return pl.run_scoped(compute, plgpu.ACC((a.shape[1], b.shape[1]), jnp.float32))
 
 
-def _gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, probs_acc, dscores_acc, *, overlap: bool,
-                   interpret: bool):
-    """One backward step's matmuls around its elementwise math, all fp32-accumulating:
-    S = a b^T and dP = c d^T from the shared-memory pairs `scores_pair` and `dprobs_pair`, P = probs_of(S),
-    probs_acc = (acc, rhs): acc + P rhs (None: no such product), dS = dscores_of(P, dP),
-    dscores_acc = (acc, rhs): acc + dS rhs. Returns the updated accumulators (None for an absent one).
-
-    `overlap` (HopperConfig.bwd_overlap): S and dP are issued together and each product is awaited only where
-    its result is read (S while dP runs, dP while P rhs runs), so the tensor cores have the next wgmma queued
-    while the warpgroup computes P or dS; without it, every wgmma is awaited as soon as it is issued."""
-    accs = tuple(pair[0] for pair in (probs_acc, dscores_acc) if pair is not None)
-    if interpret:  # INTERPRET: plain dots (see tiles.py); no asynchrony to express
-        def dot(a, b):
-            return jnp.dot(a if isinstance(a, jax.Array) else a[...], b[...], preferred_element_type=jnp.float32)
-        probs = probs_of(wgmma_nt(*scores_pair, interpret=True))
-        dprobs = wgmma_nt(*dprobs_pair, interpret=True)
-        new_probs_acc = None if probs_acc is None else probs_acc[0] + dot(probs.astype(probs_acc[1].dtype),
-                                                                            probs_acc[1])
-        dscores = dscores_of(probs, dprobs)
-        return new_probs_acc, dscores_acc[0] + dot(dscores.astype(dscores_acc[1].dtype), dscores_acc[1])
-
-    def settle():
-        if not overlap:
-            plgpu.wgmma_wait(0)
-
-    def compute(acc_refs):
-        def scoped(scores_ref, dprobs_ref):
-            plgpu.wgmma(scores_ref, scores_pair[0], plgpu.transpose_ref(scores_pair[1], (1, 0)))
-            settle()
-            plgpu.wgmma(dprobs_ref, dprobs_pair[0], plgpu.transpose_ref(dprobs_pair[1], (1, 0)))
-            settle()
-            with jax.named_scope("probs"):
-                probs = probs_of(plgpu.wgmma_accumulator_load(scores_ref, wait_n=1 if overlap else 0))
-            if probs_acc is not None:
-                plgpu.wgmma(acc_refs[0], probs.astype(probs_acc[1].dtype), probs_acc[1])
-                settle()
-            with jax.named_scope("dscores"):
-                dprobs = plgpu.wgmma_accumulator_load(dprobs_ref,
-                                                      wait_n=1 if overlap and probs_acc is not None else 0)
-                dscores = dscores_of(probs, dprobs)
-            plgpu.wgmma(acc_refs[-1], dscores.astype(dscores_acc[1].dtype), dscores_acc[1])
-        shape = (scores_pair[0].shape[0], scores_pair[1].shape[0])
-        pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-    results = pl.run_state(compute)(tuple(plgpu.ACC.init(acc) for acc in accs))  # awaits every wgmma
-    return (results[0] if probs_acc is not None else None), results[-1]
-
-
-def stream_kv(refs, smem, barriers, consumed, *, batch, kv_head, block_kv: int, steps, stages: int):
-    """The TMA warpgroup of a kernel whose compute warpgroups walk K/V blocks [0, steps) of one KV head: block s's
-    K and V (`refs` in global memory) go into slot s % stages of `smem` (`stream_blocks`)."""
-    stream_blocks(refs, smem, barriers, consumed, rows_of=lambda step: (batch, pl.ds(step * block_kv, block_kv),
-                                                                         kv_head),
-                  steps=steps, stages=stages, registers=PRODUCER_REGISTERS)
-
-
 def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_ref, dv_ref, k_smem2, v_smem2,
                  out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, kv_barriers, q_barriers, dout_barriers,
                  lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool, scale: float, block_q: int,
                  block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int, overlap: bool,
-                 private_dq: bool, interpret: bool):
+                 private_dq: bool, interpret: bool, span_refs=None):
     """dK/dV (and with `dq_ref`, the one-kernel forms, dQ by reduce-add; else dq_ref, ds_smem and ds_ready are
-    None). `private_dq`: each warpgroup adds the dQ share of its own keys (ds_ready is None)."""
+    None). `private_dq`: each warpgroup adds the dQ share of its own keys (ds_ready is None). `span_refs`:
+    documents' (query_start, query_end) of every key and their `tiles.tile_span_bounds` over query blocks (the
+    two-kernel form only; then `causal` is False)."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     kv_tile = lax.axis_index("kv_tile")
     cta_first = kv_tile * (COMPUTE_WARPGROUPS * block_kv)
@@ -180,8 +111,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                         num_q_blocks)
         return start, jnp.maximum(full, start)
 
-    cta_start, _ = q_range(cta_first)
-    begin, end = cta_start * group, num_q_blocks * group  # flat (query block, head of the group) steps
+    if span_refs is None:
+        cta_start, _ = q_range(cta_first)
+        begin, end = cta_start * group, num_q_blocks * group  # flat (query block, head of the group) steps
+    else:  # documents: the query blocks between the CTA's keys' lowest query_start and highest query_end
+        first_block, blocks = tile_span(span_refs[2], batch, kv_tile)
+        begin, end = first_block * group, (first_block + blocks) * group
 
     def q_block_and_head(t):
         return index_div(t, group), kv_head * group + index_rem(t, group)
@@ -192,9 +127,25 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         k_smem, v_smem, out_smem = k_smem2.at[wg], v_smem2.at[wg], out_smem2.at[wg]
         k_first, rows = warpgroup_rows(cta_first, wg, block_kv, batch, kv_head)
         copy_in(((k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)), kv_barriers, 2 * wg)
-        _, full_start = q_range(k_first)
+        if span_refs is None:
+            _, full_start = q_range(k_first)
+        else:  # the query rows that see each of this warpgroup's keys: its rows of S^T
+            query_start, query_end = (load_rows(ref.at[batch, pl.ds(k_first, block_kv)],
+                                                plgpu.Layout.WGMMA.reduce(1), interpret=interpret, from_global=True)
+                                      for ref in span_refs[:2])
         dim = k_smem.shape[-1]
         zeros = layout(jnp.zeros((block_kv, dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
+
+        def drain(first, last):
+            """Flat steps [first, last) whose query rows see none of this warpgroup's keys (documents): the other
+            warpgroup's. Observe their loads, release their slots; their tiles are never read (NaN in another
+            document's Q or dO would reach dK/dV through a masked P of 0)."""
+            @pl.loop(first, last)
+            def _drain(t):
+                slot = index_rem(t - begin, stages)
+                for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
+                    plgpu.barrier_wait(barrier.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
 
         def add_dq(t, parity):
             """dQ[block t] += dS K over the CTA's keys, for the column chunks this warpgroup takes at step t
@@ -229,8 +180,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             with jax.named_scope("inputs"):
                 for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
                     plgpu.barrier_wait(barrier.at[slot])
-                lse2 = _load_stats(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
-                delta = _load_stats(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
+                lse2 = load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
+                delta = load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
             # dS^T tiles of the shared one-kernel form alternate between two buffers: a warpgroup writes buffer
             # t % 2 again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ
             # wgmmas of step t. With private_dq a warpgroup reads only its own tile, awaited within the step: one.
@@ -238,10 +189,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
 
             def probs_of(scores_t):
                 probs_t = jnp.exp2(scores_t * (scale * LOG2E) - lax.broadcast_in_dim(lse2, scores_t.shape, [1]))
-                if masked:
+                if masked and span_refs is None:
                     q_pos = index_div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
                     k_pos = k_first + iota(scores_t.shape, 0, interpret=interpret)
                     probs_t = jnp.where(k_pos <= q_pos + offset, probs_t, 0.0)
+                elif masked:  # documents: the query rows in each key's query span
+                    q_pos = index_div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
+                    seen = ((q_pos >= lax.broadcast_in_dim(query_start, scores_t.shape, [0]))
+                            & (q_pos < lax.broadcast_in_dim(query_end, scores_t.shape, [0])))
+                    probs_t = jnp.where(seen, probs_t, 0.0)
                 return probs_t
 
             def dscores_of(probs_t, dprobs_t):
@@ -253,7 +209,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                 return dscores_t
 
             with jax.named_scope("grads"):
-                dv, dk = _gradient_step((k_smem, q_smem.at[slot]), (v_smem, dout_smem.at[slot]), probs_of,
+                dv, dk = gradient_step((k_smem, q_smem.at[slot]), (v_smem, dout_smem.at[slot]), probs_of,
                                         dscores_of, (dv, dout_smem.at[slot]), (dk, q_smem.at[slot]),
                                         overlap=overlap, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
@@ -266,13 +222,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             return dk, dv
 
         carry = (zeros, zeros)
-        if causal:  # the CTA's first blocks cross this warpgroup's diagonal (or see none of its keys: P = 0)
-            carry = lax.fori_loop(begin, full_start * group, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(full_start * group if causal else begin, end, functools.partial(step, masked=False),
-                              carry)
+        if span_refs is not None:  # documents: this warpgroup's runs of the CTA's query blocks; it drains the rest
+            runs = part_runs(span_refs[2], batch, kv_tile, wg, first_block)
+            drain(begin, (first_block + runs[0][0]) * group)
+            for first, last, masked in runs:  # (first query block, end, masked), in flat steps of the group's heads
+                carry = lax.fori_loop((first_block + first) * group, (first_block + last) * group,
+                                      functools.partial(step, masked=masked), carry)
+            drain((first_block + runs[-1][1]) * group, end)
+        else:
+            if causal:  # the CTA's first blocks cross this warpgroup's diagonal (or see none of its keys: P = 0)
+                carry = lax.fori_loop(begin, full_start * group, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(full_start * group if causal else begin, end,
+                                  functools.partial(step, masked=False), carry)
         dk, dv = carry
         out_rows = (batch, pl.ds(k_first, block_kv), kv_head)
-        _store_fp32((dk * scale, dv), out_smem, (dk_ref.at[out_rows], dv_ref.at[out_rows]))
+        store_fp32((dk * scale, dv), out_smem, (dk_ref.at[out_rows], dv_ref.at[out_rows]))
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _producer():
@@ -289,70 +253,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         produce(load, (consumed,), begin=begin, end=end, stages=stages)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, q_smem2, dout_smem2, lse_smem2,
-               delta_smem2, out_smem2, k_smem, v_smem, row_barriers, k_barriers, v_barriers, k_consumed,
-               v_consumed, *, causal: bool, scale: float, block_q: int, block_kv: int, stages: int, group: int,
-               offset: int, seq_k: int, num_kv: int, num_tiles: int, overlap: bool, interpret: bool):
-    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    tile_first, kv_range, tile_steps = query_tile(causal=causal, num_tiles=num_tiles, block_q=block_q,
-                                                  block_kv=block_kv, offset=offset, seq_k=seq_k, num_kv=num_kv,
-                                                  warpgroups=COMPUTE_WARPGROUPS)
-
-    @pl.when(wg < COMPUTE_WARPGROUPS)
-    def _compute():
-        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        q_smem, dout_smem = q_smem2.at[wg], dout_smem2.at[wg]
-        q_first, rows = warpgroup_rows(tile_first, wg, block_q, batch, head)
-        stats = (batch, head, pl.ds(q_first, block_q))
-        copies = ((q_ref.at[rows], q_smem), (dout_ref.at[rows], dout_smem),
-                  (lse2_ref.at[stats], lse_smem2.at[wg]), (delta_ref.at[stats], delta_smem2.at[wg]))
-        copy_in(copies, row_barriers, len(copies) * wg)
-        lse2 = _load_stats(lse_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret=interpret)
-        delta = _load_stats(delta_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1), interpret=interpret)
-        n_full, n_end = kv_range(q_first)
-
-        def step(kv_step, dq, *, masked: bool):
-            slot = index_rem(kv_step, stages)
-            plgpu.barrier_wait(k_barriers.at[slot])
-            plgpu.barrier_wait(v_barriers.at[slot])
-
-            def probs_of(scores):
-                probs = jnp.exp2(scores * (scale * LOG2E) - lax.broadcast_in_dim(lse2, scores.shape, [0]))
-                if masked:
-                    q_pos = q_first + iota(scores.shape, 0, interpret=interpret)
-                    k_pos = kv_step * block_kv + iota(scores.shape, 1, interpret=interpret)
-                    seen = (k_pos <= q_pos + offset) if causal else (k_pos < seq_k)
-                    probs = jnp.where(seen, probs, 0.0)
-                return probs
-
-            def dscores_of(probs, dprobs):
-                return probs * (dprobs - lax.broadcast_in_dim(delta, dprobs.shape, [0]))
-
-            _, dq = _gradient_step((q_smem, k_smem.at[slot]), (dout_smem, v_smem.at[slot]), probs_of, dscores_of,
-                                   None, (dq, k_smem.at[slot]), overlap=overlap, interpret=interpret)
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            return dq
-
-        dq = layout(jnp.zeros((block_q, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
-        dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
-        if causal or seq_k % block_kv:
-            dq = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), dq)
-
-        @pl.loop(n_end, tile_steps)
-        def _drain(kv_step):  # steps only the other warpgroup needs: observe their loads, release their slots
-            slot = index_rem(kv_step, stages)
-            for full, done in ((k_barriers, k_consumed), (v_barriers, v_consumed)):
-                plgpu.barrier_wait(full.at[slot])
-                plgpu.barrier_arrive(done.at[slot])
-        _store_fp32((dq * scale,), out_smem2.at[wg], (dq_ref.at[rows],))
-
-    @pl.when(wg == COMPUTE_WARPGROUPS)
-    def _producer():
-        stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_barriers, v_barriers), (k_consumed, v_consumed),
-                  batch=batch, kv_head=index_div(head, group), block_kv=block_kv, steps=tile_steps, stages=stages)
-
-
 def _summed_dq_slices(dq_slices, *, causal: bool, keys_per_cta: int, block_q: int, offset: int):
     """INTERPRET: dQ from the per-CTA slices [K/V tiles, B, Sq, H, D]; a causal CTA never writes the query
     blocks before the first one that sees its keys, so those are masked out (not assumed zero)."""
@@ -366,9 +266,10 @@ def _summed_dq_slices(dq_slices, *, causal: bool, keys_per_cta: int, block_q: in
 
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "config", "interpret"))
 def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, *,
-                    causal: bool, softmax_scale: float, config: HopperConfig, interpret: bool
+                    causal: bool, softmax_scale: float, config: HopperConfig, interpret: bool, spans=None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Mosaic GPU backward on validated inputs (`hopper_unsupported` is None): (dq, dk, dv) in float32."""
+    """Mosaic GPU backward on validated inputs (`hopper_unsupported` is None): (dq, dk, dv) in float32. `spans`:
+    documents' key spans, as for `hopper_forward` (the dK/dV kernel walks the query spans derived from them)."""
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -378,7 +279,12 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     offset = seq_k - seq_q
     stages, dq_stages = backward_stages(config, seq_q=seq_q, seq_k=seq_k, group=group)
     one_kernel, private_dq = config.bwd_form != "two_kernel", config.bwd_form == "one_kernel_private"
-    call = f"D={head_dim}, {q.dtype}, {'causal' if causal else 'full'} attention, Sq={seq_q}, Sk={seq_k}"
+    if spans is not None and one_kernel:
+        raise ValueError(f"HopperConfig.bwd_form={config.bwd_form!r} takes no documents; the two-kernel form does: "
+                         f"a one-kernel step adds the dQ of both warpgroups' dS tiles, which a warpgroup skipping "
+                         f"another document's query blocks would leave stale")
+    mask = "documents" if spans is not None else "causal" if causal else "full"
+    call = f"D={head_dim}, {q.dtype}, {mask} attention, Sq={seq_q}, Sk={seq_k}"
     dkdv_smem = dkdv_scratch(config, head_dim=head_dim, dtype=q.dtype, stages=stages)
     dq_smem = None if one_kernel else dq_scratch(config, head_dim=head_dim, dtype=q.dtype, stages=dq_stages)
     for kernel_smem in (dkdv_smem, dq_smem):
@@ -395,19 +301,26 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     dq_shape = (batch, q_len, heads, head_dim)
     dkdv_out = (output_struct(k.shape, jnp.float32, *inputs), output_struct(v.shape, jnp.float32, *inputs))
     kv_tiles = k_len // (wgs * block_kv)
-    dkdv_inputs = inputs
+    span_inputs = dq_span_inputs = ()
+    if spans is not None:  # the query spans of every key and their blocks' ranges; the dQ kernel's key spans
+        span_inputs = edge_padded_spans(query_spans(spans, seq_k), k_len)
+        span_inputs += (tile_span_bounds(*span_inputs, rows=block_kv, parts=wgs, block=block_q),)
+        dq_span_inputs = edge_padded_spans(spans, q_len)
+    dkdv_inputs = inputs + span_inputs
     if one_kernel and interpret:  # INTERPRET: per-CTA (per-warpgroup) dQ slices instead of a reduce-add target
         dq_slices = kv_tiles * (wgs if private_dq else 1)
         dkdv_out = (output_struct((dq_slices,) + dq_shape, jnp.float32, *inputs),) + dkdv_out
     elif one_kernel:
-        dkdv_inputs = inputs + (jax.new_ref(jnp.zeros(dq_shape, jnp.float32)),)
+        dkdv_inputs += (jax.new_ref(jnp.zeros(dq_shape, jnp.float32)),)
 
     def dkdv_kernel(*refs, **smem):
+        span_refs = refs[len(inputs):len(inputs) + len(span_inputs)] or None
+        refs = refs[:len(inputs)] + refs[len(inputs) + len(span_inputs):]
         if not one_kernel:
             refs = refs[:len(inputs)] + (None,) + refs[len(inputs):]
         _dkdv_kernel(*refs, **smem, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
                      stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
-                     overlap=config.bwd_overlap, private_dq=private_dq, interpret=interpret)
+                     overlap=config.bwd_overlap, private_dq=private_dq, interpret=interpret, span_refs=span_refs)
 
     results = launch(
         dkdv_kernel, dkdv_smem.buffers, dkdv_out, dict(kv_heads=kv_heads, kv_tile=kv_tiles, batch=batch), dkdv_inputs,
@@ -420,22 +333,6 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
         (dk, dv), dq = results, dkdv_inputs[-1][...]
     else:
         dk, dv = results
-        dq = _dq_call(inputs, dq_smem, causal=causal, scale=softmax_scale, config=config, group=group, offset=offset,
-                      seq_k=seq_k, stages=dq_stages, dq_shape=dq_shape, interpret=interpret)
+        dq = dq_call(inputs, dq_span_inputs, dq_smem, causal=causal, scale=softmax_scale, config=config, group=group,
+                     offset=offset, seq_k=seq_k, stages=dq_stages, dq_shape=dq_shape, interpret=interpret)
     return dq[:, :seq_q], dk[:, :seq_k], dv[:, :seq_k]
-
-
-def _dq_call(inputs, smem: KernelScratch, *, causal: bool, scale: float, config: HopperConfig, group: int,
-             offset: int, seq_k: int, stages: int, dq_shape, interpret: bool):
-    """The two-kernel form's dQ kernel on the padded inputs, its scratch `smem`."""
-    batch, q_len, heads, _ = dq_shape
-    block_q, block_kv, wgs = config.dq_block_q, config.dq_block_kv, COMPUTE_WARPGROUPS
-    num_kv = inputs[1].shape[1] // block_kv
-    num_tiles = q_len // (wgs * block_q)
-    return launch(
-        functools.partial(_dq_kernel, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
-                          stages=stages, group=group, offset=offset, seq_k=seq_k, num_kv=num_kv,
-                          num_tiles=num_tiles, overlap=config.bwd_overlap, interpret=interpret),
-        smem.buffers, output_struct(dq_shape, jnp.float32, *inputs),
-        dict(heads=heads, q_tile=num_tiles, batch=batch), inputs, warpgroups=wgs, interpret=interpret,
-        name="twinflash_backward_dq_hopper")

@@ -77,7 +77,7 @@ class HopperConfig:
     a warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
     owns `dq_block_q` query rows and steps over keys by `dq_block_kv`; both through `bwd_num_stages` slots.
     `bwd_overlap`: the backward issues its independent wgmmas together and awaits each only where its result is
-    read (False: each is awaited when issued; see `backward._gradient_step`). `bwd_form`:
+    read (False: each is awaited when issued; see `backward_step.gradient_step`). `bwd_form`:
     "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in
     fp32 by TMA reduce-add) or "one_kernel_private" (the same, each warpgroup adding its own keys' dQ share);
     see backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
