@@ -178,7 +178,8 @@ def test_span_kernels_lower_through_triton_for_cuda(monkeypatch):
 
 def test_families_without_documents_refuse_them():
     q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"backend 'cudnn' does not take documents.*so does the Hopper family"):
+    with pytest.raises(ValueError, match="backend 'cudnn' does not take documents; these do: 'pallas', "
+                                         "'pallas_portable', 'pallas_hopper', 'reference'"):
         flash_attention(q, q, q, backend="cudnn", segment_ids=jnp.zeros((1, 8), jnp.int32))
 
 

@@ -177,7 +177,8 @@ def test_reference_pair_functions_mask_by_spans():
 
 
 @pytest.mark.parametrize("backend, message", [
-    ("sdpa_cudnn", "backend 'sdpa_cudnn' does not take documents; the portable family does"),
+    ("sdpa_cudnn", "backend 'sdpa_cudnn' does not take documents; these do: 'triton', 'triton_portable', "
+                   "'triton_hopper', 'reference'"),
     ("flash_attn", "backend 'flash_attn' does not take documents"),
 ])
 def test_backends_without_documents_refuse_them(backend, message):

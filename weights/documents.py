@@ -55,12 +55,11 @@ def check_segment_ids(segment_ids: np.ndarray, batch: int, seq_len: int) -> None
                          f"position order); they decrease after position {int(decreasing[0])}")
 
 
-def documents_refusal(backend: str, portable: str, dispatcher: str) -> str:
-    """The error of a kernel backend asked to attend packed documents that it cannot (the Hopper family's Gluon and
-    Mosaic kernels, the vendors' kernels), naming those that can: the backend's `portable` family, the `dispatcher`
-    that runs the portable family for documents, and the reference. One wording for both backends' kernels."""
-    return (f"backend {backend!r} does not take documents; the portable family does (backend {portable!r}, or "
-            f"{dispatcher!r}, which then runs it), and so does 'reference'")
+def documents_refusal(backend: str, document_backends: tuple[str, ...]) -> str:
+    """The error of a kernel backend asked to attend packed documents that it cannot (the vendors' kernels, the
+    one-kernel backward forms), naming the backends of its framework that can. One wording for both backends."""
+    return (f"backend {backend!r} does not take documents; these do: "
+            + ", ".join(repr(name) for name in document_backends))
 
 
 def document_offsets(segment_ids: np.ndarray) -> np.ndarray:

@@ -177,10 +177,7 @@ def _check_spans(spans, q, backend: str) -> None:
     if spans is None:
         return
     if backend not in DOCUMENT_BACKENDS:
-        # weights' wording (shared with torch, whose Hopper family takes none) names the portable family; here the
-        # Hopper family takes them too
-        raise ValueError(documents_refusal(backend, portable="pallas_portable", dispatcher="pallas")
-                         + "; so does the Hopper family ('pallas_hopper')")
+        raise ValueError(documents_refusal(backend, DOCUMENT_BACKENDS))
     if not isinstance(spans, Spans):
         raise ValueError(f"spans must be a jax_impl.documents.Spans, got {type(spans).__name__}")
     for name, x in zip(spans._fields, spans):

@@ -102,7 +102,7 @@ def _check_spans(spans, q, backend) -> None:
     if spans is None:
         return
     if backend not in DOCUMENT_BACKENDS:
-        raise ValueError(documents_refusal(backend, portable="triton_portable", dispatcher="triton"))
+        raise ValueError(documents_refusal(backend, DOCUMENT_BACKENDS))
     if not isinstance(spans, Spans):
         raise ValueError(f"spans must be a torch_impl.documents.Spans, got {type(spans).__name__}")
     for name, t in zip(spans._fields, spans):
