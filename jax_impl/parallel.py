@@ -189,18 +189,25 @@ def ring_attention_fn(mesh: Mesh, *, backend: str = "pallas", variant: str = "ri
 def sequence_parallel_fn(mesh: Mesh, scheme: str = "ring", ulysses_degree: int | None = None, *,
                          backend: str = "pallas", variant: str = "ring", layout: str = RING_LAYOUT) -> AttentionFn:
     """The model's attention function in `scheme` (`weights.sequence_parallel`) over the `sp` axis, on the same
-    global q/k/v as `ring_attention_fn` (which the ring scheme is, in `layout`; the others run RING_LAYOUT):
-    `sequence_parallel_attention` in `jax.shard_map` over `sequence_parallel_mesh`, whose two axes hold the
-    sequence's parts where `sp` holds them (no transfer)."""
+    global q/k/v as `ring_attention_fn` (which the ring scheme is), whose sequence is in `layout`'s order (every
+    scheme: `sharded_batch` and `sharded_packed_batch` place it so); its `segment_ids` [B, S] (packed documents)
+    split like the tokens: `sequence_parallel_attention` in `jax.shard_map` over `sequence_parallel_mesh`, whose
+    two axes hold the sequence's parts where `sp` holds them (no transfer)."""
     degrees = scheme_degrees(scheme, mesh.shape["sp"], ulysses_degree)
     if degrees.ulysses == 1:
         return ring_attention_fn(mesh, backend=backend, variant=variant, layout=layout)
     ring_axis, ulysses_axis = scheme_axes("sp")
-    spec = PartitionSpec(ACTIVATION_SHARDING["hidden"][0], (ring_axis, ulysses_axis), None, None)
-    return jax.shard_map(functools.partial(sequence_parallel_attention, ulysses_axis=ulysses_axis,
-                                           ring_axis=ring_axis, causal=True, layout=RING_LAYOUT, variant=variant,
-                                           backend=backend),
-                         mesh=sequence_parallel_mesh(mesh, degrees), in_specs=(spec, spec, spec), out_specs=spec)
+    tokens = (ACTIVATION_SHARDING["hidden"][0], (ring_axis, ulysses_axis))
+    spec, scheme_mesh = PartitionSpec(*tokens, None, None), sequence_parallel_mesh(mesh, degrees)
+    attention = functools.partial(sequence_parallel_attention, ulysses_axis=ulysses_axis, ring_axis=ring_axis,
+                                  causal=True, layout=layout, variant=variant, backend=backend)
+    plain = jax.shard_map(attention, mesh=scheme_mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    with_documents = jax.shard_map(lambda q, k, v, ids: attention(q, k, v, segment_ids=ids), mesh=scheme_mesh,
+                                   in_specs=(spec, spec, spec, PartitionSpec(*tokens)), out_specs=spec)
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        return plain(q, k, v) if segment_ids is None else with_documents(q, k, v, segment_ids)
+    return attend
 
 
 def sharded_batch(tokens: np.ndarray, mesh: Mesh) -> tuple[jax.Array, jax.Array, jax.Array]:
