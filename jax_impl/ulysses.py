@@ -31,20 +31,21 @@ Public API:
 Ulysses and hybrid, on each device: K/V heads put in the all-to-all's slots (`kv_head_slots`: repeated only where
 U > Hkv); q, k, v through one `jax.lax.all_to_all` each over the Ulysses axis, from this device's tokens of all heads
 to the group's tokens of H / U heads, put in increasing position order (`gathered_chunk_order`, static slices: no
-gather; zigzag_stripes, whose devices hold many stripes each, by a static reshape and transpose); then our flash
-kernel on the whole sequence of those heads (ulysses, `flash_attention`) or the ring over the ring axis (hybrid,
-`ring_attention` on the group's tokens, which are the ring layout's over R); out (and lse, when asked) back
-through the inverse all-to-all. XLA schedules the all-to-alls; the latency-hiding scheduler of the train step may
-overlap them with independent work.
+gather); then our flash kernel on the whole sequence of those heads (ulysses, `flash_attention`) or the ring over
+the ring axis (hybrid, `ring_attention` on the group's tokens, which are the ring layout's over R); out (and lse,
+when asked) back through the inverse all-to-all. XLA schedules the all-to-alls; the latency-hiding scheduler of the
+train step may overlap them with independent work.
 
 Packed documents (`segment_ids`): the group's ids are all-gathered over the Ulysses axis (int32 [B, U L], tiny beside
-q/k/v) and put in the same position order as the tokens; ulysses then runs `flash_attention(..., segment_ids=)` on
-the whole sequence, the hybrid its ring over R with them (`ring_attention(..., segment_ids=)`, on key spans). Balance:
-every Ulysses device computes every token of its H / U heads, so no document lengths can unbalance the all-to-all's
-part; the hybrid's ring over R is balanced as its layout makes it (zigzag_stripes, the packed training's, for any
-document lengths; zigzag only for documents long beside a chunk). The hybrid's group holds the R-ring's
-zigzag_stripes positions only where its stripes (U x the P-device stripe) are the R-ring's own
-(`weights.layout.stripe_tokens`); other lengths are refused with one ValueError line (`_check_hybrid_stripes`).
+q/k/v) and put in position order exactly like q/k/v (`gathered_chunk_order`); ulysses then runs
+`flash_attention(..., segment_ids=)` on the whole sequence, the hybrid its ring over R with them
+(`ring_attention(..., segment_ids=)`, on key spans). Balance: Ulysses computes every token of its H / U heads on each
+device, so no document lengths can unbalance it. The hybrid's ring runs in the layout over R that the U x R layout
+gives the groups (zigzag over P is zigzag over R, contiguous contiguous), whose work per device follows the
+documents' lengths as a zigzag (or contiguous) ring's does. zigzag_stripes is refused whenever U > 1 with
+`weights.sequence_parallel.check_gathered_layout`'s one ValueError line (torch's too): a group's stripes over P are
+not the stripes of a ring over R, and `gathered_chunk_order` knows zigzag's two chunks per device, not one per
+stripe. Packed training runs Ulysses and the hybrid in zigzag (`weights.parallel.scheme_layout`).
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ from jax_impl.kernels.flash_attention import flash_attention
 from jax_impl.ring_attention import gather_from_ring, ring_attention, shard_for_ring
 from jax_impl.ring_comm import MeshRing, mesh_ring
 from weights.attention import check_ring_choices, check_ring_shapes
-from weights.layout import check_split, stripe_tokens
-from weights.sequence_parallel import (SchemeDegrees, check_heads, gathered_chunk_order, kv_head_slots,
-                                       scheme_degrees)
+from weights.layout import check_split
+from weights.sequence_parallel import (SchemeDegrees, check_gathered_layout, check_heads, gathered_chunk_order,
+                                       kv_head_slots, scheme_degrees)
 
 
 def scheme_axes(axis_name: str = "sp") -> tuple[str, str]:
@@ -92,29 +93,9 @@ def _reordered(x: jax.Array, order: tuple[int, ...]) -> jax.Array:
     return jnp.concatenate([chunks[i] for i in order], axis=1)
 
 
-def _stripes_to_positions(x: jax.Array, ulysses: int, stripe: int) -> jax.Array:
-    """zigzag_stripes: [B, U L, ...] device after device, each [groups, early/late, stripe] -> position order, each
-    group's early stripes rising with the device, its late stripes falling (`weights.layout.rank_positions`)."""
-    batch, rest = x.shape[0], x.shape[2:]
-    y = x.reshape(batch, ulysses, -1, 2, stripe, *rest)
-    early, late = y[:, :, :, 0], jnp.flip(y[:, :, :, 1], axis=1)  # [B, U, G, stripe, ...]
-    return jnp.moveaxis(jnp.stack([early, late], axis=1), 3, 1).reshape(x.shape)  # [B, G, 2, U, stripe, ...]
-
-
-def _stripes_to_devices(y: jax.Array, ulysses: int, stripe: int) -> jax.Array:
-    """Inverse of `_stripes_to_positions`."""
-    batch, rest = y.shape[0], y.shape[2:]
-    z = jnp.moveaxis(y.reshape(batch, -1, 2, ulysses, stripe, *rest), 1, 3)  # [B, 2, U, G, stripe, ...]
-    return jnp.stack([z[:, 0], jnp.flip(z[:, 1], axis=1)], axis=3).reshape(y.shape)
-
-
-def _group_order(ulysses: int, world: int, local_len: int, layout: str):
-    """(to positions, to devices): the static permutations of the group's gathered tokens along dim 1, from device
+def _group_order(ulysses: int, layout: str):
+    """(to positions, to devices): the static permutations of the group's gathered chunks along dim 1, from device
     order to increasing position order and back (the same on every group, `gathered_chunk_order`)."""
-    if layout == "zigzag_stripes":
-        stripe = stripe_tokens(local_len * world, world)
-        return (functools.partial(_stripes_to_positions, ulysses=ulysses, stripe=stripe),
-                functools.partial(_stripes_to_devices, ulysses=ulysses, stripe=stripe))
     order = gathered_chunk_order(ulysses, layout)
     inverse = tuple(int(i) for i in np.argsort(order))
     return functools.partial(_reordered, order=order), functools.partial(_reordered, order=inverse)
@@ -131,19 +112,6 @@ def _to_sequence(exchange: MeshRing, y: jax.Array, to_devices) -> jax.Array:
     return exchange.all_to_all(to_devices(y), split_axis=1, concat_axis=2)
 
 
-def _check_hybrid_stripes(layout: str, ulysses: int, ring: int, local_len: int) -> None:
-    """The hybrid's ring over R runs the zigzag_stripes positions of R devices (stripe `stripe_tokens(S, R)`); the
-    group holds stripes of U x `stripe_tokens(S, U R)`, the same positions only where the two stripes agree."""
-    if layout != "zigzag_stripes" or ring == 1:
-        return
-    seq_len = local_len * ulysses * ring
-    held, ring_stripe = ulysses * stripe_tokens(seq_len, ulysses * ring), stripe_tokens(seq_len, ring)
-    if held != ring_stripe:
-        raise ValueError(f"the hybrid scheme (U={ulysses} x R={ring}) with layout zigzag_stripes needs its groups' "
-                         f"stripes ({held} tokens) to be its ring's ({ring_stripe}) at {seq_len} tokens: use the "
-                         "ulysses or ring scheme, or the zigzag layout")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,8 +123,8 @@ def sequence_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, uly
     """Attention over the sequence sharded along mesh axes `ring_axis` x `ulysses_axis`; call inside
     `jax.shard_map` (module docstring). `segment_ids` [B, S_local]: this device's tokens' documents, in their
     order. Raises ValueError for bad arguments (heads the Ulysses degree cannot split: one line naming the degrees
-    that work; a hybrid zigzag_stripes length its ring cannot take), LayoutError (a ValueError) when the local
-    length does not split."""
+    that work), LayoutError (a ValueError) when the local length does not split in `layout`, and for the
+    zigzag_stripes layout with U > 1 (module docstring)."""
     check_ring_choices(layout, variant)
     try:
         ulysses, ring = jax.lax.axis_size(ulysses_axis), jax.lax.axis_size(ring_axis)
@@ -168,12 +136,12 @@ def sequence_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, uly
     if ulysses == 1:
         out, lse = ring_attention(q, k, v, axis_name=ring_axis, segment_ids=segment_ids, **ring_keywords)
         return (out, lse) if return_lse else out
+    check_gathered_layout(layout)
     check_ring_shapes(q.shape, k.shape, v.shape, ulysses * ring, layout)
     heads, kv_heads = q.shape[2], k.shape[2]
     check_heads(ulysses, heads, kv_heads)
-    _check_hybrid_stripes(layout, ulysses, ring, q.shape[1])
     exchange = mesh_ring(ulysses_axis, local_copies=local_copies)
-    to_positions, to_devices = _group_order(ulysses, ulysses * ring, q.shape[1], layout)
+    to_positions, to_devices = _group_order(ulysses, layout)
     ids = None
     if segment_ids is not None:  # the group's ids in the tokens' position order (every head shares them)
         ids = to_positions(exchange.all_gather(checked_segment_ids(segment_ids, q.shape[0], q.shape[1]), axis=1))

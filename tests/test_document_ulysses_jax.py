@@ -2,9 +2,10 @@
 `sequence_parallel_sharded`) on emulated host devices (conftest requests 4): Ulysses over 2 and 4 devices and the
 hybrid 2 x 2, against the same documents attended one at a time (fp32, the reference pair backend and once the
 portable Pallas kernels interpreted; forward and gradients), tests/document_twins.py's documents (lengths 1, odd
-lengths, documents longer than a device's shard); the group's token order after the all-to-all for the
-zigzag_stripes layout against `weights.layout`; the hybrid's refused zigzag_stripes lengths; the negative control (a
-dropped boundary fails); and on 2 GPUs (`gpu`), real sizes in bf16 by the flash rule. The ring's own documents are
+lengths, documents longer than a device's shard); one document without segment ids; the refusal of zigzag_stripes
+(torch's one line, `weights.sequence_parallel.check_gathered_layout`); the negative control (a dropped boundary
+fails); and on 2 GPUs (`gpu`), real sizes in bf16 by the flash rule. The cases mirror
+tests/test_document_ulysses_torch.py's (zigzag and contiguous: the layouts Ulysses takes). The ring's own documents are
 tests/test_document_ring_jax.py's; the tolerances are tests/document_twins.py's.
 """
 
@@ -22,9 +23,7 @@ import ring_twins
 from jax.sharding import Mesh
 from test_document_attention_jax import FAST_COMPILE, naive_one_at_a_time
 
-from jax_impl import ulysses
 from jax_impl.ulysses import sequence_parallel_sharded
-from weights.layout import rank_positions, stripe_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +45,14 @@ def _case(scheme, degree, world, layout, variant="ring", **kwargs):
 
 # 48 tokens (twins' ring documents: 1, 13, 7, 20, 7 and 30, 18): shards of 24 (U=2) or 12 (U=4, 2 x 2), so the
 # documents of 20 and 30 are longer than a shard and 7 and 13 split into no number of chunks
-FP32_CASES = [_case("ulysses", 2, 2, "zigzag_stripes"), _case("ulysses", 2, 2, "zigzag", causal=False),
-              _case("ulysses", 4, 4, "zigzag_stripes"), _case("ulysses", 4, 4, "contiguous"),
-              _case("hybrid", 2, 4, "zigzag_stripes"), _case("hybrid", 2, 4, "zigzag", "allgather"),
+FP32_CASES = [_case("ulysses", 2, 2, "zigzag"), _case("ulysses", 2, 2, "zigzag", causal=False),
+              _case("ulysses", 4, 4, "zigzag"), _case("ulysses", 4, 4, "contiguous"),
+              _case("hybrid", 2, 4, "zigzag"), _case("hybrid", 2, 4, "zigzag", "allgather"),
               _case("hybrid", 2, 4, "contiguous", causal=False)]
-PALLAS_CASE = _case("ulysses", 2, 2, "zigzag_stripes")  # the portable kernels' document path, interpreted
-NEGATIVE = _case("ulysses", 4, 4, "zigzag_stripes")
-ONE_DOCUMENT = SchemeDocuments("hybrid", 2, twins.RING_ONE_DOCUMENT)  # zigzag_stripes without segment ids
+PALLAS_CASE = _case("ulysses", 2, 2, "zigzag")  # the portable kernels' document path, interpreted
+NEGATIVE = _case("ulysses", 4, 4, "zigzag")
+# one document per row, run without segment ids, in the hybrid's training layout
+ONE_DOCUMENT = SchemeDocuments("hybrid", 2, dataclasses.replace(twins.RING_ONE_DOCUMENT, layout="zigzag"))
 
 
 def _scheme(case: SchemeDocuments, backend: str, *, dropped_boundary=False, with_documents=True,
@@ -80,15 +80,15 @@ def _exact(case: SchemeDocuments) -> dict:
 
 
 @pytest.mark.parametrize("case", FP32_CASES, ids=[case.id for case in FP32_CASES])
-def test_scheme_documents_match_one_at_a_time(case):
+def test_documents_match_one_at_a_time(case):
     kernel_twins.assert_fp32_close(_scheme(case, "reference"), _exact(case))
 
 
-def test_scheme_documents_through_the_portable_kernels():
+def test_documents_through_the_portable_kernels():
     kernel_twins.assert_fp32_close(_scheme(PALLAS_CASE, "pallas"), _exact(PALLAS_CASE))
 
 
-def test_zigzag_stripes_without_documents_is_causal_attention():
+def test_one_document_without_segment_ids_is_causal_attention():
     kernel_twins.assert_fp32_close(_scheme(ONE_DOCUMENT, "reference", with_documents=False), _exact(ONE_DOCUMENT))
 
 
@@ -98,37 +98,27 @@ def test_a_dropped_boundary_fails():
         kernel_twins.assert_fp32_close(_scheme(NEGATIVE, "reference", dropped_boundary=True), _exact(NEGATIVE))
 
 
-@pytest.mark.parametrize("degree, ring, seq_len", [(2, 1, 2048), (4, 1, 4096), (2, 2, 1536), (2, 2, 4096)])
-def test_stripes_reach_position_order_after_the_all_to_all(degree, ring, seq_len):
-    """zigzag_stripes with several stripe groups per device: the group's gathered positions (device after device)
-    come out increasing, each group's the positions `weights.layout` gives its rank of a ring over R (where the
-    hybrid takes the length), and back."""
-    world = degree * ring
-    local = seq_len // world
-    to_positions, to_devices = ulysses._group_order(degree, world, local, "zigzag_stripes")
-    assert local // (2 * stripe_tokens(seq_len, world)) > 1  # several stripe groups per device
-    for r in range(ring):
-        gathered = np.concatenate([rank_positions(seq_len, world, r * degree + u, "zigzag_stripes")
-                                   for u in range(degree)])[None, :, None]
-        ordered = np.asarray(to_positions(jnp.asarray(gathered)))[0, :, 0]
-        assert np.all(np.diff(ordered) > 0)
-        if ring > 1 and stripe_tokens(seq_len, ring) == degree * stripe_tokens(seq_len, world):  # 1536, not 4096
-            np.testing.assert_array_equal(ordered, rank_positions(seq_len, ring, r, "zigzag_stripes"))
-        np.testing.assert_array_equal(np.asarray(to_devices(jnp.asarray(ordered[None, :, None]))), gathered)
+REFUSED = "sequence_parallel_attention with a Ulysses degree above 1 takes the contiguous or zigzag layout, got " \
+          "'zigzag_stripes': a group's stripes over P are not the stripes of a ring over R"
 
 
-def test_hybrid_refuses_zigzag_stripes_its_ring_cannot_take():
-    """4096 tokens over 2 x 2: the groups hold stripes of 2 x 128, the ring over 2 runs stripes of 128."""
+@pytest.mark.parametrize("scheme, degree", [("ulysses", 4), ("hybrid", 2)])
+def test_zigzag_stripes_is_refused(scheme, degree):
+    """zigzag_stripes with documents over 4 devices raises torch's one line (`check_gathered_layout`) at trace
+    time; the same call in zigzag then works."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("sp",))
-    x = jnp.zeros((1, 4096, 2, 8), jnp.float32)
-    with pytest.raises(ValueError, match="zigzag_stripes needs its groups' stripes") as error:
-        sequence_parallel_sharded(x, x, x, mesh, scheme="hybrid", ulysses_degree=2, layout="zigzag_stripes",
-                                  backend="reference", segment_ids=jnp.zeros((1, 4096), jnp.int32))
-    assert "\n" not in str(error.value)
+    x, ids = jnp.ones((1, 48, 4, 32), jnp.float32), jnp.zeros((1, 48), jnp.int32)
+    with pytest.raises(ValueError) as error:
+        sequence_parallel_sharded(x, x, x, mesh, scheme=scheme, ulysses_degree=degree, layout="zigzag_stripes",
+                                  backend="reference", segment_ids=ids)
+    assert str(error.value) == REFUSED
+    out = sequence_parallel_sharded(x, x, x, mesh, scheme=scheme, ulysses_degree=degree, layout="zigzag",
+                                    backend="reference", segment_ids=ids)
+    assert bool(jnp.isfinite(out).all())
 
 
 GPU_CASES = [SchemeDocuments("ulysses", 2, twins.DocumentRingCase(
-    2, "zigzag_stripes", "ring", dtype="bfloat16",
+    2, "zigzag", "ring", dtype="bfloat16",
     documents=twins.DocumentCase(twins.GPU_DOCUMENTS, heads=16, kv_heads=4, dim=dim))) for dim in (64, 128)]
 
 

@@ -182,7 +182,7 @@ def test_zigzag_stripes_is_refused_on_every_rank(p4, scheme):
     assert all("error" not in r for r in results), results
     assert {r["raised"] for r in results} == {
         "sequence_parallel_attention with a Ulysses degree above 1 takes the contiguous or zigzag layout, got "
-        "'zigzag_stripes' (module docstring)"}
+        "'zigzag_stripes': a group's stripes over P are not the stripes of a ring over R"}
     assert all(r["recovered"] for r in results)
 
 

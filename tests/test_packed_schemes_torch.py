@@ -2,7 +2,7 @@
 reference pair attention, fp32): the packed runs of `--sp-scheme ulysses` over sp=2 and `--sp-scheme hybrid
 --ulysses-degree 2` over sp=4 give the losses of the packed ring over sp=2 (as tests/test_packed_training.py's run,
 whose negative control shows packing moves the losses by more than 1e-3), though they hold the sequence in zigzag
-where the ring holds it in zigzag_stripes (`torch_impl.parallel.scheme_layout`): at 1024 tokens over sp=2 the
+where the ring holds it in zigzag_stripes (`weights.parallel.scheme_layout`): at 1024 tokens over sp=2 the
 stripes are not zigzag's chunks, so data sharded in one layout and attended in the other would fail.
 
 Tolerance: LOSS_RTOL, tests/test_packed_training.py's 1e-5 (the same float32 math summed in another order).

@@ -44,7 +44,7 @@ from torch_impl.ulysses import sequence_parallel_attention, sequence_parallel_gr
 from weights import ConvertedCheckpoint, RandomWeights, rope_inverse_frequencies
 from weights.documents import document_offsets
 from weights.layout import rank_positions
-from weights.parallel import (MESH_AXES, PACKED_RING_LAYOUT, RING_LAYOUT, MeshShape, parameter_shard_axes, ring_layout,
+from weights.parallel import (MESH_AXES, PACKED_RING_LAYOUT, RING_LAYOUT, MeshShape, parameter_shard_axes,
                               sharded_dim, weights_regathered_for_backward)
 from weights.training import check_batch_shape, next_token_targets
 
@@ -86,22 +86,15 @@ def ring_attention_fn(mesh: DeviceMesh, *, backend: str = "triton", variant: str
                              variant=variant, backend=backend, check_ranks=False, compile_merge=compile_merge)
 
 
-def scheme_layout(scheme: str, pack: bool) -> str:
-    """The layout the sp ranks hold the sequence in for `scheme`: the ring's `ring_layout(pack)`; RING_LAYOUT for
-    the Ulysses and hybrid schemes, packed or not (their all-to-all orders zigzag's chunks, not zigzag_stripes'
-    stripes, and Ulysses is balanced for any documents: `torch_impl/ulysses.py`)."""
-    return ring_layout(pack) if scheme == "ring" else RING_LAYOUT
-
-
 def sequence_parallel_fn(mesh: DeviceMesh, scheme: str = "ring", ulysses_degree: int | None = None, *,
                          backend: str = "triton", variant: str = "ring", compile_merge: bool = False,
                          layout: str = RING_LAYOUT) -> AttentionFn:
     """The model's attention function in `scheme` (`weights.sequence_parallel`) over the `sp` sub-group, on the same
-    local q/k/v as `ring_attention_fn` (which the ring scheme is), in `layout` (`scheme_layout`; the Ulysses degrees
-    above 1 refuse zigzag_stripes): `sequence_parallel_attention` over the groups of `sequence_parallel_groups` (a
-    collective of the sp ranks, which the hybrid's subgroups need; call it before a meta-device context), without
-    the ring's per-call argument check (as `ring_attention_fn`). Packed documents: the model passes the segment ids
-    of `local_packed_batch` in the same layout."""
+    local q/k/v as `ring_attention_fn` (which the ring scheme is), in `layout` (`weights.parallel.scheme_layout`;
+    the Ulysses degrees above 1 refuse zigzag_stripes): `sequence_parallel_attention` over the groups of
+    `sequence_parallel_groups` (a collective of the sp ranks, which the hybrid's subgroups need; call it before a
+    meta-device context), without the ring's per-call argument check (as `ring_attention_fn`). Packed documents: the
+    model passes the segment ids of `local_packed_batch` in the same layout."""
     groups = sequence_parallel_groups(scheme, ulysses_degree, mesh["sp"].get_group())
     if groups.degrees.ulysses == 1:
         return ring_attention_fn(mesh, backend=backend, variant=variant, compile_merge=compile_merge, layout=layout)
@@ -190,8 +183,8 @@ def local_packed_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: Device
                        layout: str = PACKED_RING_LAYOUT
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`local_batch` of packed documents (`segment_ids` [batch, seq], `weights/documents.py`) in `layout` (the
-    attention's, `scheme_layout`): (tokens, targets, positions, segment ids). No target crosses a document's end; positions
-    [batch, seq] are each token's offset in its document (RoPE restarts per document)."""
+    attention's, `weights.parallel.scheme_layout`): (tokens, targets, positions, segment ids). No target crosses a
+    document's end; positions [batch, seq] are each token's offset in its document (RoPE restarts per document)."""
     check_batch_shape(tokens.shape[0], tokens.shape[1], mesh_shape(mesh))
     return tuple(_local_part(x, mesh, layout, device)
                  for x in (tokens, next_token_targets(tokens, segment_ids), document_offsets(segment_ids),

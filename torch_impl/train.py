@@ -48,11 +48,12 @@ from torch.utils.checkpoint import checkpoint
 
 from torch_impl import checkpointing
 from torch_impl.model import DTYPES, Llama, convert_to_fp8
-from torch_impl.parallel import (load_local_shards, local_batch, local_packed_batch, make_mesh, scheme_layout,
-                                 sequence_parallel_fn, shard_model)
+from torch_impl.parallel import (load_local_shards, local_batch, local_packed_batch, make_mesh, sequence_parallel_fn,
+                                 shard_model)
 from torch_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, RandomWeights, open_weights
 from weights.fp8 import fallback_line, fp8_linears
+from weights.parallel import scheme_layout
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings

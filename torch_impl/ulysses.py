@@ -41,8 +41,10 @@ then the flash kernel on the whole sequence with them (ulysses) or the ring over
 Balance: Ulysses computes every token of its H / U heads on each device, so no document lengths can unbalance it.
 The hybrid's ring runs in the layout over R that the U x R layout gives the groups (zigzag over P is zigzag over R,
 contiguous contiguous), whose work per device follows the documents' lengths as a zigzag (or contiguous) ring's
-does. zigzag_stripes is refused whenever U > 1: a group's stripes over P are not the stripes of a ring over R, and
-the all-to-all's chunk order (`gathered_chunk_order`) is zigzag's two chunks per device, not one per stripe.
+does. zigzag_stripes is refused whenever U > 1 with `weights.sequence_parallel.check_gathered_layout`'s one
+ValueError line (JAX's too): a group's stripes over P are not the stripes of a ring over R, and
+`gathered_chunk_order` knows zigzag's two chunks per device, not one per stripe. Packed training runs Ulysses and
+the hybrid in zigzag (`weights.parallel.scheme_layout`).
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ from torch_impl.kernels.flash_attention import flash_attention
 from torch_impl.ring_attention import agreement_fields, check_agreement, ring_attention
 from torch_impl.ring_comm import CommLog, Ring
 from weights.attention import check_ring_choices, check_ring_shapes
-from weights.sequence_parallel import (SchemeDegrees, check_heads, gathered_chunk_order, kv_head_slots,
-                                       scheme_degrees)
+from weights.sequence_parallel import (SchemeDegrees, check_gathered_layout, check_heads, gathered_chunk_order,
+                                       kv_head_slots, scheme_degrees)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,10 +146,6 @@ def _kv_slot_index(heads: int, kv_heads: int, ulysses_degree: int, device: torch
     return torch.from_numpy(kv_head_slots(heads, kv_heads, ulysses_degree)).to(device)
 
 
-# the layouts whose chunks after the all-to-all `gathered_chunk_order` puts in position order, over P and over R
-_GATHERED_LAYOUTS = ("contiguous", "zigzag")
-
-
 def _group_segment_ids(segment_ids, q: torch.Tensor, exchange: _HeadExchange, check_values: bool) -> torch.Tensor:
     """int32 [B, U L]: the Ulysses group's segment ids in increasing position order, from this rank's [B, L] (checked
     with `check_values`: non-decreasing in their local order, a host copy), through the heads' all-to-all: each
@@ -195,9 +193,7 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                         caller="sequence_parallel_attention")
         ring_keywords["check_ranks"] = False  # the hybrid's ring: its ranks agreed just now
     check_ring_choices(layout, variant)
-    if layout not in _GATHERED_LAYOUTS:
-        raise ValueError(f"sequence_parallel_attention with a Ulysses degree above 1 takes the "
-                         f"{' or '.join(_GATHERED_LAYOUTS)} layout, got {layout!r} (module docstring)")
+    check_gathered_layout(layout)
     check_ring_shapes(q.shape, k.shape, v.shape, degrees.sp, layout)
     heads, kv_heads = q.shape[2], k.shape[2]
     check_heads(degrees.ulysses, heads, kv_heads)
