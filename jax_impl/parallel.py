@@ -189,18 +189,26 @@ def ring_attention_fn(mesh: Mesh, *, backend: str = "pallas", variant: str = "ri
 def sequence_parallel_fn(mesh: Mesh, scheme: str = "ring", ulysses_degree: int | None = None, *,
                          backend: str = "pallas", variant: str = "ring", layout: str = RING_LAYOUT) -> AttentionFn:
     """The model's attention function in `scheme` (`weights.sequence_parallel`) over the `sp` axis, on the same
-    global q/k/v as `ring_attention_fn` (which the ring scheme is, in `layout`; the others run RING_LAYOUT):
+    global q/k/v as `ring_attention_fn` (which the ring scheme is), whose sequence is in `layout`'s order
+    (`weights.parallel.scheme_layout`; the Ulysses degrees above 1 refuse zigzag_stripes: `sharded_batch` and
+    `sharded_packed_batch` place it so); its `segment_ids` [B, S] (packed documents) split like the tokens:
     `sequence_parallel_attention` in `jax.shard_map` over `sequence_parallel_mesh`, whose two axes hold the
     sequence's parts where `sp` holds them (no transfer)."""
     degrees = scheme_degrees(scheme, mesh.shape["sp"], ulysses_degree)
     if degrees.ulysses == 1:
         return ring_attention_fn(mesh, backend=backend, variant=variant, layout=layout)
     ring_axis, ulysses_axis = scheme_axes("sp")
-    spec = PartitionSpec(ACTIVATION_SHARDING["hidden"][0], (ring_axis, ulysses_axis), None, None)
-    return jax.shard_map(functools.partial(sequence_parallel_attention, ulysses_axis=ulysses_axis,
-                                           ring_axis=ring_axis, causal=True, layout=RING_LAYOUT, variant=variant,
-                                           backend=backend),
-                         mesh=sequence_parallel_mesh(mesh, degrees), in_specs=(spec, spec, spec), out_specs=spec)
+    tokens = (ACTIVATION_SHARDING["hidden"][0], (ring_axis, ulysses_axis))
+    spec, scheme_mesh = PartitionSpec(*tokens, None, None), sequence_parallel_mesh(mesh, degrees)
+    attention = functools.partial(sequence_parallel_attention, ulysses_axis=ulysses_axis, ring_axis=ring_axis,
+                                  causal=True, layout=layout, variant=variant, backend=backend)
+    plain = jax.shard_map(attention, mesh=scheme_mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    with_documents = jax.shard_map(lambda q, k, v, ids: attention(q, k, v, segment_ids=ids), mesh=scheme_mesh,
+                                   in_specs=(spec, spec, spec, PartitionSpec(*tokens)), out_specs=spec)
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        return plain(q, k, v) if segment_ids is None else with_documents(q, k, v, segment_ids)
+    return attend
 
 
 def sharded_batch(tokens: np.ndarray, mesh: Mesh) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -220,15 +228,15 @@ def sharded_batch(tokens: np.ndarray, mesh: Mesh) -> tuple[jax.Array, jax.Array,
     return place(tokens), place(next_token_targets(tokens)), put_sharded(order.astype(np.int32), sequence)
 
 
-def sharded_packed_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: Mesh
+def sharded_packed_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: Mesh, layout: str = PACKED_RING_LAYOUT
                          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`sharded_batch` of packed documents (`segment_ids` [batch, seq], `weights/documents.py`) in
-    PACKED_RING_LAYOUT's order: (tokens, targets, positions, segment ids), int32 global arrays split like the
-    tokens. No target crosses a document's end; positions [batch, seq] are each token's offset in its document
-    (RoPE restarts per document)."""
+    """`sharded_batch` of packed documents (`segment_ids` [batch, seq], `weights/documents.py`) in `layout`'s order
+    (the attention's, `weights.parallel.scheme_layout`): (tokens, targets, positions, segment ids), int32 global
+    arrays split like the tokens. No target crosses a document's end; positions [batch, seq] are each token's offset
+    in its document (RoPE restarts per document)."""
     shape = mesh_shape(mesh)
     check_batch_shape(tokens.shape[0], tokens.shape[1], shape)
-    order = layout_order(tokens.shape[1], shape.sp, PACKED_RING_LAYOUT)
+    order = layout_order(tokens.shape[1], shape.sp, layout)
     sharding = activation_sharding(mesh, "tokens")
     return tuple(put_sharded(x[:, order].astype(np.int32), sharding)
                  for x in (tokens, next_token_targets(tokens, segment_ids), document_offsets(segment_ids),

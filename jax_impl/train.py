@@ -80,7 +80,7 @@ from jax_impl.parallel import (load_parameters, make_mesh, mesh_shape, overlap_c
                                sequence_parallel_fn, sharded_batch, sharded_packed_batch, state_shapes)
 from jax_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights
-from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, ring_layout, weights_regathered_for_backward
+from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, scheme_layout, weights_regathered_for_backward
 from weights.fp8 import fallback_line, fp8_linears
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
@@ -166,7 +166,8 @@ class StepSpec:
     # a hashable callable that wraps the model's attention function (`fn -> fn`): the harness's hook for its
     # negative controls (compare/harness/perturb.py); None in training
     attention_wrapper: Callable[[AttentionFn], AttentionFn] | None = None
-    # packed documents (`TrainSettings.pack`): the ring in PACKED_RING_LAYOUT, the step given segment ids
+    # packed documents (`TrainSettings.pack`): the step given segment ids, the attention in `scheme_layout`'s layout
+    # (the ring's PACKED_RING_LAYOUT; RING_LAYOUT for Ulysses and hybrid)
     pack: bool = False
 
 
@@ -196,7 +197,7 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
         weights = {name: (p.astype(dtype) if copy else p) if is_stacked(name) else compute(p)
                    for name, p in params.items()}
     attention = sequence_parallel_fn(spec.mesh, *spec.sp_scheme, backend=spec.attention_backend,
-                                     variant=spec.ring_variant, layout=ring_layout(spec.pack))
+                                     variant=spec.ring_variant, layout=scheme_layout(spec.sp_scheme[0], spec.pack))
     if spec.attention_wrapper is not None:
         attention = spec.attention_wrapper(attention)
     llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer)
@@ -433,7 +434,8 @@ def run_training(settings: TrainSettings, batches: np.ndarray, on_step: StepCall
             if segment_ids is None:
                 (tokens, targets, positions), ids = sharded_batch(batches[step], mesh), None
             else:
-                tokens, targets, positions, ids = sharded_packed_batch(batches[step], segment_ids[step], mesh)
+                tokens, targets, positions, ids = sharded_packed_batch(batches[step], segment_ids[step], mesh,
+                                                                       scheme_layout(settings.sp_scheme, True))
             coefficients = adamw_coefficients(settings.optimizer, step)
             state, loss, grad_norm = train_step(state, tokens, targets, positions, step_scalars(coefficients),
                                                 spec=spec, segment_ids=ids)

@@ -128,8 +128,6 @@ def test_packed_training_agrees_across_backends_and_meshes(tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--data", "random"], "--pack packs the text corpus's files as documents: it needs --data text"),
-    (["--mesh", "fsdp=1,sp=2", "--sp-scheme", "ulysses"],
-     "--pack runs on the ring scheme only (--sp-scheme ulysses takes no documents)"),
 ])
 def test_pack_refuses_what_it_cannot_pack(capsys, extra, message):
     assert main(["--backend", "torch", "--model", "tiny", "--seq-len", "64", "--steps", "1", "--pack", *extra]) == 2

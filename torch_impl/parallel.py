@@ -90,14 +90,15 @@ def sequence_parallel_fn(mesh: DeviceMesh, scheme: str = "ring", ulysses_degree:
                          backend: str = "triton", variant: str = "ring", compile_merge: bool = False,
                          layout: str = RING_LAYOUT) -> AttentionFn:
     """The model's attention function in `scheme` (`weights.sequence_parallel`) over the `sp` sub-group, on the same
-    local q/k/v as `ring_attention_fn` (which the ring scheme is, in `layout`; the others run RING_LAYOUT):
-    `sequence_parallel_attention` over the groups of `sequence_parallel_groups` (a collective of the sp ranks, which
-    the hybrid's subgroups need; call it before a meta-device context), without the ring's per-call argument check
-    (as `ring_attention_fn`)."""
+    local q/k/v as `ring_attention_fn` (which the ring scheme is), in `layout` (`weights.parallel.scheme_layout`;
+    the Ulysses degrees above 1 refuse zigzag_stripes): `sequence_parallel_attention` over the groups of
+    `sequence_parallel_groups` (a collective of the sp ranks, which the hybrid's subgroups need; call it before a
+    meta-device context), without the ring's per-call argument check (as `ring_attention_fn`). Packed documents: the
+    model passes the segment ids of `local_packed_batch` in the same layout."""
     groups = sequence_parallel_groups(scheme, ulysses_degree, mesh["sp"].get_group())
     if groups.degrees.ulysses == 1:
         return ring_attention_fn(mesh, backend=backend, variant=variant, compile_merge=compile_merge, layout=layout)
-    return functools.partial(sequence_parallel_attention, groups=groups, causal=True, layout=RING_LAYOUT,
+    return functools.partial(sequence_parallel_attention, groups=groups, causal=True, layout=layout,
                              variant=variant, backend=backend, check_ranks=False, compile_merge=compile_merge)
 
 
@@ -178,12 +179,13 @@ def local_batch(tokens: np.ndarray, mesh: DeviceMesh, device: torch.device
             _on_device(positions, device))
 
 
-def local_packed_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: DeviceMesh, device: torch.device
+def local_packed_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: DeviceMesh, device: torch.device,
+                       layout: str = PACKED_RING_LAYOUT
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`local_batch` of packed documents (`segment_ids` [batch, seq], `weights/documents.py`) in
-    PACKED_RING_LAYOUT: (tokens, targets, positions, segment ids). No target crosses a document's end; positions
-    [batch, seq] are each token's offset in its document (RoPE restarts per document)."""
+    """`local_batch` of packed documents (`segment_ids` [batch, seq], `weights/documents.py`) in `layout` (the
+    attention's, `weights.parallel.scheme_layout`): (tokens, targets, positions, segment ids). No target crosses a
+    document's end; positions [batch, seq] are each token's offset in its document (RoPE restarts per document)."""
     check_batch_shape(tokens.shape[0], tokens.shape[1], mesh_shape(mesh))
-    return tuple(_local_part(x, mesh, PACKED_RING_LAYOUT, device)
+    return tuple(_local_part(x, mesh, layout, device)
                  for x in (tokens, next_token_targets(tokens, segment_ids), document_offsets(segment_ids),
                            segment_ids.astype(np.int32)))

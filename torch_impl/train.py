@@ -20,7 +20,8 @@ Numerics both backends follow, so that their per-step losses agree (fp32):
              reduces fp32 gradients (MixedPrecisionPolicy). With fp8 (bf16 only) the decoder layers' linears are
              torchao Float8Linears (`convert_to_fp8`, weights/fp8.py's recipe), converted before FSDP wraps them.
   documents  with `settings.pack` no target crosses a document's end, RoPE positions restart at each document and
-             the ring runs in PACKED_RING_LAYOUT on the segment ids (`local_packed_batch`).
+             the attention runs on the segment ids (`local_packed_batch`) in the scheme's layout (`scheme_layout`:
+             the ring's PACKED_RING_LAYOUT; RING_LAYOUT for Ulysses and hybrid).
 
 Speed on GPUs (`--eager` turns the first three off): the modules around the attention, the ring's merge and the
 loss chunks run under torch.compile, the loss makes its gradients in the forward (`fused_cross_entropy_mean`),
@@ -52,7 +53,7 @@ from torch_impl.parallel import (load_local_shards, local_batch, local_packed_ba
 from torch_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, RandomWeights, open_weights
 from weights.fp8 import fallback_line, fp8_linears
-from weights.parallel import ring_layout
+from weights.parallel import scheme_layout
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
@@ -396,7 +397,7 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
     fast = device.type == "cuda" and not settings.eager  # inductor and fused kernels: GPUs only
     attention = sequence_parallel_fn(mesh, settings.sp_scheme, settings.ulysses_degree,  # the sp ranks together
                                      backend=settings.attention_backend, variant=settings.ring_variant,
-                                     compile_merge=fast, layout=ring_layout(settings.pack))
+                                     compile_merge=fast, layout=scheme_layout(settings.sp_scheme, settings.pack))
     with torch.device("meta"):
         llama = Llama(config, attention)
     if settings.fp8:  # before FSDP, which then shards and gathers the Float8Linears' plain weights
@@ -464,7 +465,8 @@ def _train(settings, batches: np.ndarray, on_step: StepCallback | None, on_profi
                                               valid_target_count(settings.batch, settings.seq_len),
                                               settings.skip_non_finite_steps)
         else:
-            tokens, targets, positions, ids = local_packed_batch(batches[step], segment_ids[step], mesh, device)
+            tokens, targets, positions, ids = local_packed_batch(batches[step], segment_ids[step], mesh, device,
+                                                                 scheme_layout(settings.sp_scheme, True))
             loss, grad_norm, lr = launch_step(model, optimizer, tokens, targets, positions, step,
                                               valid_target_count(settings.batch, settings.seq_len, segment_ids[step]),
                                               settings.skip_non_finite_steps, segment_ids=ids)

@@ -14,7 +14,7 @@ Public API:
       fsdp x sp mesh make theirs side by side); ring and ulysses use `group` itself.
   sequence_parallel_attention(q, k, v, *, groups=None, causal=True, layout="zigzag", variant="ring",
                               return_lse=False, softmax_scale=None, backend="triton", check_ranks=True,
-                              compile_merge=False, local_copies=False, comm_log=None)
+                              compile_merge=False, local_copies=False, comm_log=None, segment_ids=None)
       q [B, S_local, H, D], k/v [B, S_local, Hkv, D]: this rank's tokens in `layout` order over all U x R ranks, as
       for `ring_attention` (which the ring scheme is: `groups=None` is the ring over the world). Returns out
       [B, S_local, H, D] in q's dtype, or (out, lse [B, H, S_local] float32, not differentiable) with `return_lse`.
@@ -23,7 +23,8 @@ Public API:
       all U x R ranks first (one all-gather of a few integers: one clear line on every rank, not a collective left
       waiting). `local_copies` /
       `comm_log` are the benchmark's instruments, as the ring's: every transfer a same-sized local copy, and the
-      bytes each all-to-all and ring transfer sends.
+      bytes each all-to-all and ring transfer sends. `segment_ids` [B, S_local]: packed documents
+      (`weights/documents.py`), this rank's tokens' ids in `layout` order like q, as for `ring_attention`.
 
 Ulysses and hybrid, on each rank: K/V heads put in the all-to-all's slots (`kv_head_slots`: repeated only where
 U > Hkv); q, k, v through one all-to-all each over the Ulysses group (`Ring.all_to_all`), from this rank's tokens of
@@ -33,6 +34,17 @@ R groups (hybrid, `ring_attention` on the group's tokens, which are the ring lay
 asked) back through the inverse all-to-all. Autograd runs the same all-to-alls backwards for dout and dq/dk/dv (in
 the inputs' dtype; the copies of a repeated KV head are summed by the backward of the slot gather). The all-to-alls
 are issued and waited for in turn: nothing overlaps them yet.
+
+Packed documents (`segment_ids`): the local ids go through the same all-to-all as the heads (int32, one head slot
+per Ulysses rank: B L U ids sent, no gradient), so each rank holds the group's ids in increasing position order;
+then the flash kernel on the whole sequence with them (ulysses) or the ring over R with them (hybrid, on key spans).
+Balance: Ulysses computes every token of its H / U heads on each device, so no document lengths can unbalance it.
+The hybrid's ring runs in the layout over R that the U x R layout gives the groups (zigzag over P is zigzag over R,
+contiguous contiguous), whose work per device follows the documents' lengths as a zigzag (or contiguous) ring's
+does. zigzag_stripes is refused whenever U > 1 with `weights.sequence_parallel.check_gathered_layout`'s one
+ValueError line (JAX's too): a group's stripes over P are not the stripes of a ring over R, and
+`gathered_chunk_order` knows zigzag's two chunks per device, not one per stripe. Packed training runs Ulysses and
+the hybrid in zigzag (`weights.parallel.scheme_layout`).
 """
 
 from __future__ import annotations
@@ -43,12 +55,13 @@ import functools
 import torch
 import torch.distributed as dist
 
+from torch_impl.documents import checked_segment_ids
 from torch_impl.kernels.flash_attention import flash_attention
 from torch_impl.ring_attention import agreement_fields, check_agreement, ring_attention
 from torch_impl.ring_comm import CommLog, Ring
 from weights.attention import check_ring_choices, check_ring_shapes
-from weights.sequence_parallel import (SchemeDegrees, check_heads, gathered_chunk_order, kv_head_slots,
-                                       scheme_degrees)
+from weights.sequence_parallel import (SchemeDegrees, check_gathered_layout, check_heads, gathered_chunk_order,
+                                       kv_head_slots, scheme_degrees)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +146,20 @@ def _kv_slot_index(heads: int, kv_heads: int, ulysses_degree: int, device: torch
     return torch.from_numpy(kv_head_slots(heads, kv_heads, ulysses_degree)).to(device)
 
 
+def _group_segment_ids(segment_ids, q: torch.Tensor, exchange: _HeadExchange, check_values: bool) -> torch.Tensor:
+    """int32 [B, U L]: the Ulysses group's segment ids in increasing position order, from this rank's [B, L] (checked
+    with `check_values`: non-decreasing in their local order, a host copy), through the heads' all-to-all: each
+    rank receives the ids once (one head slot per rank)."""
+    if check_values:
+        ids = checked_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
+    elif not isinstance(segment_ids, torch.Tensor) or tuple(segment_ids.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"segment_ids must be a tensor [B, S_local] = {tuple(q.shape[:2])}")
+    else:
+        ids = segment_ids.to(device=q.device, dtype=torch.int32)
+    slots = ids.unsqueeze(-1).expand(-1, -1, exchange.ring.world)  # [B, L, U]: one copy for each rank
+    return exchange.to_heads(slots).squeeze(-1).contiguous()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,11 +169,12 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 layout: str = "zigzag", variant: str = "ring", return_lse: bool = False,
                                 softmax_scale: float | None = None, backend: str = "triton", check_ranks: bool = True,
                                 compile_merge: bool = False, local_copies: bool = False,
-                                comm_log: CommLog | None = None):
+                                comm_log: CommLog | None = None, segment_ids: torch.Tensor | None = None):
     """Attention over a sequence sharded across the ranks of `groups`' scheme; see the module docstring.
 
     Raises ValueError for bad arguments (heads the Ulysses degree cannot split: one line naming the degrees that
-    work), LayoutError (a ValueError) when the local length does not split in `layout`.
+    work), LayoutError (a ValueError) when the local length does not split in `layout`, and for the zigzag_stripes
+    layout with U > 1 (module docstring).
     """
     groups = groups if groups is not None else sequence_parallel_groups()
     ring_keywords = dict(causal=causal, layout=layout, variant=variant, return_lse=True, softmax_scale=softmax_scale,
@@ -154,17 +182,18 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                          local_copies=local_copies, comm_log=comm_log)
     degrees = groups.degrees
     if degrees.ulysses == 1:
-        out, lse = ring_attention(q, k, v, group=groups.ring, **ring_keywords)
+        out, lse = ring_attention(q, k, v, group=groups.ring, segment_ids=segment_ids, **ring_keywords)
         return (out, lse) if return_lse else out
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if check_ranks:  # over all U x R ranks at once: a rank raising alone would leave the others in a collective
         check_agreement(Ring(groups.every, q.device), agreement_fields(q, k, v, causal, layout, variant,
-                                                                        softmax_scale, None),
+                                                                        softmax_scale, segment_ids),
                         caller="sequence_parallel_attention")
         ring_keywords["check_ranks"] = False  # the hybrid's ring: its ranks agreed just now
     check_ring_choices(layout, variant)
+    check_gathered_layout(layout)
     check_ring_shapes(q.shape, k.shape, v.shape, degrees.sp, layout)
     heads, kv_heads = q.shape[2], k.shape[2]
     check_heads(degrees.ulysses, heads, kv_heads)
@@ -173,12 +202,13 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if degrees.ulysses > kv_heads:  # each KV head once per device of its query heads
         slots = _kv_slot_index(heads, kv_heads, degrees.ulysses, k.device)
         k, v = (x.index_select(2, slots) for x in (k, v))
+    ids = None if segment_ids is None else _group_segment_ids(segment_ids, q, exchange, check_ranks)
     q, k, v = (_AllToAll.apply(x, exchange, True) for x in (q, k, v))
     if degrees.ring == 1:
         out, lse = flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                                   backend=backend)
+                                   backend=backend, segment_ids=ids)
     else:
-        out, lse = ring_attention(q, k, v, group=groups.ring, **ring_keywords)
+        out, lse = ring_attention(q, k, v, group=groups.ring, segment_ids=ids, **ring_keywords)
     out = _AllToAll.apply(out, exchange, False)
     if not return_lse:
         return out

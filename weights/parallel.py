@@ -19,8 +19,8 @@ set of axes for every parameter, as FSDP2 shards a module's parameters over one 
 
 `ACTIVATION_SHARDING` gives one mesh axis name (or None) per dim of the data: tokens [batch, seq] are split over
 `fsdp` on the batch dim and over `sp` on the sequence dim, in the order of the ring layout `RING_LAYOUT` (see
-weights/layout.py; `PACKED_RING_LAYOUT` for packed documents, `ring_layout`); the tokens' global positions [seq] are
-split over `sp` the same way.
+weights/layout.py; `PACKED_RING_LAYOUT` for packed documents, `ring_layout`; per scheme `scheme_layout`); the
+tokens' global positions [seq] are split over `sp` the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +42,15 @@ PACKED_RING_LAYOUT = "zigzag_stripes"  # the same, packed documents: balanced fo
 def ring_layout(pack: bool) -> str:
     """The ring layout of a training run, with packed documents (`TrainSettings.pack`) or without."""
     return PACKED_RING_LAYOUT if pack else RING_LAYOUT
+
+
+def scheme_layout(scheme: str, pack: bool) -> str:
+    """The layout the `sp` devices hold the training sequence in for `scheme` (`weights.sequence_parallel`), the one
+    definition both backends' training, packed batches and attention read: the ring's `ring_layout(pack)`;
+    RING_LAYOUT (zigzag) for the Ulysses and hybrid schemes, packed or not. Ulysses is balanced by heads whatever
+    the documents (each device computes every token of its H / U heads); the hybrid's ring over R runs zigzag,
+    because a group's zigzag_stripes over P are not the stripes of a ring over R (`check_gathered_layout`)."""
+    return ring_layout(pack) if scheme == "ring" else RING_LAYOUT
 
 PARAMETER_SHARDING: dict[str, tuple[tuple[str, ...] | None, ...]] = {
     "tok_embeddings.weight": (("fsdp", "sp"), None),

@@ -21,6 +21,10 @@ early chunk, ...); `gathered_chunk_order` puts them in increasing position order
 takes (`weights.layout.rank_positions`) and the order a causal kernel needs. The permutation is the same on every
 device, for every group and every R (tests/test_ulysses_scheme.py checks it against `rank_positions`), so no device
 needs its rank to apply it.
+Only these two layouts (`GATHERED_LAYOUTS`): with U > 1 both backends refuse zigzag_stripes in one ValueError line
+(`check_gathered_layout`), as a group's stripes over P are not the stripes of a ring over R; packed training runs
+Ulysses and the hybrid in zigzag (`weights.parallel.scheme_layout`), Ulysses being balanced by heads whatever the
+documents.
 
 KV heads (query head h reads KV head h // (H / Hkv)). Device u of a group runs the query heads [u H/U, (u+1) H/U)
 and receives the KV heads those read (`kv_head_slots`):
@@ -113,6 +117,19 @@ def kv_head_slots(heads: int, kv_heads: int, ulysses_degree: int) -> np.ndarray:
     Hkv is a multiple of U; each KV head U / Hkv times in a row when U is a multiple of Hkv."""
     check_heads(ulysses_degree, heads, kv_heads)
     return np.arange(max(kv_heads, ulysses_degree), dtype=np.int64) * kv_heads // max(kv_heads, ulysses_degree)
+
+
+GATHERED_LAYOUTS = ("contiguous", "zigzag")  # the layouts `gathered_chunk_order` puts in position order
+
+
+def check_gathered_layout(layout: str) -> None:
+    """Raises ValueError (one line, both backends' `sequence_parallel_attention` with U > 1) unless `layout` is one of
+    GATHERED_LAYOUTS: zigzag_stripes is refused, since a group's stripes over P are not the stripes of a ring over R
+    and `gathered_chunk_order` knows zigzag's two chunks per device, not one per stripe."""
+    if layout not in GATHERED_LAYOUTS:
+        raise ValueError(f"sequence_parallel_attention with a Ulysses degree above 1 takes the "
+                         f"{' or '.join(GATHERED_LAYOUTS)} layout, got {layout!r}: a group's stripes over P are not "
+                         "the stripes of a ring over R")
 
 
 def gathered_chunk_order(ulysses_degree: int, layout: str) -> tuple[int, ...]:

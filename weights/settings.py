@@ -83,9 +83,6 @@ class TrainSettings:
     def __post_init__(self):
         if self.pack and self.data != "text":
             raise BadInputError("--pack packs the text corpus's files as documents: it needs --data text")
-        if self.pack and self.sp_scheme != "ring":
-            raise BadInputError(f"--pack runs on the ring scheme only (--sp-scheme {self.sp_scheme} takes no "
-                                "documents)")
 
     @property
     def export_paths(self) -> tuple[Path, Path] | None:
