@@ -7,11 +7,11 @@
 # POINT = backend:model:attention:seq_len[:checkpointing[:extras]] (e.g. torch:llama3.1-8b:sdpa_cudnn:32768:save-attention,
 # jax:llama3.2-1b:cudnn:32768, torch:llama3.2-1b:sdpa_cudnn:32768:off:eager+fp8); extras, joined by '+': eager
 # (`--eager`), fp8 (`--fp8`; torch needs torchao importable), ulysses (`--sp-scheme ulysses`: all-to-all of the
-# heads over sp instead of the ring), hybrid (`--sp-scheme hybrid --ulysses-degree 2`: all-to-alls in pairs of adjacent
-# GPUs, a ring of the pairs; needs SP of 4 or more), text (`--data text`: the text corpus instead of random tokens), pack (`--data
-# text --pack`: its files packed as documents). Every point: bf16, random tokens unless text or pack,
-# fsdp=1 x sp=$SP (2), $STEPS steps (7: step 0 compiles, the last 3 are traced), under `timeout $POINT_S` (150); a
-# point that could not finish within $BUDGET_S (540) of the script's start is not started (named in the log).
+# heads over sp instead of the ring), hybrid (`--sp-scheme hybrid --ulysses-degree 2`: all-to-alls in pairs of
+# adjacent GPUs, a ring of the pairs; needs SP of 4 or more), text (`--data text`: the text corpus instead of random
+# tokens), pack (`--data text --pack`: its files packed as documents). Every point: bf16, random tokens unless text
+# or pack, fsdp=1 x sp=$SP (2), $STEPS steps (7: step 0 compiles, the last 3 are traced), under `timeout $POINT_S`
+# (150); a point that could not finish within $BUDGET_S (540) of the script's start is not started (named in the log).
 # Lands in $OUT (default ./out): one log per point, profiles.json (every point's train.jsonl rows and profile.json,
 # the GPU and the command); a table last, tokens/s and MFU as the median of the untraced steps after step 0.
 set -u

@@ -2,10 +2,10 @@
 `interpreter_problem`), the exp2-domain constants, the `tl` tile helpers the portable forward and backward kernels
 share (masked tile loads and stores, rounding as the GPU rounds, the key mask, program and key-range arithmetic, the
 documents' span block ranges, `span_block_range`, which the Gluon kernels call too, and the runs of key blocks the
-forward and dQ kernels walk: `key_block_runs`), the sequence
-bucket both families key their configs by, the delta = rowsum(dout * out) kernel both backwards run, and what
-the Gluon (Hopper) kernels share: the Triton release they are written for, their `gluon_jit` decorator and the
-allocator of their on-device tensor descriptors. Twin of `jax_impl/kernels/tiles.py`.
+forward and dQ kernels walk: `key_block_runs`), the sequence bucket both families key their configs by, the delta =
+rowsum(dout * out) kernel both backwards run, and what the Gluon (Hopper) kernels share: the Triton release they are
+written for, their `gluon_jit` decorator and the allocator of their on-device tensor descriptors. Twin of
+`jax_impl/kernels/tiles.py`.
 
 Under Triton's interpreter 16-bit tiles are wrong in two silent ways (bf16 is held as uint16, so bf16 dots and
 arithmetic are garbage; fp32 -> bf16 casts truncate instead of rounding). With EMULATE set the kernels load every
