@@ -95,6 +95,17 @@ def test_breakdown_gives_every_instant_to_one_category():
     assert "communication_exposed" in format_table(profile)
 
 
+def test_top_events_count_their_calls_per_step():
+    """A kernel launched twice a step shows 2 calls a step (how a doubled forward is seen); an event crossing
+    into the next step counts in the step it started in; the negative control: once a step gives 1."""
+    twice = [DeviceEvent("fwd", start, start + 1.0, "gemm") for start in (0.0, 2.0, 5.0, 7.0)]
+    once = [DeviceEvent("bwd", start, start + 1.0, "gemm") for start in (4.5, 9.5)]  # each runs into the next step
+    profile = breakdown(twice + once, [(0.0, 5.0), (5.0, 10.0)])
+    calls = {item["name"]: item["calls"] for item in profile["top"]}
+    assert calls == {"fwd": 2.0, "bwd": 1.0}
+    assert "   2.0  gemm" in format_table(profile)
+
+
 def test_host_costliest_counts_self_time_per_thread_and_step():
     main, side = ("p", 1), ("p", 2)
     events = [

@@ -18,8 +18,8 @@ GEMMs, and everything else (RMSNorm, RoPE, SwiGLU, residual adds, casts, copies,
 elementwise.
 
 profile.json: {"step_s": mean profiled step, "categories": {name: seconds per step}, "communication_total_s",
-"steps": how many steps were profiled, "top": [{"name", "category", "seconds"}] (per step, the costliest device
-events by name), optionally "host_top": [{"name", "seconds"}] (per step, where the host's time went, by the self
+"steps": how many steps were profiled, "top": [{"name", "category", "seconds", "calls"}] (per step, the costliest
+device events by name, and how many of them started in a step: a kernel run twice shows as twice the calls), optionally "host_top": [{"name", "seconds"}] (per step, where the host's time went, by the self
 time of its operations: `host_costliest`; where the device idles, the host is the bound), plus whatever run
 description the caller adds (backend, device, settings)}.
 """
@@ -136,9 +136,13 @@ def _union_seconds(intervals: list[tuple[float, float]]) -> float:
 
 
 def _attribute_window(events: Sequence[DeviceEvent], low: float, high: float, totals: dict[str, float],
-                      by_name: dict[tuple[str, str], float]) -> float:
-    """Adds the window's instants to `totals` (category -> s) and `by_name`; returns its communication union."""
+                      by_name: dict[tuple[str, str], float], calls: dict[tuple[str, str], int]) -> float:
+    """Adds the window's instants to `totals` (category -> s) and `by_name`, the events starting in it to `calls`;
+    returns its communication union."""
     inside = sorted((e for e in events if e.end > low and e.start < high), key=lambda e: e.start)
+    for event in inside:
+        if event.start >= low:
+            calls[(event.name, category(event.kind, event.regions))] += 1
     points = sorted({low, high, *(max(e.start, low) for e in inside), *(min(e.end, high) for e in inside)})
     compute: list[tuple[float, int]] = []  # (-start, index): the latest-started active compute event on top
     communication: list[tuple[float, int]] = []  # (end, index)
@@ -175,14 +179,15 @@ def breakdown(events: Sequence[DeviceEvent], windows: Sequence[tuple[float, floa
         raise ValueError("no profiled step: the trace holds no step window")
     totals = dict.fromkeys(CATEGORIES, 0.0)
     by_name: dict[tuple[str, str], float] = defaultdict(float)
-    communication = sum(_attribute_window(events, low, high, totals, by_name) for low, high in windows)
+    calls: dict[tuple[str, str], int] = defaultdict(int)
+    communication = sum(_attribute_window(events, low, high, totals, by_name, calls) for low, high in windows)
     steps = len(windows)
     top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_EVENTS]
     return {"step_s": sum(high - low for low, high in windows) / steps,
             "categories": {name: seconds / steps for name, seconds in totals.items()},
             "communication_total_s": communication / steps, "steps": steps,
-            "top": [{"name": name[:120], "category": cat, "seconds": seconds / steps}
-                    for (name, cat), seconds in top]}
+            "top": [{"name": name[:120], "category": cat, "seconds": seconds / steps,
+                     "calls": calls[(name, cat)] / steps} for (name, cat), seconds in top]}
 
 
 def check_breakdown(profile: dict, tolerance: float = SUM_TOLERANCE) -> None:
@@ -209,9 +214,9 @@ def format_table(profile: dict) -> str:
     communication = profile["communication_total_s"]
     rows.append(f"{'(communication total)':<22} {communication * 1e3:>10.2f} {communication / step:>7.1%}  "
                 "hidden or not; not part of the sum")
-    rows.append("costliest device events (ms/step, category):")
-    rows.extend(f"  {item['seconds'] * 1e3:9.2f}  {item['category']:<21} {item['name'][:90]}"
-                for item in profile["top"])
+    rows.append("costliest device events (ms/step, calls/step, category):")
+    rows.extend(f"  {item['seconds'] * 1e3:9.2f} {item.get('calls', float('nan')):7.1f}  {item['category']:<21} "
+                f"{item['name'][:82]}" for item in profile["top"])
     if profile.get("host_top"):
         rows.append("costliest host operations, by self time (ms/step):")
         rows.extend(f"  {item['seconds'] * 1e3:9.2f}  {item['name'][:112]}" for item in profile["host_top"])
