@@ -32,7 +32,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from compare.commands.train import main as train_main
 from weights.data import training_batches
 from jax_impl import checkpointing
-from jax_impl.kernels.flash_attention import flash_attention
 from jax_impl.model import Llama, load_model, parameter_dict, stack_layers, unstack_layers
 from jax_impl.model import next_token_loss as model_next_token_loss
 from jax_impl.memory_plan import step_memory_plan
@@ -41,7 +40,7 @@ from jax_impl.train import StepSpec, adamw_update, clip_gradients, init_optimize
 from weights import (BadInputError, CheckpointError, RandomWeights, parameter_shapes, preset,
                      write_converted_checkpoint)
 from weights.layout import LayoutError
-from weights.parallel import REMAT_MODES, MeshShape
+from weights.parallel import MeshShape
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
 from weights.training import adamw_coefficients, check_compatible, run_metadata
@@ -217,104 +216,10 @@ def test_bf16_compute_trains_close_to_fp32(weights_dir, single_device):
     assert all(p.dtype == jnp.float32 for p in run.state["model"].values())  # fp32 master weights
 
 
-def _layer_gradient_fn(remat: str, tokens: jax.Array):
-    """The gradient of the tiny model's loss with the Pallas kernel (interpreted on CPU) as its attention."""
-    def loss(params):
-        return model_next_token_loss(Llama(preset("tiny"), params, flash_attention, remat=remat)(tokens), tokens)
-
-    return jax.grad(loss)
-
-
-def test_remat_changes_nothing_numerically():
-    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (1, 16)))
-    params = parameter_dict(load_model("tiny"))
-    grads = {mode: jax.jit(_layer_gradient_fn(mode, tokens))(params) for mode in REMAT_MODES}
-    for mode in ("full", "save-attention"):
-        assert grads[mode].keys() == params.keys()
-        for name in params:  # the same fp32 operations recomputed: identical up to XLA fusing them differently
-            np.testing.assert_allclose(grads[mode][name], grads["off"][name], rtol=1e-5, atol=1e-7,
-                                       err_msg=f"{mode}: {name}")
-
-
-@pytest.mark.parametrize("ring", [False, True], ids=["one_device", "ring_sp4"])
-def test_save_attention_does_not_rerun_the_attention_forward(ring):
-    """Forward kernel launches in the traced gradient (forward pass + backward pass, after remat's partial
-    evaluation): "full" reruns each layer's attention forward in the backward, "save-attention" does not."""
-    if ring:  # the train step's loss: the ring inside shard_map over 4 devices, Pallas pair kernels
-        mesh = make_mesh(MESHES["fsdp1_sp4"])
-        source = RandomWeights(preset("tiny"))
-        params = load_parameters(source, mesh)
-        batch = sharded_batch(np.random.default_rng(1).integers(0, 256, (1, 32)), mesh)
-
-        def gradient(remat):
-            spec = StepSpec(config=source.config, mesh=mesh, dtype="fp32", remat=remat, attention_backend="pallas",
-                            ring_variant="ring", loss_chunk_tokens=16, optimizer=OptimizerConfig())
-            return lambda params: jax.grad(next_token_loss)(params, *batch, spec=spec)
-    else:
-        params = parameter_dict(load_model("tiny"))
-        tokens = jnp.zeros((1, 16), jnp.int32)
-
-        def gradient(remat):
-            return _layer_gradient_fn(remat, tokens)
-
-    def forward_kernels(remat: str) -> int:
-        return str(jax.make_jaxpr(gradient(remat))(params)).count("name=twinflash_forward")
-
-    launches = {mode: forward_kernels(mode) for mode in REMAT_MODES}
-    assert launches["off"] > 0
-    assert launches["full"] == 2 * launches["off"]  # the negative control: full checkpointing does rerun them
-    assert launches["save-attention"] == launches["off"]
-
-
-@pytest.mark.parametrize("remat", ["save-attention", "full"])
-def test_the_layer_scan_backward_gives_jax_transpose_numbers(remat):
-    """bf16 layers over fp32 stacks: the scan's own backward (`jax_impl.remat.checkpointed_scan`, which returns
-    bf16 gradient stacks) against JAX's transpose of the scan over the same stacks cast before it: the same bf16
-    operations, so the same fp32 gradients bit for bit; and with save-attention no attention forward is rerun
-    (the forward kernels in the traced gradient: as many as JAX's transpose has)."""
-    config = preset("tiny")
-    params = stack_layers({name: jnp.asarray(value) for name, value in RandomWeights(config)})
-    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, (1, 16)))
-
-    def gradient(cast_in_layer: bool):
-        def loss(params):
-            weights = {name: p if cast_in_layer and name.startswith("layers.") else p.astype(jnp.bfloat16)
-                       for name, p in params.items()}
-            llama = Llama(config, weights, flash_attention, remat=remat,
-                          layer_weight_dtype=jnp.bfloat16 if cast_in_layer else None)
-            return model_next_token_loss(llama(tokens), tokens)
-        return jax.grad(loss)
-
-    ours, theirs = jax.jit(gradient(True))(params), jax.jit(gradient(False))(params)
-    for name in params:
-        np.testing.assert_array_equal(np.asarray(ours[name]), np.asarray(theirs[name]), err_msg=name)
-    forwards = [str(jax.make_jaxpr(gradient(cast))(params)).count("name=twinflash_forward") for cast in (True, False)]
-    assert forwards[0] == forwards[1] > 0
-
-
-def test_remat_keeps_only_layer_inputs():
-    # XLA's memory plan of the backward: 8 layers at 4k tokens, whose per-layer activations (the plain attention's
-    # [8, 4k, 4k] scores, the MLP's [4k, 2048]) dwarf the layer inputs. A Python loop of `nnx.remat` layers passed
-    # this on one GPU but not in the 8B train step, and on CPU not at all (XLA's plan was the same with and
-    # without: ratio 0.99); the scan of checkpointed layers keeps a sixth.
-    config = dataclasses.replace(preset("tiny"), hidden_size=512, intermediate_size=2048, num_layers=8,
-                                 num_heads=8, num_kv_heads=8, head_dim=64)
-    params = {name: jnp.asarray(array) for name, array in RandomWeights(config)}
-    tokens = jnp.zeros((1, 4096), jnp.int32)
-
-    def temp_bytes(remat: str) -> int:
-        def loss(params):
-            return model_next_token_loss(Llama(config, params, remat=remat)(tokens), tokens)
-
-        return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
-
-    assert temp_bytes("full") < 0.5 * temp_bytes("off")
-
-
 def test_memory_plan_of_the_step_without_weights(capsys):
     # 4 emulated devices, the parameters split over all of them: fp32 weights + two AdamW moments, 12 bytes per
-    # parameter over 4 devices, plus the batch's few KiB. (What checkpointing saves is
-    # test_remat_keeps_only_layer_inputs's: the tiny preset's two layers are too few to show it.)
+    # parameter over 4 devices, plus the batch's few KiB. (What checkpointing saves: tests/test_remat_jax.py's
+    # test_remat_keeps_only_layer_inputs; the tiny preset's two layers are too few to show it.)
     settings = dataclasses.replace(_settings("tiny", MESHES["fsdp1_sp4"]), batch=1, seq_len=2048, dtype="bf16")
     plan = step_memory_plan(settings)
     state_bytes = 12 * preset("tiny").num_params / 4

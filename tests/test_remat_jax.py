@@ -1,0 +1,153 @@
+"""JAX per-layer activation checkpointing (`jax_impl/remat.py`) on CPU: the modes change no number, "save-attention"
+keeps each layer's attention forward out of the backward (one device, and the ring, Ulysses and hybrid schemes over
+4 emulated devices; and the step lowered for GPUs through the Mosaic kernels), the scan's own backward equals JAX's
+transpose bit for bit, and checkpointing keeps only the layer inputs in XLA's memory plan. Split from
+tests/test_train_jax.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_impl.kernels import flash_attention as flash_attention_module
+from jax_impl.kernels.flash_attention import flash_attention
+from jax_impl.model import Llama, load_model, parameter_dict, stack_layers
+from jax_impl.model import next_token_loss as model_next_token_loss
+from jax_impl.parallel import load_parameters, make_mesh, sharded_batch
+from jax_impl.train import StepSpec, next_token_loss
+from weights import RandomWeights, preset
+from weights.parallel import REMAT_MODES, MeshShape
+from weights.schedule import OptimizerConfig
+
+SP4 = MeshShape(fsdp=1, sp=4)  # the 4 emulated devices (conftest) as one sequence-parallel axis
+
+
+def _layer_gradient_fn(remat: str, tokens: jax.Array):
+    """The gradient of the tiny model's loss with the Pallas kernel (interpreted on CPU) as its attention."""
+    def loss(params):
+        return model_next_token_loss(Llama(preset("tiny"), params, flash_attention, remat=remat)(tokens), tokens)
+
+    return jax.grad(loss)
+
+
+def test_remat_changes_nothing_numerically():
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (1, 16)))
+    params = parameter_dict(load_model("tiny"))
+    grads = {mode: jax.jit(_layer_gradient_fn(mode, tokens))(params) for mode in REMAT_MODES}
+    for mode in ("full", "save-attention"):
+        assert grads[mode].keys() == params.keys()
+        for name in params:  # the same fp32 operations recomputed: identical up to XLA fusing them differently
+            np.testing.assert_allclose(grads[mode][name], grads["off"][name], rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{mode}: {name}")
+
+
+@pytest.mark.parametrize("scheme", [None, ("ring", None), ("ulysses", None), ("hybrid", 2)],
+                         ids=["one_device", "ring_sp4", "ulysses_sp4", "hybrid_sp4"])
+def test_save_attention_does_not_rerun_the_attention_forward(scheme):
+    """Forward kernel launches in the traced gradient (forward pass + backward pass, after remat's partial
+    evaluation): "full" reruns each layer's attention forward in the backward, "save-attention" does not. With a
+    scheme: the train step's loss, the scheme inside shard_map over 4 devices, Pallas kernels (Ulysses' residuals
+    are its exchanged q, k, v, inside the shard_map: the rerun must still leave out the forward)."""
+    if scheme is not None:
+        mesh = make_mesh(SP4)
+        source = RandomWeights(preset("tiny"))
+        params = load_parameters(source, mesh)
+        batch = sharded_batch(np.random.default_rng(1).integers(0, 256, (1, 32)), mesh)
+
+        def gradient(remat):
+            spec = StepSpec(config=source.config, mesh=mesh, dtype="fp32", remat=remat, attention_backend="pallas",
+                            ring_variant="ring", loss_chunk_tokens=16, optimizer=OptimizerConfig(),
+                            sp_scheme=scheme)
+            return lambda params: jax.grad(next_token_loss)(params, *batch, spec=spec)
+    else:
+        params = parameter_dict(load_model("tiny"))
+        tokens = jnp.zeros((1, 16), jnp.int32)
+
+        def gradient(remat):
+            return _layer_gradient_fn(remat, tokens)
+
+    def forward_kernels(remat: str) -> int:
+        return str(jax.make_jaxpr(gradient(remat))(params)).count("name=twinflash_forward")
+
+    launches = {mode: forward_kernels(mode) for mode in REMAT_MODES}
+    assert launches["off"] > 0
+    assert launches["full"] == 2 * launches["off"]  # the negative control: full checkpointing does rerun them
+    assert launches["save-attention"] == launches["off"]
+
+
+@pytest.mark.parametrize("scheme", [("ring", None), ("ulysses", None)], ids=["ring_sp4", "ulysses_sp4"])
+def test_save_attention_lowers_one_mosaic_forward_per_layer_for_gpus(scheme, monkeypatch):
+    """The step as a GPU receives it: the gradient lowered for CUDA on this CPU machine, through the Hopper family
+    (Mosaic GPU custom calls; the interpreter, which runs them on CPU, is switched off for the lowering), at head
+    dim 64: the forward custom calls are as many under "save-attention" as without checkpointing, and twice as many
+    under "full" (the negative control). JAX's Ulysses step on GPUs ran its forward kernel twice under
+    save-attention (compare/results/schemes-2026-11-28-h200x2/RUN.md) while this lowering holds it once: what adds
+    the second run is XLA's GPU compile, below what a CPU test can see."""
+    monkeypatch.setattr(flash_attention_module, "_interpret", lambda: False)
+    mesh = make_mesh(SP4)
+    source = RandomWeights(dataclasses.replace(preset("tiny"), head_dim=64, hidden_size=256))
+    params = load_parameters(source, mesh)
+    batch = sharded_batch(np.random.default_rng(1).integers(0, 256, (1, 256)), mesh)
+
+    def forward_calls(remat: str) -> int:
+        spec = StepSpec(config=source.config, mesh=mesh, dtype="bf16", remat=remat,
+                        attention_backend="pallas_hopper", ring_variant="ring", loss_chunk_tokens=64,
+                        optimizer=OptimizerConfig(), sp_scheme=scheme)
+        gradient = jax.jit(lambda params: jax.grad(next_token_loss)(params, *batch, spec=spec))
+        module = gradient.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+        return sum("stablehlo.custom_call @mosaic_gpu" in line and "twinflash_forward" in line
+                   for line in module.splitlines())
+
+    calls = {mode: forward_calls(mode) for mode in REMAT_MODES}
+    assert calls["off"] > 0
+    assert calls["full"] == 2 * calls["off"]
+    assert calls["save-attention"] == calls["off"]
+
+
+@pytest.mark.parametrize("remat", ["save-attention", "full"])
+def test_the_layer_scan_backward_gives_jax_transpose_numbers(remat):
+    """bf16 layers over fp32 stacks: the scan's own backward (`jax_impl.remat.checkpointed_scan`, which returns
+    bf16 gradient stacks) against JAX's transpose of the scan over the same stacks cast before it: the same bf16
+    operations, so the same fp32 gradients bit for bit; and with save-attention no attention forward is rerun
+    (the forward kernels in the traced gradient: as many as JAX's transpose has)."""
+    config = preset("tiny")
+    params = stack_layers({name: jnp.asarray(value) for name, value in RandomWeights(config)})
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, (1, 16)))
+
+    def gradient(cast_in_layer: bool):
+        def loss(params):
+            weights = {name: p if cast_in_layer and name.startswith("layers.") else p.astype(jnp.bfloat16)
+                       for name, p in params.items()}
+            llama = Llama(config, weights, flash_attention, remat=remat,
+                          layer_weight_dtype=jnp.bfloat16 if cast_in_layer else None)
+            return model_next_token_loss(llama(tokens), tokens)
+        return jax.grad(loss)
+
+    ours, theirs = jax.jit(gradient(True))(params), jax.jit(gradient(False))(params)
+    for name in params:
+        np.testing.assert_array_equal(np.asarray(ours[name]), np.asarray(theirs[name]), err_msg=name)
+    forwards = [str(jax.make_jaxpr(gradient(cast))(params)).count("name=twinflash_forward") for cast in (True, False)]
+    assert forwards[0] == forwards[1] > 0
+
+
+def test_remat_keeps_only_layer_inputs():
+    # XLA's memory plan of the backward: 8 layers at 4k tokens, whose per-layer activations (the plain attention's
+    # [8, 4k, 4k] scores, the MLP's [4k, 2048]) dwarf the layer inputs. A Python loop of `nnx.remat` layers passed
+    # this on one GPU but not in the 8B train step, and on CPU not at all (XLA's plan was the same with and
+    # without: ratio 0.99); the scan of checkpointed layers keeps a sixth.
+    config = dataclasses.replace(preset("tiny"), hidden_size=512, intermediate_size=2048, num_layers=8,
+                                 num_heads=8, num_kv_heads=8, head_dim=64)
+    params = {name: jnp.asarray(array) for name, array in RandomWeights(config)}
+    tokens = jnp.zeros((1, 4096), jnp.int32)
+
+    def temp_bytes(remat: str) -> int:
+        def loss(params):
+            return model_next_token_loss(Llama(config, params, remat=remat)(tokens), tokens)
+
+        return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes("full") < 0.5 * temp_bytes("off")
