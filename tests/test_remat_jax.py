@@ -84,9 +84,9 @@ def test_save_attention_lowers_one_mosaic_forward_per_layer_for_gpus(scheme, mon
     """The step as a GPU receives it: the gradient lowered for CUDA on this CPU machine, through the Hopper family
     (Mosaic GPU custom calls; the interpreter, which runs them on CPU, is switched off for the lowering), at head
     dim 64: the forward custom calls are as many under "save-attention" as without checkpointing, and twice as many
-    under "full" (the negative control). JAX's Ulysses step on GPUs ran its forward kernel twice under
-    save-attention (compare/results/schemes-2026-11-28-h200x2/RUN.md) while this lowering holds it once: what adds
-    the second run is XLA's GPU compile, below what a CPU test can see."""
+    under "full" (the negative control). JAX's Ulysses step on GPUs spent twice the ring's forward kernel time
+    under save-attention (compare/results/schemes-2026-11-28-h200x2/RUN.md) while this lowering holds one forward:
+    if it runs twice, XLA's GPU compile adds the run, below what a CPU test can see."""
     monkeypatch.setattr(flash_attention_module, "_interpret", lambda: False)
     mesh = make_mesh(SP4)
     source = RandomWeights(dataclasses.replace(preset("tiny"), head_dim=64, hidden_size=256))
