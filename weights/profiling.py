@@ -19,9 +19,10 @@ elementwise.
 
 profile.json: {"step_s": mean profiled step, "categories": {name: seconds per step}, "communication_total_s",
 "steps": how many steps were profiled, "top": [{"name", "category", "seconds", "calls"}] (per step, the costliest
-device events by name, and how many of them started in a step: a kernel run twice shows as twice the calls), optionally "host_top": [{"name", "seconds"}] (per step, where the host's time went, by the self
-time of its operations: `host_costliest`; where the device idles, the host is the bound), plus whatever run
-description the caller adds (backend, device, settings)}.
+device events by name, and how many of them started in a step: a kernel run twice shows as twice the calls),
+optionally "host_top": [{"name", "seconds"}] (per step, where the host's time went, by the self time of its
+operations: `host_costliest`; where the device idles, the host is the bound), plus whatever run description the
+caller adds (backend, device, settings)}.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def format_table(profile: dict) -> str:
     rows.append(f"{'(communication total)':<22} {communication * 1e3:>10.2f} {communication / step:>7.1%}  "
                 "hidden or not; not part of the sum")
     rows.append("costliest device events (ms/step, calls/step, category):")
-    rows.extend(f"  {item['seconds'] * 1e3:9.2f} {item.get('calls', float('nan')):7.1f}  {item['category']:<21} "
+    rows.extend(f"  {item['seconds'] * 1e3:9.2f} {item['calls']:7.1f}  {item['category']:<21} "
                 f"{item['name'][:82]}" for item in profile["top"])
     if profile.get("host_top"):
         rows.append("costliest host operations, by self time (ms/step):")
