@@ -27,7 +27,7 @@ the parameters, their gradients and the AdamW state are split over every device 
 Per-layer activation checkpointing is the model's `remat` option (`jax_impl/model.py`, a scan of checkpointed
 layers).
 
-Overlap of communication with compute (`overlap_compiler_options`, issue 20): on GPUs the train step is compiled
+Overlap of communication with compute (`step_compiler_options`, issue 20): on GPUs the train step is compiled
 with XLA's latency-hiding scheduler, which issues each collective as early as its operands allow and waits for it
 as late as its users allow, so that the kernels that do not depend on it run meanwhile: the ring's K/V hop
 (`ppermute`) beside the attention of the block in hand, the weight gathers and gradient reduce-scatters beside
@@ -37,6 +37,14 @@ pipelined (the next layer's weights gathered during this one, this layer's gradi
 twin's FSDP2 prefetch). XLA's option names change between versions (an unknown one is refused), so the options
 this XLA refuses are left out with one warning line (`accepted_compiler_options`), and options the user set in
 XLA_FLAGS are left to the user.
+
+Kernels XLA must not copy (`KERNEL_OPTIONS`, on GPUs whatever the overlap): XLA's GPU dynamic-slice fusion (on by
+default in jax 0.11's XLA) fuses a kernel whose result a dynamic-update-slice writes into a stack with that write,
+and when the result has other users it keeps the original call for them: under "save-attention" the layer scan
+stacks the attention forward's out and lse for the backward while the layer goes on with out, so the Mosaic
+forward ran twice per layer on one device and in Ulysses (2× the ring's forward kernel time, 8 % of JAX Ulysses'
+8B step: compare/results/ulysses-second-forward-2026-11-28-h200x2/). The ring was spared (its saved out and lse
+are its merge's, not a kernel's). The step is compiled with that fusion off.
 """
 
 from __future__ import annotations
@@ -252,6 +260,11 @@ OVERLAP_OPTIONS = {  # module docstring
 }
 
 
+KERNEL_OPTIONS = {  # module docstring
+    "xla_gpu_enable_dynamic_slice_fusion": False,
+}
+
+
 @functools.lru_cache(maxsize=8)
 def accepted_compiler_options(options: tuple[tuple[str, bool], ...]) -> tuple[tuple[str, bool], ...]:
     """Those of `options` this process's XLA accepts (a tiny function compiled with them, then with each alone if
@@ -272,12 +285,13 @@ def accepted_compiler_options(options: tuple[tuple[str, bool], ...]) -> tuple[tu
     return kept
 
 
-def overlap_compiler_options(platform: str, enabled: bool, user_flags: str) -> tuple[tuple[str, bool], ...]:
-    """The XLA options of the train step (module docstring) on `platform` ("gpu", "cpu", ...): `OVERLAP_OPTIONS`
-    on GPUs when `enabled`, less those named in `user_flags` (the user's XLA_FLAGS, which then decide) and those
-    this XLA refuses; none elsewhere."""
-    if platform != "gpu" or not enabled:
+def step_compiler_options(platform: str, overlap: bool, user_flags: str) -> tuple[tuple[str, bool], ...]:
+    """The XLA options of the train step (module docstring) on `platform` ("gpu", "cpu", ...): on GPUs
+    `KERNEL_OPTIONS`, and `OVERLAP_OPTIONS` when `overlap`, less those named in `user_flags` (the user's XLA_FLAGS,
+    which then decide) and those this XLA refuses; none elsewhere."""
+    if platform != "gpu":
         return ()
     users = set(re.findall(r"--(\w+)", user_flags))
-    wanted = tuple((name, value) for name, value in OVERLAP_OPTIONS.items() if name not in users)
+    options = {**KERNEL_OPTIONS, **(OVERLAP_OPTIONS if overlap else {})}
+    wanted = tuple((name, value) for name, value in options.items() if name not in users)
     return accepted_compiler_options(wanted) if wanted else ()

@@ -76,8 +76,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax_impl import checkpointing
 from jax_impl.attention import AttentionFn
 from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, unstack_layers
-from jax_impl.parallel import (load_parameters, make_mesh, mesh_shape, overlap_compiler_options, parameter_shardings,
-                               sequence_parallel_fn, sharded_batch, sharded_packed_batch, state_shapes)
+from jax_impl.parallel import (load_parameters, make_mesh, mesh_shape, parameter_shardings, sequence_parallel_fn,
+                               sharded_batch, sharded_packed_batch, state_shapes, step_compiler_options)
 from jax_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, scheme_layout, weights_regathered_for_backward
@@ -161,7 +161,7 @@ class StepSpec:
     # a step whose loss or grad norm is not finite returns the state it was given (--skip-non-finite-steps)
     skip_non_finite: bool = False
     sp_scheme: tuple[str, int | None] = ("ring", None)  # (--sp-scheme, --ulysses-degree) of sequence_parallel_fn
-    # XLA options the step is compiled with (`jax_impl.parallel.overlap_compiler_options`): (name, value) pairs
+    # XLA options the step is compiled with (`jax_impl.parallel.step_compiler_options`): (name, value) pairs
     compiler_options: tuple[tuple[str, bool], ...] = ()
     # a hashable callable that wraps the model's attention function (`fn -> fn`): the harness's hook for its
     # negative controls (compare/harness/perturb.py); None in training
@@ -395,8 +395,8 @@ def step_spec(settings: TrainSettings, config: LlamaConfig, mesh: Mesh) -> StepS
                     loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
                     optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps,
                     sp_scheme=(settings.sp_scheme, settings.ulysses_degree), pack=settings.pack,
-                    compiler_options=overlap_compiler_options(mesh.devices.flat[0].platform, settings.xla_overlap,
-                                                              os.environ.get("XLA_FLAGS", "")))
+                    compiler_options=step_compiler_options(mesh.devices.flat[0].platform, settings.xla_overlap,
+                                                           os.environ.get("XLA_FLAGS", "")))
 
 
 

@@ -1,8 +1,8 @@
 """JAX per-layer activation checkpointing (`jax_impl/remat.py`) on CPU: the modes change no number, "save-attention"
 keeps each layer's attention forward out of the backward (one device, and the ring, Ulysses and hybrid schemes over
-4 emulated devices; and the step lowered for GPUs through the Mosaic kernels), the scan's own backward equals JAX's
-transpose bit for bit, and checkpointing keeps only the layer inputs in XLA's memory plan. Split from
-tests/test_train_jax.py."""
+4 emulated devices; and the step lowered for GPUs through the Mosaic kernels; and, on GPUs, the step as XLA compiles
+it), the scan's own backward equals JAX's transpose bit for bit, and checkpointing keeps only the layer inputs in
+XLA's memory plan. Split from tests/test_train_jax.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import pytest
 
 from jax_impl.kernels import flash_attention as flash_attention_module
 from jax_impl.kernels.flash_attention import flash_attention
+from jax_impl.memory_plan import lowered_step
 from jax_impl.model import Llama, load_model, parameter_dict, stack_layers
 from jax_impl.model import next_token_loss as model_next_token_loss
-from jax_impl.parallel import load_parameters, make_mesh, sharded_batch
+from jax_impl.parallel import KERNEL_OPTIONS, load_parameters, make_mesh, sharded_batch, step_compiler_options
 from jax_impl.train import StepSpec, next_token_loss
 from weights import RandomWeights, preset
 from weights.parallel import REMAT_MODES, MeshShape
@@ -151,3 +152,42 @@ def test_remat_keeps_only_layer_inputs():
         return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes("full") < 0.5 * temp_bytes("off")
+
+
+def _mosaic_calls(hlo_text: str, kernel: str) -> int:
+    """The Mosaic GPU custom calls of `kernel` (the kernel's name in their op names) in optimized HLO text."""
+    return sum('custom_call_target="mosaic_gpu' in line and f"/{kernel}/" in line for line in hlo_text.splitlines())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fusion_on", [False, True], ids=["step_options", "dynamic_slice_fusion_on"])
+@pytest.mark.parametrize("scheme", ["one_device", "ring", "ulysses"])
+def test_gpu_save_attention_compiles_one_forward_per_dq_kernel(scheme, fusion_on):
+    """The train step as XLA compiles it for these GPUs (1B shape, 2 layers, 8k tokens; nothing run), under
+    "save-attention": every attention block has one forward and one dQ kernel, so the optimized HLO holds as many
+    Mosaic forward calls as dQ calls (in the layer loops, or unrolled: either way). With the step's own options
+    (`jax_impl.parallel.step_compiler_options`) they are equal. Negative control: with XLA's dynamic-slice fusion
+    on (jax 0.11.2's default), the forward whose out and lse the layer scan stacks is copied into the fusion and
+    kept for its other users, on one device and in Ulysses (the ring saves its merge's out and lse, not a kernel's:
+    equal either way). A failing control means this XLA no longer copies: `KERNEL_OPTIONS` may go."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    sp = 1 if scheme == "one_device" else 2
+    if len(gpus) < sp:
+        pytest.skip(f"needs {sp} GPUs")
+    config = dataclasses.replace(preset("llama3.2-1b"), num_layers=2)
+    mesh = make_mesh(MeshShape(fsdp=1, sp=sp), gpus[:sp])
+    options = step_compiler_options("gpu", True, "")
+    if fusion_on:
+        options = (*[option for option in options if option[0] not in KERNEL_OPTIONS],
+                   ("xla_gpu_enable_dynamic_slice_fusion", True))
+    spec = StepSpec(config=config, mesh=mesh, dtype="bf16", remat="save-attention", attention_backend="pallas",
+                    ring_variant="ring", loss_chunk_tokens=2048, optimizer=OptimizerConfig(),
+                    sp_scheme=("ring" if scheme == "one_device" else scheme, None), compiler_options=options)
+    text = lowered_step(spec, 1, 8192).compile().as_text()
+    forwards, dq = (_mosaic_calls(text, kernel)
+                    for kernel in ("twinflash_forward_hopper", "twinflash_backward_dq_hopper"))
+    assert dq > 0
+    if fusion_on and scheme != "ring":
+        assert forwards > dq, f"{forwards} forward calls, {dq} dQ calls: this XLA no longer copies the forward"
+    else:
+        assert forwards == dq, f"{forwards} forward calls, {dq} dQ calls"

@@ -1,11 +1,12 @@
 """Issue 20's step-efficiency settings, on CPU.
 
-The XLA options the JAX train step is compiled with on GPUs for overlapping communication with compute
-(`jax_impl.parallel.overlap_compiler_options`): this jaxlib accepts every one of them (CI runs jax 0.10.x, the GPU
-machines 0.11.x: an option a version lacks is left out with a warning, never a crash: negative control with a
-made-up option), the user's XLA_FLAGS win over them, none are set on CPU or with `--no-xla-overlap`, and a step
-compiled with them trains exactly as one without (on CPU the GPU options change no computation: equal losses, bit
-for bit).
+The XLA options the JAX train step is compiled with on GPUs (`jax_impl.parallel.step_compiler_options`): those
+for overlapping communication with compute and the dynamic-slice fusion turned off (which ran the attention
+forward twice: tests/test_remat_jax.py's GPU tests). This jaxlib accepts every one of them (CI runs jax 0.10.x,
+the GPU machines 0.11.x: an option a version lacks is left out with a warning, never a crash: negative control with
+a made-up option), the user's XLA_FLAGS win over them, none are set on CPU and only the fusion's with
+`--no-xla-overlap`, and a step compiled with them trains exactly as one without (on CPU the GPU options change no
+computation: equal losses, bit for bit).
 
 The default loss chunk (`weights.training.default_loss_chunk_tokens`, both backends): whole GEMM tiles of rows
 that divide the power-of-two lengths, within the logits budget.
@@ -21,18 +22,19 @@ import numpy as np
 from compare.commands.train import add_arguments
 from weights.data import training_batches
 from compare.args import OneLineParser
-from jax_impl.parallel import OVERLAP_OPTIONS, accepted_compiler_options, overlap_compiler_options, sharded_batch
+from jax_impl.parallel import (KERNEL_OPTIONS, OVERLAP_OPTIONS, accepted_compiler_options, sharded_batch,
+                               step_compiler_options)
 from jax_impl.train import build_training, step_scalars, train_step
 from weights import preset
 from weights.parallel import MeshShape
 from weights.settings import TrainSettings
 from weights.training import LOGITS_CHUNK_ELEMENTS, adamw_coefficients, default_loss_chunk_tokens
 
-ALL_OPTIONS = tuple(OVERLAP_OPTIONS.items())
+ALL_OPTIONS = (*KERNEL_OPTIONS.items(), *OVERLAP_OPTIONS.items())
 
 
-def test_every_overlap_option_is_accepted_by_this_xla():
-    assert overlap_compiler_options("gpu", True, "") == ALL_OPTIONS
+def test_every_step_option_is_accepted_by_this_xla():
+    assert step_compiler_options("gpu", True, "") == ALL_OPTIONS
 
 
 def test_an_option_this_xla_lacks_is_left_out_with_a_warning(capsys):
@@ -41,12 +43,15 @@ def test_an_option_this_xla_lacks_is_left_out_with_a_warning(capsys):
     assert "xla_gpu_twinflash_no_such_option" in capsys.readouterr().err
 
 
-def test_none_on_cpu_or_when_turned_off_and_the_users_flags_win():
-    assert overlap_compiler_options("cpu", True, "") == ()
-    assert overlap_compiler_options("gpu", False, "") == ()
-    user = "--xla_force_host_platform_device_count=2 --xla_gpu_enable_latency_hiding_scheduler=false"
-    left = dict(overlap_compiler_options("gpu", True, user))
-    assert "xla_gpu_enable_latency_hiding_scheduler" not in left and len(left) == len(OVERLAP_OPTIONS) - 1
+def test_none_on_cpu_only_the_kernel_options_when_turned_off_and_the_users_flags_win():
+    assert step_compiler_options("cpu", True, "") == ()
+    assert step_compiler_options("gpu", False, "") == tuple(KERNEL_OPTIONS.items())
+    user = ("--xla_force_host_platform_device_count=2 --xla_gpu_enable_latency_hiding_scheduler=false "
+            "--xla_gpu_enable_dynamic_slice_fusion=true")
+    left = dict(step_compiler_options("gpu", True, user))
+    assert "xla_gpu_enable_latency_hiding_scheduler" not in left and "xla_gpu_enable_dynamic_slice_fusion" not in left
+    assert len(left) == len(ALL_OPTIONS) - 2
+    assert step_compiler_options("gpu", False, user) == ()
 
 
 def test_the_command_line_turns_them_off():

@@ -46,7 +46,7 @@ class TrainSettings:
                    instead of stopping the run
     profile        trace the last steps and write their time breakdown to OUT/profile.json (weights/profiling.py)
     xla_overlap    JAX on GPUs: the train step compiled with XLA's options for overlapping communication with
-                   compute (`jax_impl.parallel.overlap_compiler_options`); False: XLA's defaults
+                   compute (`jax_impl.parallel.step_compiler_options`); False: XLA's defaults for overlap
     """
 
     backend: str

@@ -126,8 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="trace the last steps and write their time "
                         "breakdown by category to OUT/profile.json (and print it)")
     parser.add_argument("--no-xla-overlap", action="store_false", dest="xla_overlap", help="JAX on GPUs: compile "
-                        "the step with XLA's defaults, not with its options for overlapping communication with "
-                        "compute (a before/after measurement)")
+                        "the step with XLA's defaults for overlap, not with its options for overlapping "
+                        "communication with compute (a before/after measurement)")
     parser.add_argument("--skip-non-finite-steps", action="store_true", help="skip a step whose loss or grad norm "
                         "is not finite (its update not applied) instead of stopping the run")
     parser.add_argument("--export", type=Path, dest="export_dir",
