@@ -1,8 +1,8 @@
 """Our attention kernels on packed documents, one GPU (`python -m compare.bench.document_kernels --framework
 torch|jax`): the forward and the backward of the framework's pair functions as the ring calls them
-(`flash_attention_forward` / `_backward`, gradients in float32) on the key spans of segment ids made once (the
-portable family serves documents), beside the same calls without them (causal over the whole sequence: the Hopper
-family where it runs, the default), bf16, batch 1. Documents: "corpus", one window of the stdlib files as `twinflash train
+(`flash_attention_forward` / `_backward`, gradients in float32) on the key spans of segment ids made once,
+beside the same calls without them (causal over the whole sequence), the default kernel family either way (the
+Hopper one on sm90: Gluon / Mosaic), bf16, batch 1. Documents: "corpus", one window of the stdlib files as `twinflash train
 --pack` packs them (`weights.data.packed_text_batches`), and "short", uniform 32 to 512 tokens
 (`compare.bench.document_balance.short_documents`).
 
