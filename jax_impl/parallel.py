@@ -34,11 +34,11 @@ as late as its users allow, so that the kernels that do not depend on it run mea
 the layers' matmuls; the async collectives' stream gets the highest priority, so a collective's kernel starts
 when it is issued rather than behind queued compute; the gathers and reduce-scatters inside the layer loop are
 pipelined (the next layer's weights gathered during this one, this layer's gradient reduced during the next: the
-twin's FSDP2 prefetch). XLA's option names change between versions (an unknown one is refused), so the options
-this XLA refuses are left out with one warning line (`accepted_compiler_options`), and options the user set in
-XLA_FLAGS are left to the user.
+twin's FSDP2 prefetch). XLA's option names change between versions (an unknown one is refused): each knob lists its
+spellings, newest first, the step takes the first this XLA accepts, a knob it has none of is left out with one
+warning line (`accepted_compiler_options`), and knobs the user set in XLA_FLAGS are left to the user.
 
-Kernels XLA must not copy (`KERNEL_OPTIONS`, on GPUs whatever the overlap): XLA's GPU dynamic-slice fusion (on by
+Kernels XLA must not copy (`KERNEL_KNOBS`, on GPUs whatever the overlap): XLA's GPU dynamic-slice fusion (on by
 default in jax 0.11's XLA) fuses a kernel whose result a dynamic-update-slice writes into a stack with that write,
 and when the result has other users it keeps the original call for them: under "save-attention" the layer scan
 stacks the attention forward's out and lse for the backward while the layer goes on with out, so the Mosaic
@@ -251,47 +251,56 @@ def sharded_packed_batch(tokens: np.ndarray, segment_ids: np.ndarray, mesh: Mesh
                            segment_ids))
 
 
-OVERLAP_OPTIONS = {  # module docstring
-    "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_enable_highest_priority_async_stream": True,
-    "xla_gpu_enable_pipelined_all_gather": True,
-    "xla_gpu_enable_pipelined_reduce_scatter": True,
-    "xla_gpu_enable_pipelined_all_reduce": True,
-}
+Option = tuple[str, bool | str]  # an XLA compile option and its value
+# A knob: its spellings, the newest XLA's first (XLA renames options between versions: jax 0.11's XLA made the
+# collective pipeliners' booleans modes); the step takes the first spelling this XLA accepts.
+Knob = tuple[Option, ...]
+PIPELINE_ON = "COLLECTIVE_PIPELINING_MODE_ON"  # every structurally eligible collective of its kind pipelined
 
+OVERLAP_KNOBS: tuple[Knob, ...] = (  # module docstring
+    (("xla_gpu_enable_latency_hiding_scheduler", True),),
+    (("xla_gpu_enable_highest_priority_async_stream", True),),
+    (("xla_gpu_pipeline_all_gather", PIPELINE_ON), ("xla_gpu_enable_pipelined_all_gather", True)),
+    (("xla_gpu_pipeline_reduce_scatter", PIPELINE_ON), ("xla_gpu_enable_pipelined_reduce_scatter", True)),
+    (("xla_gpu_pipeline_all_reduce", PIPELINE_ON), ("xla_gpu_enable_pipelined_all_reduce", True)),
+)
 
-KERNEL_OPTIONS = {  # module docstring
-    "xla_gpu_enable_dynamic_slice_fusion": False,
-}
+KERNEL_KNOBS: tuple[Knob, ...] = (  # module docstring
+    (("xla_gpu_enable_dynamic_slice_fusion", False),),
+)
 
 
 @functools.lru_cache(maxsize=8)
-def accepted_compiler_options(options: tuple[tuple[str, bool], ...]) -> tuple[tuple[str, bool], ...]:
-    """Those of `options` this process's XLA accepts (a tiny function compiled with them, then with each alone if
-    that fails); the others are named in one warning line. Cached: one probe per process and option set."""
-    def accepted(items) -> bool:
+def accepted_compiler_options(knobs: tuple[Knob, ...]) -> tuple[Option, ...]:
+    """For each of `knobs` the first spelling this process's XLA accepts (a tiny function compiled with every
+    knob's first spelling, then with each spelling alone if that fails); a knob with none is left out, named in
+    one warning line. Cached: one probe per process and knob set."""
+    def accepted(options: tuple[Option, ...]) -> bool:
         try:
-            jax.jit(lambda x: x + 1).lower(jnp.zeros(1)).compile(dict(items))
-        except Exception:  # XLA refuses an unknown option (its exception type differs between jax versions)
+            jax.jit(lambda x: x + 1).lower(jnp.zeros(1)).compile(dict(options))
+        except Exception:  # XLA refuses an unknown option or value (its exception type differs between versions)
             return False
         return True
 
-    if accepted(options):
-        return options
-    kept = tuple(item for item in options if accepted((item,)))
-    refused = [name for name, _ in options if name not in dict(kept)]
-    print(f"twinflash: warning: this XLA ({jax.__version__}) has no option {', '.join(refused)}; the train step "
-          "is compiled without it", file=sys.stderr, flush=True)
-    return kept
+    firsts = tuple(knob[0] for knob in knobs)
+    if accepted(firsts):
+        return firsts
+    chosen = [next((option for option in knob if accepted((option,))), None) for knob in knobs]
+    refused = [knob[0][0] for knob, option in zip(knobs, chosen) if option is None]
+    if refused:
+        print(f"twinflash: warning: this XLA ({jax.__version__}) has no option {', '.join(refused)} (nor an older "
+              "spelling); the train step is compiled without it", file=sys.stderr, flush=True)
+    return tuple(option for option in chosen if option is not None)
 
 
-def step_compiler_options(platform: str, overlap: bool, user_flags: str) -> tuple[tuple[str, bool], ...]:
+def step_compiler_options(platform: str, overlap: bool, user_flags: str) -> tuple[Option, ...]:
     """The XLA options of the train step (module docstring) on `platform` ("gpu", "cpu", ...): on GPUs
-    `KERNEL_OPTIONS`, and `OVERLAP_OPTIONS` when `overlap`, less those named in `user_flags` (the user's XLA_FLAGS,
-    which then decide) and those this XLA refuses; none elsewhere."""
+    `KERNEL_KNOBS`, and `OVERLAP_KNOBS` when `overlap`, each in the first spelling this XLA accepts, less the knobs
+    with a spelling named in `user_flags` (the user's XLA_FLAGS, which then decide) and those this XLA lacks; none
+    elsewhere."""
     if platform != "gpu":
         return ()
     users = set(re.findall(r"--(\w+)", user_flags))
-    options = {**KERNEL_OPTIONS, **(OVERLAP_OPTIONS if overlap else {})}
-    wanted = tuple((name, value) for name, value in options.items() if name not in users)
+    wanted = tuple(knob for knob in (*KERNEL_KNOBS, *(OVERLAP_KNOBS if overlap else ()))
+                   if not any(name in users for name, _ in knob))
     return accepted_compiler_options(wanted) if wanted else ()

@@ -162,7 +162,7 @@ class StepSpec:
     skip_non_finite: bool = False
     sp_scheme: tuple[str, int | None] = ("ring", None)  # (--sp-scheme, --ulysses-degree) of sequence_parallel_fn
     # XLA options the step is compiled with (`jax_impl.parallel.step_compiler_options`): (name, value) pairs
-    compiler_options: tuple[tuple[str, bool], ...] = ()
+    compiler_options: tuple[tuple[str, bool | str], ...] = ()
     # a hashable callable that wraps the model's attention function (`fn -> fn`): the harness's hook for its
     # negative controls (compare/harness/perturb.py); None in training
     attention_wrapper: Callable[[AttentionFn], AttentionFn] | None = None
@@ -282,7 +282,7 @@ def _train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: 
 
 
 @functools.lru_cache(maxsize=4)
-def _jitted_step(compiler_options: tuple[tuple[str, bool], ...]):
+def _jitted_step(compiler_options: tuple[tuple[str, bool | str], ...]):
     """The step jitted with these XLA options (a jit takes its options once: one jit per option set); the training
     state is donated, its buffers reused for the new one."""
     return jax.jit(_train_step, static_argnames=("spec",), donate_argnames=("state",),

@@ -18,7 +18,7 @@ from jax_impl.kernels.flash_attention import flash_attention
 from jax_impl.memory_plan import lowered_step
 from jax_impl.model import Llama, load_model, parameter_dict, stack_layers
 from jax_impl.model import next_token_loss as model_next_token_loss
-from jax_impl.parallel import KERNEL_OPTIONS, load_parameters, make_mesh, sharded_batch, step_compiler_options
+from jax_impl.parallel import KERNEL_KNOBS, load_parameters, make_mesh, sharded_batch, step_compiler_options
 from jax_impl.train import StepSpec, next_token_loss
 from weights import RandomWeights, preset
 from weights.parallel import REMAT_MODES, MeshShape
@@ -169,7 +169,7 @@ def test_gpu_save_attention_compiles_one_forward_per_dq_kernel(scheme, fusion_on
     (`jax_impl.parallel.step_compiler_options`) they are equal. Negative control: with XLA's dynamic-slice fusion
     on (jax 0.11.2's default), the forward whose out and lse the layer scan stacks is copied into the fusion and
     kept for its other users, on one device and in Ulysses (the ring saves its merge's out and lse, not a kernel's:
-    equal either way). A failing control means this XLA no longer copies: `KERNEL_OPTIONS` may go."""
+    equal either way). A failing control means this XLA no longer copies: `KERNEL_KNOBS` may go."""
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     sp = 1 if scheme == "one_device" else 2
     if len(gpus) < sp:
@@ -178,7 +178,8 @@ def test_gpu_save_attention_compiles_one_forward_per_dq_kernel(scheme, fusion_on
     mesh = make_mesh(MeshShape(fsdp=1, sp=sp), gpus[:sp])
     options = step_compiler_options("gpu", True, "")
     if fusion_on:
-        options = (*[option for option in options if option[0] not in KERNEL_OPTIONS],
+        fusion = {name for knob in KERNEL_KNOBS for name, _ in knob}
+        options = (*[option for option in options if option[0] not in fusion],
                    ("xla_gpu_enable_dynamic_slice_fusion", True))
     spec = StepSpec(config=config, mesh=mesh, dtype="bf16", remat="save-attention", attention_backend="pallas",
                     ring_variant="ring", loss_chunk_tokens=2048, optimizer=OptimizerConfig(),

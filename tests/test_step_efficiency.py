@@ -2,9 +2,10 @@
 
 The XLA options the JAX train step is compiled with on GPUs (`jax_impl.parallel.step_compiler_options`): those
 for overlapping communication with compute and the dynamic-slice fusion turned off (which ran the attention
-forward twice: tests/test_remat_jax.py's GPU tests). This jaxlib accepts every one of them (CI runs jax 0.10.x,
-the GPU machines 0.11.x: an option a version lacks is left out with a warning, never a crash: negative control with
-a made-up option), the user's XLA_FLAGS win over them, none are set on CPU and only the fusion's with
+forward twice: tests/test_remat_jax.py's GPU tests). Each is a knob with its spellings, newest XLA's first: this
+jaxlib accepts a spelling of every knob (CI runs jax 0.10.x, whose pipeliners are booleans; the GPU machines 0.11.x,
+whose are modes), a knob takes its first accepted spelling and one with none is left out with a warning, never a
+crash (made-up spellings as negative controls), the user's XLA_FLAGS win over them (any spelling of a knob), none are set on CPU and only the fusion's with
 `--no-xla-overlap`, and a step compiled with them trains exactly as one without (on CPU the GPU options change no
 computation: equal losses, bit for bit).
 
@@ -22,7 +23,7 @@ import numpy as np
 from compare.commands.train import add_arguments
 from weights.data import training_batches
 from compare.args import OneLineParser
-from jax_impl.parallel import (KERNEL_OPTIONS, OVERLAP_OPTIONS, accepted_compiler_options, sharded_batch,
+from jax_impl.parallel import (KERNEL_KNOBS, OVERLAP_KNOBS, accepted_compiler_options, sharded_batch,
                                step_compiler_options)
 from jax_impl.train import build_training, step_scalars, train_step
 from weights import preset
@@ -30,27 +31,33 @@ from weights.parallel import MeshShape
 from weights.settings import TrainSettings
 from weights.training import LOGITS_CHUNK_ELEMENTS, adamw_coefficients, default_loss_chunk_tokens
 
-ALL_OPTIONS = (*KERNEL_OPTIONS.items(), *OVERLAP_OPTIONS.items())
+ALL_KNOBS = (*KERNEL_KNOBS, *OVERLAP_KNOBS)
+MADE_UP = ("xla_gpu_twinflash_no_such_option", True)
 
 
-def test_every_step_option_is_accepted_by_this_xla():
-    assert step_compiler_options("gpu", True, "") == ALL_OPTIONS
+def test_every_knob_has_a_spelling_this_xla_accepts():
+    options = step_compiler_options("gpu", True, "")
+    assert len(options) == len(ALL_KNOBS)
+    assert all(option in knob for option, knob in zip(options, ALL_KNOBS))
 
 
-def test_an_option_this_xla_lacks_is_left_out_with_a_warning(capsys):
-    made_up = ("xla_gpu_twinflash_no_such_option", True)
-    assert accepted_compiler_options((ALL_OPTIONS[0], made_up)) == (ALL_OPTIONS[0],)
+def test_a_knob_takes_its_first_accepted_spelling_and_one_this_xla_lacks_is_left_out_with_a_warning(capsys):
+    real = KERNEL_KNOBS[0][0]
+    assert accepted_compiler_options(((MADE_UP, real),)) == (real,)  # an older spelling after a newer, unknown one
+    assert capsys.readouterr().err == ""
+    assert accepted_compiler_options(((real,), (MADE_UP,))) == (real,)
     assert "xla_gpu_twinflash_no_such_option" in capsys.readouterr().err
 
 
-def test_none_on_cpu_only_the_kernel_options_when_turned_off_and_the_users_flags_win():
+def test_none_on_cpu_only_the_kernel_knobs_when_turned_off_and_the_users_flags_win():
     assert step_compiler_options("cpu", True, "") == ()
-    assert step_compiler_options("gpu", False, "") == tuple(KERNEL_OPTIONS.items())
+    assert step_compiler_options("gpu", False, "") == tuple(knob[0] for knob in KERNEL_KNOBS)
     user = ("--xla_force_host_platform_device_count=2 --xla_gpu_enable_latency_hiding_scheduler=false "
-            "--xla_gpu_enable_dynamic_slice_fusion=true")
+            "--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_pipelined_all_gather=true")
     left = dict(step_compiler_options("gpu", True, user))
-    assert "xla_gpu_enable_latency_hiding_scheduler" not in left and "xla_gpu_enable_dynamic_slice_fusion" not in left
-    assert len(left) == len(ALL_OPTIONS) - 2
+    assert not {"xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_enable_dynamic_slice_fusion",
+                "xla_gpu_pipeline_all_gather", "xla_gpu_enable_pipelined_all_gather"} & left.keys()
+    assert len(left) == len(ALL_KNOBS) - 3  # the user's older spelling of a knob leaves the whole knob to them
     assert step_compiler_options("gpu", False, user) == ()
 
 
@@ -69,7 +76,7 @@ def test_a_step_compiled_with_the_options_trains_as_one_without():
                              attention_backend="reference", data="random")
     batch = training_batches(settings, preset("tiny"))[0]
     losses = []
-    for options in ((), ALL_OPTIONS):
+    for options in ((), step_compiler_options("gpu", True, "")):
         run = build_training(settings, jax.devices()[:1])
         assert run.spec.compiler_options == ()  # CPU: none chosen
         spec = dataclasses.replace(run.spec, compiler_options=options)
