@@ -3,11 +3,11 @@
 The XLA options the JAX train step is compiled with on GPUs (`jax_impl.parallel.step_compiler_options`): those
 for overlapping communication with compute and the dynamic-slice fusion turned off (which ran the attention
 forward twice: tests/test_remat_jax.py's GPU tests). Each is a knob with its spellings, newest XLA's first: this
-jaxlib accepts a spelling of every knob (CI runs jax 0.10.x, whose pipeliners are booleans; the GPU machines 0.11.x,
-whose are modes), a knob takes its first accepted spelling and one with none is left out with a warning, never a
-crash (made-up spellings as negative controls), the user's XLA_FLAGS win over them (any spelling of a knob), none are set on CPU and only the fusion's with
-`--no-xla-overlap`, and a step compiled with them trains exactly as one without (on CPU the GPU options change no
-computation: equal losses, bit for bit).
+jaxlib accepts a spelling of every knob (CI runs jax 0.10.x, whose pipeliners are booleans; the GPU machines
+0.11.x, whose are modes), a knob takes its first accepted spelling and one with none is left out with a warning,
+never a crash (made-up spellings as negative controls), the user's XLA_FLAGS win over them (any spelling of a
+knob), none are set on CPU and only the fusion's with `--no-xla-overlap`, and a step compiled with them trains
+exactly as one without (on CPU the GPU options change no computation: equal losses, bit for bit).
 
 The default loss chunk (`weights.training.default_loss_chunk_tokens`, both backends): whole GEMM tiles of rows
 that divide the power-of-two lengths, within the logits budget.

@@ -2,8 +2,8 @@
 torch|jax`): the forward and the backward of the framework's pair functions as the ring calls them
 (`flash_attention_forward` / `_backward`, gradients in float32) on the key spans of segment ids made once,
 beside the same calls without them (causal over the whole sequence), the default kernel family either way (the
-Hopper one on sm90: Gluon / Mosaic), bf16, batch 1. Documents: "corpus", one window of the stdlib files as `twinflash train
---pack` packs them (`weights.data.packed_text_batches`), and "short", uniform 32 to 512 tokens
+Hopper one on sm90: Gluon / Mosaic), bf16, batch 1. Documents: "corpus", one window of the stdlib files as
+`twinflash train --pack` packs them (`weights.data.packed_text_batches`), and "short", uniform 32 to 512 tokens
 (`compare.bench.document_balance.short_documents`).
 
 TFLOP/s count the attention really done: 4 * H * D per attending pair, the causal pairs of each document counted
