@@ -76,8 +76,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax_impl import checkpointing
 from jax_impl.attention import AttentionFn
 from jax_impl.model import DTYPES, Llama, convert_to_fp8, is_stacked, unstack_layers
-from jax_impl.parallel import (load_parameters, make_mesh, mesh_shape, parameter_shardings, sequence_parallel_fn,
-                               sharded_batch, sharded_packed_batch, state_shapes, step_compiler_options)
+from jax_impl.parallel import (Option, load_parameters, make_mesh, mesh_shape, parameter_shardings,
+                               sequence_parallel_fn, sharded_batch, sharded_packed_batch, state_shapes,
+                               step_compiler_options)
 from jax_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights
 from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, scheme_layout, weights_regathered_for_backward
@@ -162,7 +163,7 @@ class StepSpec:
     skip_non_finite: bool = False
     sp_scheme: tuple[str, int | None] = ("ring", None)  # (--sp-scheme, --ulysses-degree) of sequence_parallel_fn
     # XLA options the step is compiled with (`jax_impl.parallel.step_compiler_options`): (name, value) pairs
-    compiler_options: tuple[tuple[str, bool | str], ...] = ()
+    compiler_options: tuple[Option, ...] = ()
     # a hashable callable that wraps the model's attention function (`fn -> fn`): the harness's hook for its
     # negative controls (compare/harness/perturb.py); None in training
     attention_wrapper: Callable[[AttentionFn], AttentionFn] | None = None
@@ -282,7 +283,7 @@ def _train_step(state: State, tokens: jax.Array, targets: jax.Array, positions: 
 
 
 @functools.lru_cache(maxsize=4)
-def _jitted_step(compiler_options: tuple[tuple[str, bool | str], ...]):
+def _jitted_step(compiler_options: tuple[Option, ...]):
     """The step jitted with these XLA options (a jit takes its options once: one jit per option set); the training
     state is donated, its buffers reused for the new one."""
     return jax.jit(_train_step, static_argnames=("spec",), donate_argnames=("state",),

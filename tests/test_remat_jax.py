@@ -177,10 +177,9 @@ def test_gpu_save_attention_compiles_one_forward_per_dq_kernel(scheme, fusion_on
     config = dataclasses.replace(preset("llama3.2-1b"), num_layers=2)
     mesh = make_mesh(MeshShape(fsdp=1, sp=sp), gpus[:sp])
     options = step_compiler_options("gpu", True, "")
-    if fusion_on:
-        fusion = {name for knob in KERNEL_KNOBS for name, _ in knob}
-        options = (*[option for option in options if option[0] not in fusion],
-                   ("xla_gpu_enable_dynamic_slice_fusion", True))
+    if fusion_on:  # the kernel knobs' values turned over: the fusion back on
+        kernel = {name for knob in KERNEL_KNOBS for name, _ in knob}
+        options = tuple((name, not value if name in kernel else value) for name, value in options)
     spec = StepSpec(config=config, mesh=mesh, dtype="bf16", remat="save-attention", attention_backend="pallas",
                     ring_variant="ring", loss_chunk_tokens=2048, optimizer=OptimizerConfig(),
                     sp_scheme=("ring" if scheme == "one_device" else scheme, None), compiler_options=options)
