@@ -14,7 +14,7 @@ their RoPE positions restart at each document: positions [B, S] then, each token
 (`weights.documents.document_offsets`), since a document's tokens must rotate as they would alone. `remat`
 checkpoints each decoder layer (a scan of `jax.checkpoint`-ed layers; "full": only layer inputs are kept for the
 backward, which recomputes the rest; "save-attention": the attention's output and log-sum-exp are kept too, so the
-backward does not rerun the attention; see `jax_impl/remat.py`). With `layer_weight_dtype` and
+backward does not rerun the attention; see `jax_impl/remat.py`), or the layers `checkpointed` names. With `layer_weight_dtype` and
 `gather_layer_weight`, the layers may be given sharded fp32 weights: each checkpointed layer casts and gathers its
 own (jax_impl/train.py says why).
 
@@ -51,6 +51,7 @@ from jax_impl.profiling import region
 from jax_impl.remat import checkpointed_scan
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
 from weights.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX, GRADIENT_DTYPE, is_fp8_linear
+from weights.parallel import CheckpointedLayers
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 STACKED_LAYERS = "layers.*."  # "layers.*.<suffix>": every decoder layer's <suffix> weight, stacked [num_layers, ...]
@@ -301,10 +302,12 @@ class Llama(nnx.Module):
 
     def __init__(self, config: LlamaConfig, params: Mapping[str, jax.Array], attention_fn: AttentionFn | None = None,
                  remat: str = "off", layer_weight_dtype: Any = None,
-                 gather_layer_weight: Callable[[jax.Array], jax.Array] | None = None):
+                 gather_layer_weight: Callable[[jax.Array], jax.Array] | None = None,
+                 checkpointed: CheckpointedLayers | None = None):
         self.config = config
         self.attention_fn = attention_fn or reference_attention
         self.remat = remat  # a `weights.parallel.REMAT_MODES` key: which activations the backward recomputes
+        self.checkpointed = checkpointed  # which layers `remat` applies to (None: all)
         # applied to each decoder-layer weight inside the checkpointed layer (remat only), the cast then the
         # gather: where the weights come as fp32 shards, the layer casts and gathers its own, in the forward and
         # again in the backward
@@ -358,7 +361,7 @@ class Llama(nnx.Module):
             return nnx.merge(graph, weights)(x, cos, sin, attention_fn)
 
         return checkpointed_scan(run_layer, x, stacked, mode=self.remat, dtype=self.layer_weight_dtype,
-                                 gather=self.gather_layer_weight)
+                                 gather=self.gather_layer_weight, layers=self.checkpointed)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         head = self.tok_embeddings.weight[...] if self.output is None else self.output.weight[...]

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from weights.parallel import CheckpointedLayers
+
 KEPT_FOR_BACKWARD = "twinflash_kept_for_backward"  # the checkpoint_name of the values "save-attention" keeps
 
 
@@ -34,32 +36,64 @@ def checkpointed_layer(layer: Callable, *, mode: str) -> Callable:
     return jax.checkpoint(layer, policy=jax.checkpoint_policies.save_only_these_names(KEPT_FOR_BACKWARD))
 
 
+def kept_layer(layer: Callable) -> Callable:
+    """`layer` as a layer outside the checkpointed ones (`--checkpointed-layers`) runs: keeping its matmuls'
+    outputs and the values `keep_for_backward` names (the attention's out and lse), from which XLA recomputes the
+    elementwise work (norms, RoPE, SwiGLU) in the backward. Without a checkpoint XLA also keeps float32 elementwise
+    intermediates: on 2 H200s the 8B step at 32k planned 3.7 GiB a layer against the torch twin's 1.5 (whose
+    compiled elementwise regions keep about the matmuls' outputs too) and ran out of memory with 16 such layers."""
+    policies = jax.checkpoint_policies
+    return jax.checkpoint(layer, policy=policies.save_from_both_policies(
+        policies.dots_saveable, policies.save_only_these_names(KEPT_FOR_BACKWARD)))
+
+
 def checkpointed_scan(layer: Callable[[jax.Array, Any], jax.Array], x: jax.Array, weights: Any, *, mode: str,
-                      dtype: Any = None, gather: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+                      dtype: Any = None, gather: Callable[[jax.Array], jax.Array] | None = None,
+                      layers: CheckpointedLayers | None = None) -> jax.Array:
     """`layer(x, w)` applied for each layer's `w` of the pytree of stacks `weights` ([num_layers, ...] leaves),
-    each call checkpointed as `mode` says, each weight cast to `dtype` and then passed through `gather` (both
-    optional) inside the layer; see the module docstring for the backward, which is JAX's own where `dtype` is
-    the stacks' (or None)."""
+    the calls `layers` names (`weights.parallel.checkpointed_layers`; None: all) checkpointed as `mode` says, each
+    weight cast to `dtype` and then passed through `gather` (both optional) inside the layer; see the module
+    docstring for the backward, which is JAX's own where `dtype` is the stacks' (or None). The scan runs over
+    `layers`' runs of layers, one run per iteration: the stacks reshaped to [groups, group_size, ...] (a view;
+    runs of one layer scan the stacks as they are). Inside a run, XLA recomputes its checkpointed layers together
+    in the run's backward (as for the Python loop of checkpointed layers the scan replaced, `jax_impl/model.py`):
+    a run with several of them holds their activations at once for a while."""
+    num_layers = jax.tree.leaves(weights)[0].shape[0]
+    layers = layers or CheckpointedLayers(num_layers, 1, 1)
     cast = (lambda w: w) if dtype is None else (lambda w: w.astype(dtype))
     gather = gather or (lambda w: w)
-    step = checkpointed_layer(layer, mode=mode)
+    if layers.group_size == 1:
+        runs, split = weights, lambda w: [w]
+    else:
+        runs = jax.tree.map(lambda w: w.reshape(layers.groups, layers.group_size, *w.shape[1:]), weights)
+        split = lambda w: [jax.tree.map(lambda leaf: leaf[i], w) for i in range(layers.group_size)]  # noqa: E731
     kept_layout = {}  # the residuals' tree and which of them are the layer's weights (filled while tracing fwd)
 
     def prepare(w):
         return jax.tree.map(lambda leaf: gather(cast(leaf)), w)
 
-    def run_plain(x, weights):  # the weights prepared inside the checkpoint: never saved for the backward
-        prepared_step = checkpointed_layer(lambda x, w: layer(x, prepare(w)), mode=mode)
-        return jax.lax.scan(lambda x, w: (prepared_step(x, w), None), x, weights)[0]
+    def run_layers(step_of):  # a run: its layers' weights in order, `step_of(checkpointed)` making each call
+        def run(x, layer_weights):
+            for index, w in enumerate(layer_weights):
+                x = step_of(layers.checkpointed(index))(x, w)
+            return x
+        return run
+
+    def run_plain(x, runs):  # the weights prepared inside the checkpoint: never saved for the backward
+        def step_of(checkpointed):
+            prepared_layer = lambda x, w: layer(x, prepare(w))  # noqa: E731
+            return checkpointed_layer(prepared_layer, mode=mode) if checkpointed else kept_layer(prepared_layer)
+        return jax.lax.scan(lambda x, w: (run_layers(step_of)(x, split(w)), None), x, runs)[0]
 
     if dtype is None or all(jnp.dtype(dtype) == leaf.dtype for leaf in jax.tree.leaves(weights)):
         # nothing narrower to return the gradients in: JAX's transpose (measured: the custom backward planned
         # 8.5 GiB more for the 8B fp32 step at 32k on 2 devices)
-        return run_plain(x, weights)
+        return run_plain(x, runs)
     run = jax.custom_vjp(run_plain)
+    step = run_layers(lambda checkpointed: checkpointed_layer(layer, mode=mode) if checkpointed else kept_layer(layer))
 
-    def forward_layer(x, w):
-        prepared = prepare(w)
+    def forward_run(x, w):
+        prepared = [prepare(layer_weights) for layer_weights in split(w)]
         y, backward = jax.vjp(step, x, prepared)
         residuals, tree = jax.tree.flatten(backward)
         weight_leaves = jax.tree.leaves(prepared)
@@ -69,14 +103,14 @@ def checkpointed_scan(layer: Callable[[jax.Array, Any], jax.Array], x: jax.Array
         kept_layout.update(tree=tree, sources=sources)
         return y, kept
 
-    def run_forward(x, weights):
-        y, kept = jax.lax.scan(forward_layer, x, weights)
-        return y, (kept, weights)
+    def run_forward(x, runs):
+        y, kept = jax.lax.scan(forward_run, x, runs)
+        return y, (kept, runs)
 
-    def backward_layer(ct_y, layer_residuals):
-        kept, w = layer_residuals
+    def backward_run(ct_y, run_residuals):
+        kept, w = run_residuals
         cast_w = jax.tree.map(cast, w)
-        prepared, gather_backward = jax.vjp(lambda w: jax.tree.map(gather, w), cast_w)
+        prepared, gather_backward = jax.vjp(lambda w: [jax.tree.map(gather, lw) for lw in split(w)], cast_w)
         weight_leaves, kept = jax.tree.leaves(prepared), iter(kept)
         residuals = [next(kept) if source is None else weight_leaves[source[1]]
                      for source in kept_layout["sources"]]
@@ -84,9 +118,9 @@ def checkpointed_scan(layer: Callable[[jax.Array, Any], jax.Array], x: jax.Array
         return ct_x, gather_backward(ct_prepared)[0]
 
     def run_backward(residuals, ct_y):
-        kept, weights = residuals
-        ct_x, ct_weights = jax.lax.scan(backward_layer, ct_y, (kept, weights), reverse=True)
-        return ct_x, jax.tree.map(lambda ct, w: ct.astype(w.dtype), ct_weights, weights)
+        kept, runs = residuals
+        ct_x, ct_runs = jax.lax.scan(backward_run, ct_y, (kept, runs), reverse=True)
+        return ct_x, jax.tree.map(lambda ct, w: ct.astype(w.dtype), ct_runs, runs)
 
     run.defvjp(run_forward, run_backward)
-    return run(x, weights)
+    return run(x, runs)

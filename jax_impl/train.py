@@ -81,7 +81,8 @@ from jax_impl.parallel import (Option, load_parameters, make_mesh, mesh_shape, p
                                step_compiler_options)
 from jax_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, LlamaConfig, RandomWeights, open_weights
-from weights.parallel import ACTIVATION_SHARDING, MESH_AXES, scheme_layout, weights_regathered_for_backward
+from weights.parallel import (ACTIVATION_SHARDING, MESH_AXES, checkpointed_layers, scheme_layout,
+                              weights_regathered_for_backward)
 from weights.fp8 import fallback_line, fp8_linears
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
@@ -170,6 +171,7 @@ class StepSpec:
     # packed documents (`TrainSettings.pack`): the step given segment ids, the attention in `scheme_layout`'s layout
     # (the ring's PACKED_RING_LAYOUT; RING_LAYOUT for Ulysses and hybrid)
     pack: bool = False
+    checkpointed_layers: int | None = None  # how many layers `remat` applies to (None: all; --checkpointed-layers)
 
 
 def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: jax.Array, positions: jax.Array,
@@ -201,7 +203,8 @@ def next_token_loss(params: dict[str, jax.Array], tokens: jax.Array, targets: ja
                                      variant=spec.ring_variant, layout=scheme_layout(spec.sp_scheme[0], spec.pack))
     if spec.attention_wrapper is not None:
         attention = spec.attention_wrapper(attention)
-    llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer)
+    llama = Llama(spec.config, weights, attention, remat=spec.remat, **in_layer,
+                  checkpointed=checkpointed_layers(spec.remat, spec.config.num_layers, spec.checkpointed_layers))
     if spec.fp8:
         devices = mesh_shape(spec.mesh)  # each device's activations scaled on their own, as torch's ranks do
         convert_to_fp8(llama, fp8_linears(spec.config)[0], token_blocks=(devices.fsdp, devices.sp))
@@ -396,6 +399,7 @@ def step_spec(settings: TrainSettings, config: LlamaConfig, mesh: Mesh) -> StepS
                     loss_chunk_tokens=settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size),
                     optimizer=settings.optimizer, fp8=settings.fp8, skip_non_finite=settings.skip_non_finite_steps,
                     sp_scheme=(settings.sp_scheme, settings.ulysses_degree), pack=settings.pack,
+                    checkpointed_layers=settings.checkpointed_layers,
                     compiler_options=step_compiler_options(mesh.devices.flat[0].platform, settings.xla_overlap,
                                                            os.environ.get("XLA_FLAGS", "")))
 

@@ -7,6 +7,7 @@ XLA's memory plan. Split from tests/test_train_jax.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from jax_impl.model import next_token_loss as model_next_token_loss
 from jax_impl.parallel import KERNEL_KNOBS, load_parameters, make_mesh, sharded_batch, step_compiler_options
 from jax_impl.train import StepSpec, next_token_loss
 from weights import RandomWeights, preset
-from weights.parallel import REMAT_MODES, MeshShape
+from weights.parallel import REMAT_MODES, MeshShape, checkpointed_layers
 from weights.schedule import OptimizerConfig
 
 SP4 = MeshShape(fsdp=1, sp=4)  # the 4 emulated devices (conftest) as one sequence-parallel axis
@@ -152,6 +153,71 @@ def test_remat_keeps_only_layer_inputs():
         return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes("full") < 0.5 * temp_bytes("off")
+
+
+def _check_some_layers_checkpointed(config, tokens, attention_fn, cast_in_layer: bool) -> dict:
+    """`--checkpointed-layers` on `config` (4 layers): "full" checkpointing on 0, 1, 2, 3 or all of them (runs of
+    4, 4, 2, 4 and 1 layers: `weights.parallel.checkpointed_layers`; the others `jax_impl.remat.kept_layer`s),
+    through the scan JAX transposes (fp32 stacks) or the scan's own backward (bf16 layers over fp32 stacks, the GPU
+    step's). The gradients equal those of checkpointing every layer: in fp32 within float32 rounding of XLA's
+    fusions; in bf16 within twice the distance between checkpointing every layer and none ("off", the model's loop
+    of layers: the same operations, rounded to bf16 where XLA's fusions of recomputed and kept values differ).
+    Returns XLA's temporary bytes per count (None: all)."""
+    params = stack_layers({name: jnp.asarray(value) for name, value in RandomWeights(config)})
+    dtype = jnp.bfloat16 if cast_in_layer else None
+
+    def gradient(remat: str, count: int | None):
+        def loss(params):
+            weights = {name: p if remat != "off" and name.startswith("layers.") or dtype is None else p.astype(dtype)
+                       for name, p in params.items()}
+            llama = Llama(config, weights, attention_fn, remat=remat,
+                          layer_weight_dtype=dtype if remat != "off" else None,
+                          checkpointed=checkpointed_layers(remat, config.num_layers, count))
+            return model_next_token_loss(llama(tokens), tokens)
+        return jax.jit(jax.grad(loss))
+
+    reference = gradient("full", None)(params)
+
+    def error(grads) -> float:  # the largest difference from the reference, relative to each gradient's scale
+        return max(float(jnp.max(jnp.abs(grads[n] - reference[n])) / jnp.max(jnp.abs(reference[n]))) for n in params)
+
+    bound = 2 * error(gradient("off", None)(params)) if cast_in_layer else 1e-5
+    plans = {None: gradient("full", None).lower(params).compile().memory_analysis().temp_size_in_bytes}
+    for count in (0, 1, 2, 3):
+        compiled = gradient("full", count).lower(params).compile()
+        plans[count] = compiled.memory_analysis().temp_size_in_bytes
+        assert error(compiled(params)) <= bound + 1e-6, (count, error(compiled(params)), bound)
+    return plans
+
+
+@pytest.mark.parametrize("cast_in_layer", [False, True], ids=["plain_scan", "custom_backward"])
+def test_checkpointing_some_layers_changes_nothing_numerically_and_keeps_their_activations(cast_in_layer):
+    """`_check_some_layers_checkpointed` with plain attention, and XLA's memory plan as the negative control of a
+    count that did nothing: checkpointing none of the layers (each keeping its matmuls' outputs) plans more than
+    checkpointing all. (Between those, runs mixing checkpointed and kept layers hold the checkpointed layer's
+    recomputation beside the kept layer's values in the run's backward: in this small model, whose plain
+    attention's [S, S] scores outweigh the rest, that transient can exceed what a kept layer saves.)"""
+    config = dataclasses.replace(preset("tiny"), hidden_size=256, intermediate_size=1024, num_layers=4,
+                                 num_heads=4, num_kv_heads=4, head_dim=64)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (1, 1024)))
+    plans = _check_some_layers_checkpointed(config, tokens, None, cast_in_layer)
+    assert plans[0] > plans[None], plans
+
+
+@pytest.mark.gpu
+def test_gpu_checkpointing_some_layers_with_the_mosaic_kernels():
+    """The same on one GPU through the Mosaic kernels (bf16, D=128, GQA 4, 4k tokens), the 8B step's path, whose
+    per-layer values there are linear in the tokens: the plan grows as fewer layers are checkpointed (none > two >
+    all)."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("needs a GPU")
+    config = dataclasses.replace(preset("tiny"), hidden_size=1024, intermediate_size=3584, num_layers=4,
+                                 num_heads=8, num_kv_heads=2, head_dim=128)
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, 256, (1, 4096)))
+    attention = functools.partial(flash_attention, causal=True, backend="pallas_hopper")
+    plans = _check_some_layers_checkpointed(config, tokens, attention, True)
+    assert plans[0] > plans[2] > plans[None], plans
 
 
 def _mosaic_calls(hlo_text: str, kernel: str) -> int:

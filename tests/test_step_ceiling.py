@@ -40,6 +40,9 @@ def test_recomputation_costs_time_without_credit():
     loss = step_ceiling(config, 1024, loss_recompute=True, **rates)
     saved = step_ceiling(config, 1024, remat="save-attention", loss_recompute=False, **rates)
     full = step_ceiling(config, 1024, remat="full", loss_recompute=False, **rates)
+    half = step_ceiling(config, 1024, remat="full", checkpointed_layers=config.num_layers // 2,
+                        loss_recompute=False, **rates)
+    assert half.recompute_s == pytest.approx(full.recompute_s / 2)
     assert off.credited_flops == loss.credited_flops == saved.credited_flops == full.credited_flops
     head = 2 * 1024 * config.vocab_size * config.hidden_size
     assert loss.recompute_s == pytest.approx(head / 700e12)

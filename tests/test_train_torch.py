@@ -36,7 +36,7 @@ from torch_impl.model import load_model, next_token_loss
 from torch_impl.train import AdamW, ShardedNextTokenLoss, clip_grad_norm_
 from weights import PRESETS, RandomWeights, write_converted_checkpoint
 from weights.flops import matmul_parameters, model_flops_per_token
-from weights.parallel import REMAT_MODES, MeshShape
+from weights.parallel import REMAT_MODES, MeshShape, checkpointed_layers
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
 from weights.training import adamw_coefficients, next_token_targets
@@ -188,6 +188,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(sharded, capsys, tmp
     _bad(capsys, base + ["--stop-at", STEPS + 1], "--stop-at")
     _bad(capsys, COMMON + ["--mesh", "fsdp=0"], "bad mesh")
     _bad(capsys, base + ["--attention-backend", "pallas"], "--attention-backend")
+    _bad(capsys, base + ["--checkpointed-layers", 1], "--checkpointed-layers needs")
+    _bad(capsys, [*base, "--activation-checkpointing", "full", "--checkpointed-layers", 3], "within 0..2")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as under torchrun with 2 processes
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -269,24 +271,25 @@ def test_fused_loss_equals_the_recomputing_loss_and_its_gradients(dtype):
 def test_remat_changes_nothing_numerically_and_save_attention_does_not_rerun_the_attention(monkeypatch):
     """Forward attention calls counted where the pair kernels are dispatched (the "reference" kernel: plain math
     behind the same autograd Function as the Triton one): "full" reruns each layer's in the backward (the negative
-    control), "save-attention" does not; the gradients are the same in all three modes, bit for bit (the same fp32
-    operations on CPU, recomputed or not)."""
+    control), "save-attention" does not, "full" on one of the two layers (`--checkpointed-layers 1`) reruns one;
+    the gradients are the same in every case, bit for bit (the same fp32 operations on CPU, recomputed or not)."""
     flash_module = sys.modules["torch_impl.kernels.flash_attention"]
     launches, dispatch = [], flash_module._forward
     monkeypatch.setattr(flash_module, "_forward", lambda *args: launches.append(1) or dispatch(*args))
     tokens = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (1, 16)))
+    layers = PRESETS["tiny"].num_layers
     grads, counts = {}, {}
-    for remat in REMAT_MODES:
+    for remat, count in [(mode, None) for mode in REMAT_MODES] + [("full", 1)]:
         llama = load_model("tiny", attention_fn=functools.partial(flash_attention, backend="reference"))
-        llama.remat = remat
+        llama.remat, llama.checkpointed = remat, checkpointed_layers(remat, layers, count)
         launches.clear()
         next_token_loss(llama(tokens), tokens).backward()
-        grads[remat], counts[remat] = {n: p.grad for n, p in llama.named_parameters()}, len(launches)
-    layers = PRESETS["tiny"].num_layers
-    assert counts == {"off": layers, "full": 2 * layers, "save-attention": layers}
-    for remat in ("full", "save-attention"):
-        for name, grad in grads["off"].items():
-            torch.testing.assert_close(grads[remat][name], grad, rtol=0, atol=0, msg=f"{remat}: {name}")
+        grads[remat, count], counts[remat, count] = {n: p.grad for n, p in llama.named_parameters()}, len(launches)
+    assert counts == {("off", None): layers, ("full", None): 2 * layers, ("save-attention", None): layers,
+                      ("full", 1): layers + 1}
+    for case in grads:
+        for name, grad in grads["off", None].items():
+            torch.testing.assert_close(grads[case][name], grad, rtol=0, atol=0, msg=f"{case}: {name}")
 
 
 def test_settings_round_trip_and_flops_formula(tmp_path):

@@ -9,7 +9,8 @@ holding a zigzag shard rotates its tokens by their true positions. Packed docume
 at each document: positions [B, S] then, each token's offset in its document (`weights.documents.document_offsets`),
 since a document's tokens must rotate as they would alone. `remat` checkpoints each decoder layer
 ("full": only layer inputs are kept for the backward, which recomputes the rest; "save-attention": the attention's
-output and log-sum-exp are kept too, so the backward does not rerun the attention; see `torch_impl/remat.py`).
+output and log-sum-exp are kept too, so the backward does not rerun the attention; see `torch_impl/remat.py`), or
+the layers `checkpointed` names.
 
 For `twinflash train --profile` the attention function's work and a checkpointed layer's rerun in the backward
 are marked as regions (`torch_impl/profiling.py`); `compile_elementwise` compiles the modules around the attention
@@ -39,6 +40,7 @@ from torch_impl.profiling import region
 from torch_impl.remat import checkpointed_layer
 from weights import LlamaConfig, open_weights, rope_inverse_frequencies
 from weights.fp8 import FP8_DTYPE, GRADIENT_DTYPE, is_fp8_linear
+from weights.parallel import CheckpointedLayers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -141,6 +143,7 @@ class Llama(nn.Module):
         self.config = config
         self.attention_fn = attention_fn or reference_attention
         self.remat = remat  # a `weights.parallel.REMAT_MODES` key: which activations the backward recomputes
+        self.checkpointed: CheckpointedLayers | None = None  # which layers `remat` applies to (None: all)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -158,8 +161,8 @@ class Llama(nn.Module):
                         else functools.partial(self.attention_fn, segment_ids=segment_ids))
         x = self.tok_embeddings(tokens)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
-        for layer in self.layers:
-            if self.remat != "off":
+        for index, layer in enumerate(self.layers):
+            if self.remat != "off" and (self.checkpointed is None or self.checkpointed.checkpointed(index)):
                 x = checkpointed_layer(_marked_recompute(layer), x, cos, sin, attention_fn, mode=self.remat)
             else:
                 x = layer(x, cos, sin, attention_fn)

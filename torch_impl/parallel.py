@@ -44,8 +44,8 @@ from torch_impl.ulysses import sequence_parallel_attention, sequence_parallel_gr
 from weights import ConvertedCheckpoint, RandomWeights, rope_inverse_frequencies
 from weights.documents import document_offsets
 from weights.layout import rank_positions
-from weights.parallel import (MESH_AXES, PACKED_RING_LAYOUT, RING_LAYOUT, MeshShape, parameter_shard_axes,
-                              sharded_dim, weights_regathered_for_backward)
+from weights.parallel import (MESH_AXES, PACKED_RING_LAYOUT, RING_LAYOUT, CheckpointedLayers, MeshShape,
+                              parameter_shard_axes, sharded_dim, weights_regathered_for_backward)
 from weights.training import check_batch_shape, next_token_targets
 
 
@@ -103,15 +103,16 @@ def sequence_parallel_fn(mesh: DeviceMesh, scheme: str = "ring", ulysses_degree:
 
 
 def shard_model(model: nn.Module, llama: nn.Module, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
-                remat: str) -> None:
-    """In place: per-layer activation checkpointing (the model's `remat`, a `weights.parallel.REMAT_MODES` key) and
-    FSDP2 over `parameter_mesh(mesh)` on every decoder layer of `llama` and on `model`, the root that contains it
-    (the loss module, so that the LM head used by the loss is gathered by the root's hooks). fp32 parameters stay
-    the master copy; with a bf16 compute dtype FSDP gathers them in bf16 and reduces gradients in fp32. Gradients
-    are summed over all ranks.
+                remat: str, checkpointed: CheckpointedLayers | None = None) -> None:
+    """In place: per-layer activation checkpointing (the model's `remat`, a `weights.parallel.REMAT_MODES` key, on
+    the layers `checkpointed` names: None, all) and FSDP2 over `parameter_mesh(mesh)` on every decoder layer of
+    `llama` and on `model`, the root that contains it (the loss module, so that the LM head used by the loss is
+    gathered by the root's hooks). fp32 parameters stay the master copy; with a bf16 compute dtype FSDP gathers
+    them in bf16 and reduces gradients in fp32. Gradients are summed over all ranks.
     A layer's gathered weights stay from its forward to its backward unless checkpointing recomputes it
-    (`weights_regathered_for_backward`: memory or one all-gather less per step)."""
-    llama.remat = remat
+    (`weights_regathered_for_backward`: memory or one all-gather less per step), for every layer alike, as the JAX
+    twin's scan of layers regathers them all."""
+    llama.remat, llama.checkpointed = remat, checkpointed
     names = {param: name for name, param in llama.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     kwargs = dict(mesh=parameter_mesh(mesh), mp_policy=policy,

@@ -53,7 +53,7 @@ from torch_impl.parallel import (load_local_shards, local_batch, local_packed_ba
 from torch_impl.profiling import StepProfiler, region
 from weights import ConvertedCheckpoint, RandomWeights, open_weights
 from weights.fp8 import fallback_line, fp8_linears
-from weights.parallel import scheme_layout
+from weights.parallel import checkpointed_layers, scheme_layout
 from weights.profiling import profiled_steps
 from weights.schedule import OptimizerConfig
 from weights.settings import TrainSettings
@@ -406,8 +406,9 @@ def build_training(settings: TrainSettings, device: torch.device) -> Training:
             print_to_stderr(fallback_line(config))
     chunk_tokens = settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size)
     model = ShardedNextTokenLoss(llama, chunk_tokens, fused=fast)
-    shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype],
-                remat=settings.activation_checkpointing)
+    shard_model(model, llama, mesh, compute_dtype=DTYPES[settings.dtype], remat=settings.activation_checkpointing,
+                checkpointed=checkpointed_layers(settings.activation_checkpointing, config.num_layers,
+                                                 settings.checkpointed_layers))
     load_local_shards(llama, source, device)
     if fast:
         llama.compile_elementwise()

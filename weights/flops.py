@@ -96,12 +96,13 @@ class StepCeiling:
 
 
 def step_ceiling(config: LlamaConfig, seq_len: int, *, batch: int = 1, devices: int = 1, remat: str = "off",
-                 loss_recompute: bool = True, attention_flops_per_s: float, gemm_flops_per_s: float
-                 ) -> StepCeiling:
+                 checkpointed_layers: int | None = None, loss_recompute: bool = True, attention_flops_per_s: float,
+                 gemm_flops_per_s: float) -> StepCeiling:
     """The step of `batch` causal sequences of `seq_len` tokens split evenly over `devices` (data or sequence
     parallel alike: each device does 1/devices of the work) if it ran only its matmuls at `gemm_flops_per_s` and
     its attention at `attention_flops_per_s` (a kernel benchmark's forward + backward rate, `attention_flops`'
     3.5-forwards convention), with no elementwise work, communication, optimizer or idle time.
+    `checkpointed_layers` of the layers (None: all) are checkpointed as `remat` says.
 
     Recomputation costs time without credit: `remat` "full" reruns every layer's forward (its matmuls and its
     attention forward), "save-attention" its matmuls only (`weights.parallel.REMAT_MODES`); `loss_recompute`
@@ -115,10 +116,11 @@ def step_ceiling(config: LlamaConfig, seq_len: int, *, batch: int = 1, devices: 
     attention_forward = c.num_layers * attention_call / devices
     gemm_s = 6.0 * matmul_parameters(c) * tokens / gemm_flops_per_s
     attention_s = 3.5 * attention_forward / attention_flops_per_s
-    rerun_gemm = 2.0 * tokens * ((c.num_layers * layer_matmul_parameters(c) if remat != "off" else 0)
+    rerun_layers = 0 if remat == "off" else c.num_layers if checkpointed_layers is None else checkpointed_layers
+    rerun_gemm = 2.0 * tokens * (rerun_layers * layer_matmul_parameters(c)
                                  + (c.vocab_size * c.hidden_size if loss_recompute else 0))
-    recompute_s = rerun_gemm / gemm_flops_per_s + (attention_forward / attention_flops_per_s if remat == "full"
-                                                   else 0.0)
+    rerun_attention = attention_forward * rerun_layers / c.num_layers if remat == "full" else 0.0
+    recompute_s = rerun_gemm / gemm_flops_per_s + rerun_attention / attention_flops_per_s
     credited = model_flops_per_token(c, seq_len) * tokens
     step_s = gemm_s + attention_s + recompute_s
     return StepCeiling(credited, gemm_s, attention_s, recompute_s, step_s, credited / (step_s * PEAK_FLOPS_PER_DEVICE))

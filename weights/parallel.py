@@ -163,6 +163,39 @@ def check_remat_mode(remat: str) -> None:
         raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointedLayers:
+    """Which decoder layers a step checkpoints: the layers in `groups` runs of `group_size` consecutive layers,
+    the first `checkpointed_per_group` of each run checkpointed (torch_impl/model.py loops over the layers,
+    jax_impl/remat.py scans over the runs: one scan body for every run, so the set must repeat)."""
+    groups: int
+    group_size: int
+    checkpointed_per_group: int
+
+    def checkpointed(self, layer: int) -> bool:
+        return layer % self.group_size < self.checkpointed_per_group
+
+    @property
+    def count(self) -> int:
+        return self.groups * self.checkpointed_per_group
+
+
+def checkpointed_layers(remat: str, num_layers: int, count: int | None = None) -> CheckpointedLayers:
+    """The layers checkpointed when a step asks for `count` of its `num_layers` (None: all of them; none with
+    `remat` "off"), spread evenly: runs of num_layers / g layers, g = gcd(count, num_layers), whose first count / g
+    are checkpointed (24 of 32: every fourth layer keeps its activations). Fewer checkpointed layers trade memory
+    for the recomputation's time: each other layer keeps every activation, as with "off" (torchtitan's selective
+    layer checkpointing, as a count). BadInputError for a count without checkpointing or outside [0, num_layers]."""
+    check_remat_mode(remat)
+    if count is not None and remat == "off":
+        raise BadInputError("--checkpointed-layers needs --activation-checkpointing (full or save-attention)")
+    if count is not None and not 0 <= count <= num_layers:
+        raise BadInputError(f"--checkpointed-layers must be within 0..{num_layers} (the model's layers), got {count}")
+    count = (0 if remat == "off" else num_layers) if count is None else count
+    groups = int(np.gcd(count, num_layers))  # count 0: num_layers runs of one layer, none checkpointed
+    return CheckpointedLayers(groups, num_layers // groups, count // groups)
+
+
 def weights_regathered_for_backward(remat: str) -> bool:
     """Whether the torch backend's FSDP2 frees each decoder layer's gathered compute-dtype weights after the layer's
     forward and gathers them again for its backward (`reshard_after_forward`). Only with activation checkpointing,

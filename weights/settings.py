@@ -29,6 +29,8 @@ class TrainSettings:
                    preset weights
     pack           text only: the files as documents (`weights.data.packed_text_batches`): attention, the loss
                    and RoPE positions stay inside each, the ring in `weights.parallel.PACKED_RING_LAYOUT`
+    activation_checkpointing, checkpointed_layers  per-layer checkpointing ("off", "full", "save-attention")
+                   and how many of the layers it applies to (None: all; `weights.parallel.checkpointed_layers`)
     attention_backend, ring_variant   kernel of each ring step ("triton"/"pallas" or "reference") and ring
                    algorithm ("ring" or "allgather")
     sp_scheme, ulysses_degree  the sequence-parallel scheme over sp ("ring", "ulysses" or "hybrid") and the hybrid's
@@ -62,6 +64,7 @@ class TrainSettings:
     pack: bool = False
     optimizer: OptimizerConfig = OptimizerConfig()
     activation_checkpointing: str = "off"  # a weights.parallel.REMAT_MODES key
+    checkpointed_layers: int | None = None
     attention_backend: str = "triton"
     ring_variant: str = "ring"
     sp_scheme: str = "ring"

@@ -9,7 +9,8 @@
 # (`--eager`), fp8 (`--fp8`; torch needs torchao importable), ulysses (`--sp-scheme ulysses`: all-to-all of the
 # heads over sp instead of the ring), hybrid (`--sp-scheme hybrid --ulysses-degree 2`: all-to-alls in pairs of
 # adjacent GPUs, a ring of the pairs; needs SP of 4 or more), text (`--data text`: the text corpus instead of random
-# tokens), pack (`--data text --pack`: its files packed as documents). Every point: bf16, random tokens unless text
+# tokens), pack (`--data text --pack`: its files packed as documents), layersN (`--checkpointed-layers N`: N of the
+# layers checkpointed as the point's checkpointing says, the others keep their activations). Every point: bf16, random tokens unless text
 # or pack, fsdp=1 x sp=$SP (2), $STEPS steps (7: step 0 compiles, the last 3 are traced), under `timeout $POINT_S`
 # (150); a point that could not finish within $BUDGET_S (540) of the script's start is not started (named in the log).
 # Lands in $OUT (default ./out): one log per point, profiles.json (every point's train.jsonl rows and profile.json,
@@ -25,8 +26,9 @@ mkdir -p "$OUT"
 for point in "$@"; do  # every point's extras checked before the first point runs
     IFS=: read -r _ _ _ _ _ extra <<< "$point"
     for option in ${extra//+/ }; do
-        [[ $option =~ ^(eager|fp8|ulysses|hybrid|text|pack)$ ]] ||
-            { echo "unknown extra '$option' in point $point (eager, fp8, ulysses, hybrid, text, pack)" >&2; exit 2; }
+        [[ $option =~ ^(eager|fp8|ulysses|hybrid|text|pack|layers[0-9]+)$ ]] ||
+            { echo "unknown extra '$option' in point $point (eager, fp8, ulysses, hybrid, text, pack, layersN)" >&2
+              exit 2; }
     done
 done
 for point in "$@"; do
@@ -46,6 +48,7 @@ for point in "$@"; do
             hybrid) flags+=(--sp-scheme hybrid --ulysses-degree 2) ;;
             text) data=(--data text) ;;
             pack) data=(--data text --pack) ;;
+            layers*) flags+=(--checkpointed-layers "${option#layers}") ;;
             *) flags+=("--$option") ;;
         esac
     done

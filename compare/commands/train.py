@@ -59,7 +59,7 @@ from weights.atomic import check_output_dir, write_text_atomically
 from weights.data import training_batches, training_segment_ids
 from weights.fp8 import INSTALL_TORCHAO, check_fp8_settings
 from weights.flops import PEAK_FLOPS_PER_DEVICE, batch_model_flops
-from weights.parallel import REMAT_MODES, MeshShape
+from weights.parallel import REMAT_MODES, MeshShape, checkpointed_layers
 from weights.schedule import OptimizerConfig, default_optimizer, defaults_help
 from weights.sequence_parallel import SCHEMES, check_heads, scheme_degrees
 from weights.settings import TrainSettings
@@ -105,6 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default="off", metavar="MODE",
                         help="per-layer activation checkpointing; alone: full. " + "; ".join(
                             f"{mode}: {what}" for mode, what in REMAT_MODES.items()))
+    parser.add_argument("--checkpointed-layers", type=integer(0), metavar="N", help="checkpoint N of the decoder "
+                        "layers, spread evenly (default: all); the others keep every activation (memory for speed)")
     parser.add_argument("--attention-backend", help="ring step kernel; " + "; ".join(
                         f"{backend}: {', '.join(names)}" for backend, names in ATTENTION_BACKENDS.items())
                         + "; default ours, the first")
@@ -153,7 +155,7 @@ def settings_from_args(args: argparse.Namespace, device_count: int | None) -> Tr
     settings = TrainSettings(
         backend=args.backend, model=args.model, seq_len=args.seq_len, steps=args.steps, mesh=mesh,
         batch=args.batch or mesh.fsdp, dtype=args.dtype, fp8=args.fp8, data=args.data, seed=args.seed, pack=args.pack,
-        activation_checkpointing=args.activation_checkpointing,
+        activation_checkpointing=args.activation_checkpointing, checkpointed_layers=args.checkpointed_layers,
         attention_backend=args.attention_backend or ATTENTION_BACKENDS[args.backend][0],
         ring_variant=args.ring_variant, sp_scheme=args.sp_scheme, ulysses_degree=args.ulysses_degree,
         loss_chunk_tokens=args.loss_chunk_tokens, ckpt_dir=args.ckpt_dir,
@@ -214,6 +216,7 @@ def check_shape(settings: TrainSettings, device_count: int) -> LlamaConfig:
     degrees = scheme_degrees(settings.sp_scheme, settings.mesh.sp, settings.ulysses_degree)
     config = open_weights(settings.model, settings.seed).config
     check_heads(degrees.ulysses, config.num_heads, config.num_kv_heads)
+    checkpointed_layers(settings.activation_checkpointing, config.num_layers, settings.checkpointed_layers)
     return config
 
 
@@ -276,9 +279,7 @@ class StepReport:
         includes start-up work such as kernel compilation)."""
         steady = self.records[1:] or self.records
 
-        def median(key: str) -> float:
-            return float(np.median([r[key] for r in steady]))
-
+        median = lambda key: float(np.median([r[key] for r in steady]))  # noqa: E731
         mfu = f", MFU {median('mfu'):.1%}" if steady[0]["mfu"] is not None else ""
         peak = max(max(r["peak_memory_bytes"]) for r in self.records)
         return (f"steps {self.records[0]['step']}..{self.records[-1]['step']}: loss {self.records[-1]['loss']:.4f}, "
@@ -291,8 +292,7 @@ class StepReport:
 
         profile = {**breakdown, "backend": self.settings.backend, "settings": json.loads(self.settings.to_json())}
         write_profile(self.settings.out / PROFILE_JSON, profile)
-        self.progress.console.print(format_table(profile), markup=False, highlight=False,
-                                    soft_wrap=True)
+        self.progress.console.print(format_table(profile), markup=False, highlight=False, soft_wrap=True)
 
     def __call__(self, *, step: int, loss: float, lr: float, grad_norm: float, seconds: float,
                  peak_memory_bytes: list[int]) -> None:
