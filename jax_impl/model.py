@@ -14,9 +14,9 @@ their RoPE positions restart at each document: positions [B, S] then, each token
 (`weights.documents.document_offsets`), since a document's tokens must rotate as they would alone. `remat`
 checkpoints each decoder layer (a scan of `jax.checkpoint`-ed layers; "full": only layer inputs are kept for the
 backward, which recomputes the rest; "save-attention": the attention's output and log-sum-exp are kept too, so the
-backward does not rerun the attention; see `jax_impl/remat.py`), or the layers `checkpointed` names. With `layer_weight_dtype` and
-`gather_layer_weight`, the layers may be given sharded fp32 weights: each checkpointed layer casts and gathers its
-own (jax_impl/train.py says why).
+backward does not rerun the attention; see `jax_impl/remat.py`), or the layers `checkpointed` names. With
+`layer_weight_dtype` and `gather_layer_weight`, the layers may be given sharded fp32 weights: each checkpointed layer
+casts and gathers its own (jax_impl/train.py says why).
 
 `convert_to_fp8` switches the decoder layers' linears to `fp8_matmul`, the FP8 recipe of weights/fp8.py
 (`twinflash train --fp8`; the torch twin uses torchao's Float8Linear): a `jax.custom_vjp` whose forward and both

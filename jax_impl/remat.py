@@ -6,6 +6,8 @@ named by `keep_for_backward` (`checkpoint_name`). The attention custom_vjps (`ja
 `jax_impl/ring_attention.py`) name their forward's out and lse with it; their residuals q, k, v are recomputed
 from the layer input, and XLA drops the attention forward that nothing then needs. Attention written as plain
 autodiff math (`jax_impl/attention.py`) is not named, so with it both modes recompute the same.
+With `--checkpointed-layers` (`weights.parallel.checkpointed_layers`) the layers outside the checkpointed ones run
+as `kept_layer`s, and `checkpointed_scan` scans over runs of layers that mix both.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ computing them. The attention autograd Functions (`torch_impl/kernels/flash_atte
 `torch_impl/ring_attention.py`) wrap their forward work in `keep_for_backward`, the twin of the JAX backend's
 `checkpoint_name`. Attention written as plain autograd math (`torch_impl/attention.py`) is not wrapped, so with it
 both modes recompute the same.
+With `--checkpointed-layers` (`weights.parallel.checkpointed_layers`) the model runs the other layers plainly
+(`torch_impl/model.py`): autograd keeps their activations.
 """
 
 from __future__ import annotations
