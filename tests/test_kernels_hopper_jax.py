@@ -26,7 +26,8 @@ from test_flash_attention_jax import (_float64_attention, _flash_and_naive, _fla
 
 from jax_impl.attention import reference_attention
 from jax_impl.kernels.flash_attention import BACKENDS, flash_attention, flash_attention_forward
-from jax_impl.kernels.hopper.config import HopperConfig, autotune_space, default_config, hopper_unsupported
+from jax_impl.kernels.hopper.config import (HopperConfig, autotune_space, default_config, hopper_unsupported,
+                                            register_caps)
 
 on_hopper = pytest.mark.skipif(
     jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
@@ -127,6 +128,20 @@ def test_config_rejects_blocks_wgmma_cannot_tile():
     with pytest.raises(ValueError, match="bwd_block_q == bwd_block_kv"):
         HopperConfig(bwd_block_kv=128, bwd_form="one_kernel_private")
     HopperConfig(bwd_block_kv=128)  # the two-kernel form takes unequal backward blocks
+    for producer in (20, 44, 176):  # below setmaxnreg's 24, not a multiple of 8, above the 168 a thread starts with
+        with pytest.raises(ValueError, match="bwd_producer_registers"):
+            HopperConfig(bwd_producer_registers=producer)
+
+
+def test_register_caps_never_ask_more_than_the_block_has():
+    """setmaxnreg: an increase past what the other warpgroups released waits forever, so every split must sum
+    within the registers a thread starts with times the warpgroups (168 x 3, 128 x 4)."""
+    assert register_caps(2) == (40, 232) and register_caps(3) == (32, 160) and register_caps(2, 24) == (24, 240)
+    assert HopperConfig(bwd_producer_registers=24).backward_registers == (24, 240)
+    for compute, start in ((2, 168), (3, 128)):
+        for producer in range(24, start + 1, 8):
+            _, cap = register_caps(compute, producer)
+            assert cap % 8 == 0 and producer + compute * cap <= start * (compute + 1), (compute, producer)
 
 
 def test_autotune_space_starts_at_the_default_and_varies_the_backward():
@@ -136,6 +151,7 @@ def test_autotune_space_starts_at_the_default_and_varies_the_backward():
         assert {c.bwd_overlap for c in space} == {True, False}
         assert {c.bwd_form for c in space} == {"one_kernel", "one_kernel_private", "two_kernel"}
         assert {c.dq_block_kv for c in space} == {64, 128}
+        assert {(c.bwd_form, c.bwd_producer_registers) for c in space} >= {("two_kernel", 24), ("one_kernel", 24)}
     assert any(c.block_kv == 256 for c in autotune_space(64)) and not any(c.block_kv == 256
                                                                           for c in autotune_space(128))
 
@@ -161,15 +177,22 @@ def test_gpu_mosaic_triton_and_cudnn_meet_the_rule(dtype, seq_q, seq_k, heads, k
         assert not _flash_rule_violations(flash, naive, exact), backend
 
 
+# The backward's forms and register splits beside the default (two kernels, producer 40): FA3's split (producer 24,
+# 240 a compute thread) for every form, which `autotune_space` offers.
+BACKWARD_VARIANTS = [("one_kernel", 40), ("one_kernel_private", 40), ("two_kernel", 24), ("one_kernel", 24),
+                     ("one_kernel_private", 24)]
+
+
 @pytest.mark.gpu
 @on_hopper
-@pytest.mark.parametrize("bwd_form", ["one_kernel", "one_kernel_private"])
+@pytest.mark.parametrize("bwd_form,producer", BACKWARD_VARIANTS, ids=[f"{f}-{p}" for f, p in BACKWARD_VARIANTS])
 @pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal", GPU_CASES)
-def test_gpu_mosaic_backward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form):
+def test_gpu_mosaic_backward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form,
+                                                 producer):
     q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16, seed=7)
     exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
     flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_hopper",
-                                    config=HopperConfig(bwd_form=bwd_form))
+                                    config=HopperConfig(bwd_form=bwd_form, bwd_producer_registers=producer))
     assert not _flash_rule_violations(flash, naive, exact)
 
 

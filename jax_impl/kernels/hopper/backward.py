@@ -66,9 +66,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_impl.documents import query_spans
 from jax_impl.kernels.hopper.backward_dq import dq_call
 from jax_impl.kernels.hopper.backward_step import gradient_step, store_fp32
-from jax_impl.kernels.hopper.config import (COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, DQ_CHUNK, PRODUCER_REGISTERS,
-                                            HopperConfig, backward_lengths, backward_stages, check_smem,
-                                            dkdv_scratch, dq_scratch)
+from jax_impl.kernels.hopper.config import (COMPUTE_WARPGROUPS, DQ_CHUNK, HopperConfig, backward_lengths,
+                                            backward_stages, check_smem, dkdv_scratch, dq_scratch)
 from jax_impl.kernels.tiles import (LOG2E, copy_in, edge_padded_spans, index_div, index_rem, iota, launch, layout,
                                     load_rows, output_struct, pad_axis, part_runs, produce, tile_span,
                                     tile_span_bounds, warpgroup_rows)
@@ -93,11 +92,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                  out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, kv_barriers, q_barriers, dout_barriers,
                  lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool, scale: float, block_q: int,
                  block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int, overlap: bool,
-                 private_dq: bool, interpret: bool, span_refs=None):
+                 private_dq: bool, registers: tuple[int, int], interpret: bool, span_refs=None):
     """dK/dV (and with `dq_ref`, the one-kernel forms, dQ by reduce-add; else dq_ref, ds_smem and ds_ready are
     None). `private_dq`: each warpgroup adds the dQ share of its own keys (ds_ready is None). `span_refs`:
     documents' (query_start, query_end) of every key and their `tiles.tile_span_bounds` over query blocks (the
-    two-kernel form only; then `causal` is False)."""
+    two-kernel form only; then `causal` is False). `registers`: the (TMA warpgroup's, compute warpgroups') caps,
+    `HopperConfig.backward_registers`."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     kv_tile = lax.axis_index("kv_tile")
     cta_first = kv_tile * (COMPUTE_WARPGROUPS * block_kv)
@@ -123,7 +123,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
-        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(registers[1], action="increase")
         k_smem, v_smem, out_smem = k_smem2.at[wg], v_smem2.at[wg], out_smem2.at[wg]
         k_first, rows = warpgroup_rows(cta_first, wg, block_kv, batch, kv_head)
         copy_in(((k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)), kv_barriers, 2 * wg)
@@ -240,7 +240,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(registers[0], action="decrease")
 
         def load(t, slot):
             q_block, head = q_block_and_head(t)
@@ -320,7 +320,8 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
             refs = refs[:len(inputs)] + (None,) + refs[len(inputs):]
         _dkdv_kernel(*refs, **smem, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
                      stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
-                     overlap=config.bwd_overlap, private_dq=private_dq, interpret=interpret, span_refs=span_refs)
+                     overlap=config.bwd_overlap, private_dq=private_dq, registers=config.backward_registers,
+                     interpret=interpret, span_refs=span_refs)
 
     results = launch(
         dkdv_kernel, dkdv_smem.buffers, dkdv_out, dict(kv_heads=kv_heads, kv_tile=kv_tiles, batch=batch), dkdv_inputs,

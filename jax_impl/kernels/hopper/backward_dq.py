@@ -19,28 +19,30 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_impl.kernels.hopper.backward_step import gradient_step, store_fp32
-from jax_impl.kernels.hopper.config import COMPUTE_REGISTERS, COMPUTE_WARPGROUPS, PRODUCER_REGISTERS, HopperConfig
+from jax_impl.kernels.hopper.config import COMPUTE_WARPGROUPS, HopperConfig
 from jax_impl.kernels.tiles import (LOG2E, copy_in, fold_block_runs, index_div, index_rem, iota, launch, layout,
                                     load_rows, output_struct, part_runs, query_tile, stream_blocks, tile_index,
                                     tile_span, tile_span_bounds, warpgroup_rows)
 
 
-def stream_kv(refs, smem, barriers, consumed, *, batch, kv_head, block_kv: int, steps, stages: int,
+def stream_kv(refs, smem, barriers, consumed, *, batch, kv_head, block_kv: int, steps, stages: int, registers: int,
               first_block=None):
     """The TMA warpgroup of a kernel whose compute warpgroups walk K/V blocks [0, steps) of one KV head (from
     `first_block` on, with documents): block s's K and V (`refs` in global memory) go into slot s % stages of
-    `smem` (`stream_blocks`)."""
+    `smem` (`stream_blocks`, under the register cap `registers`)."""
     def rows_of(step):
         return batch, pl.ds((step if first_block is None else first_block + step) * block_kv, block_kv), kv_head
     stream_blocks(refs, smem, barriers, consumed, rows_of=rows_of, steps=steps, stages=stages,
-                  registers=PRODUCER_REGISTERS)
+                  registers=registers)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, *refs, q_smem2, dout_smem2, lse_smem2,
                delta_smem2, out_smem2, k_smem, v_smem, row_barriers, k_barriers, v_barriers, k_consumed,
                v_consumed, causal: bool, scale: float, block_q: int, block_kv: int, stages: int, group: int,
-               offset: int, seq_k: int, num_kv: int, num_tiles: int, overlap: bool, interpret: bool):
-    """refs: dq_ref, after documents' (key_start, key_end, tile_span_bounds) when given (then `causal` is False)."""
+               offset: int, seq_k: int, num_kv: int, num_tiles: int, overlap: bool, registers: tuple[int, int],
+               interpret: bool):
+    """refs: dq_ref, after documents' (key_start, key_end, tile_span_bounds) when given (then `causal` is False).
+    `registers`: the (TMA warpgroup's, compute warpgroups') caps, `HopperConfig.backward_registers`."""
     *span_refs, dq_ref = refs
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     first_block = None  # with documents, the tile streams K/V blocks first_block + [0, tile_steps)
@@ -64,7 +66,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, *refs, q_smem
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
-        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(registers[1], action="increase")
         q_smem, dout_smem = q_smem2.at[wg], dout_smem2.at[wg]
         q_first, rows = warpgroup_rows(tile_first, wg, block_q, batch, head)
         stats = (batch, head, pl.ds(q_first, block_q))
@@ -120,7 +122,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, *refs, q_smem
     def _producer():
         stream_kv((k_ref, v_ref), (k_smem, v_smem), (k_barriers, v_barriers), (k_consumed, v_consumed),
                   batch=batch, kv_head=index_div(head, group), block_kv=block_kv, steps=tile_steps, stages=stages,
-                  first_block=first_block)
+                  registers=registers[0], first_block=first_block)
 
 
 def dq_call(inputs, span_inputs, smem, *, causal: bool, scale: float, config: HopperConfig, group: int,
@@ -136,7 +138,8 @@ def dq_call(inputs, span_inputs, smem, *, causal: bool, scale: float, config: Ho
     return launch(
         functools.partial(_dq_kernel, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
                           stages=stages, group=group, offset=offset, seq_k=seq_k, num_kv=num_kv,
-                          num_tiles=num_tiles, overlap=config.bwd_overlap, interpret=interpret),
+                          num_tiles=num_tiles, overlap=config.bwd_overlap, registers=config.backward_registers,
+                          interpret=interpret),
         smem.buffers, output_struct(dq_shape, jnp.float32, *inputs),
         dict(heads=heads, q_tile=num_tiles, batch=batch), inputs + tuple(span_inputs), warpgroups=wgs,
         interpret=interpret, name="twinflash_backward_dq_hopper")

@@ -55,16 +55,18 @@ BARRIER_BYTES = 8  # one mbarrier (jax/experimental/mosaic/gpu/utils.py MBARRIER
 SM90_SMEM_BYTES = 227 * 1024
 
 
-def register_caps(compute_warpgroups: int) -> tuple[int, int]:
-    """Per-thread register caps (setmaxnreg) of (the producer, each compute warpgroup). The SM's 64K registers
-    allow 512 per thread summed over the CTA's warpgroups (128 threads each); an increase beyond what the others
-    released waits forever, so the compute cap is what the producer leaves, split evenly, in steps of 8:
-    (512 - 40) / 2 -> 232. Three compute warpgroups take FA3's split: producer 32, 160 each."""
-    producer = PRODUCER_REGISTERS if compute_warpgroups == COMPUTE_WARPGROUPS else 32
-    return producer, (512 - producer) // compute_warpgroups // 8 * 8
-
-
-COMPUTE_REGISTERS = register_caps(COMPUTE_WARPGROUPS)[1]
+def register_caps(compute_warpgroups: int, producer: int | None = None) -> tuple[int, int]:
+    """Per-thread register caps (setmaxnreg) of (the producer, each compute warpgroup). A thread starts with the
+    SM's 64K registers over the CTA's threads (128 a warpgroup), in steps of 8: 168 with three warpgroups, 128 with
+    four. An increase beyond what the others released waits forever, so the compute cap is what the producer
+    leaves of that budget, split evenly, in steps of 8: (3 x 168 - 40) / 2 -> 232; (3 x 168 - 24) / 2 -> 240,
+    FA3's backward split (`HopperConfig.bwd_producer_registers`); three compute warpgroups take FA3's forward split,
+    producer 32, (4 x 128 - 32) / 3 -> 160 each. `producer` None: 40 for two compute warpgroups, 32 for three."""
+    if producer is None:
+        producer = PRODUCER_REGISTERS if compute_warpgroups == COMPUTE_WARPGROUPS else 32
+    warpgroups = compute_warpgroups + 1
+    budget = 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
+    return producer, (budget - producer) // compute_warpgroups // 8 * 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,8 @@ class HopperConfig:
     read (False: each is awaited when issued; see `backward_step.gradient_step`). `bwd_form`:
     "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in
     fp32 by TMA reduce-add) or "one_kernel_private" (the same, each warpgroup adding its own keys' dQ share);
-    see backward.py. Defaults as measured on an H200 (S=16k, H=Hkv=32,
+    see backward.py. `bwd_producer_registers`: the backward kernels' TMA warpgroup's register cap, the compute
+    warpgroups getting what it leaves (`register_caps`: 40 -> 232, FA3's 24 -> 240). Defaults as measured on an H200 (S=16k, H=Hkv=32,
     causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at D=128 with `bwd_overlap`,
     485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64: 381)."""
     block_q: int = 64
@@ -97,6 +100,12 @@ class HopperConfig:
     dq_block_kv: int = 128
     bwd_overlap: bool = True
     bwd_form: str = "two_kernel"
+    bwd_producer_registers: int = PRODUCER_REGISTERS
+
+    @property
+    def backward_registers(self) -> tuple[int, int]:
+        """setmaxnreg caps of the backward kernels' (TMA warpgroup, each compute warpgroup): `register_caps`."""
+        return register_caps(COMPUTE_WARPGROUPS, self.bwd_producer_registers)
 
     def __post_init__(self):
         if self.bwd_form not in BACKWARD_FORMS:
@@ -110,6 +119,10 @@ class HopperConfig:
             if getattr(self, name) is not None and (getattr(self, name) % 64 or getattr(self, name) < 64):
                 raise ValueError(f"HopperConfig.{name} must be a positive multiple of 64 (wgmma tiles), got "
                                  f"{getattr(self, name)}")
+        if self.bwd_producer_registers % 8 or not 24 <= self.bwd_producer_registers <= 168:
+            # setmaxnreg takes multiples of 8 from 24; the producer only gives registers back (168: its start)
+            raise ValueError("HopperConfig.bwd_producer_registers must be a multiple of 8 in 24..168, got "
+                             f"{self.bwd_producer_registers}")
         if self.num_stages < 1 or self.bwd_num_stages < 1:
             raise ValueError("HopperConfig stages must be >= 1")
         for name in ("compute_warpgroups", "full_compute_warpgroups"):
@@ -319,18 +332,21 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
 def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
                    limit: int = SM90_SMEM_BYTES) -> tuple[HopperConfig, ...]:
     """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family mosaic`), each a full
-    config timed as one, `default_config` first: the backward's schedule, stages and dQ blocks one at a time,
-    then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early). Register files
-    bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
-    bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in
+    config timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks one
+    at a time, then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the
+    other backward forms, with the default and with FA3's register split (the one-kernel forms spilled at 232
+    registers: backward.py). Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x
+    D fp32) plus S^T and dP^T, so bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in
     `limit` (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third
     stage, forward or backward, and dq_block_q 128)."""
     base = default_config(head_dim, dtype=dtype, out_dtype=out_dtype, limit=limit)
-    variants = [dict(bwd_overlap=not base.bwd_overlap)] + ([dict(block_kv=256)] if head_dim <= 64 else []) + [
+    variants = [dict(bwd_overlap=not base.bwd_overlap), dict(bwd_producer_registers=24)] + (
+        [dict(block_kv=256)] if head_dim <= 64 else []) + [
         dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
         dict(num_stages=3), dict(full_compute_warpgroups=None, persistent=False)] + (
         [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [
-        dict(bwd_form=form) for form in BACKWARD_FORMS if form != base.bwd_form]
+        dict(bwd_form=form, bwd_producer_registers=producer) for form in BACKWARD_FORMS if form != base.bwd_form
+        for producer in (base.bwd_producer_registers, 24)]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(config for config in dict.fromkeys(configs)
                  if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
