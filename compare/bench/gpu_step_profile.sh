@@ -10,7 +10,8 @@
 # heads over sp instead of the ring), hybrid (`--sp-scheme hybrid --ulysses-degree 2`: all-to-alls in pairs of
 # adjacent GPUs, a ring of the pairs; needs SP of 4 or more), text (`--data text`: the text corpus instead of random
 # tokens), pack (`--data text --pack`: its files packed as documents), layersN (`--checkpointed-layers N`: N of the
-# layers checkpointed as the point's checkpointing says, the others keep their activations). Every point: bf16, random tokens unless text
+# layers checkpointed as the point's checkpointing says, the others keep their activations). Every point: bf16,
+# random tokens unless text
 # or pack, fsdp=1 x sp=$SP (2), $STEPS steps (7: step 0 compiles, the last 3 are traced), under `timeout $POINT_S`
 # (150); a point that could not finish within $BUDGET_S (540) of the script's start is not started (named in the log).
 # Lands in $OUT (default ./out): one log per point, profiles.json (every point's train.jsonl rows and profile.json,

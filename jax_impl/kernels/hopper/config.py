@@ -71,21 +71,21 @@ def register_caps(compute_warpgroups: int, producer: int | None = None) -> tuple
 
 @dataclasses.dataclass(frozen=True)
 class HopperConfig:
-    """Block sizes and schedule of the Mosaic kernels. Forward: each of `compute_warpgroups` warpgroups owns
-    `block_q` query rows (a CTA compute_warpgroups * block_q) and steps over K/V by `block_kv` through
-    `num_stages` shared-memory slots. Full (not causal) attention: `full_block_kv` and `full_compute_warpgroups`
-    replace the two where set, and `persistent` runs one CTA per SM, each walking (batch, head, query tile) items
-    in turn (causal calls keep one CTA per tile, longest first); see `forward_schedule`. Backward dK/dV:
-    a warpgroup owns `bwd_block_kv` key rows and steps over queries by `bwd_block_q`; backward dQ: a warpgroup
-    owns `dq_block_q` query rows and steps over keys by `dq_block_kv`; both through `bwd_num_stages` slots.
-    `bwd_overlap`: the backward issues its independent wgmmas together and awaits each only where its result is
-    read (False: each is awaited when issued; see `backward_step.gradient_step`). `bwd_form`:
-    "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes from the dK/dV kernel, added up in
-    fp32 by TMA reduce-add) or "one_kernel_private" (the same, each warpgroup adding its own keys' dQ share);
-    see backward.py. `bwd_producer_registers`: the backward kernels' TMA warpgroup's register cap, the compute
-    warpgroups getting what it leaves (`register_caps`: 40 -> 232, FA3's 24 -> 240). Defaults as measured on an H200 (S=16k, H=Hkv=32,
-    causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at D=128 with `bwd_overlap`,
-    485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64: 381)."""
+    """Block sizes and schedule of the Mosaic kernels. Forward: each of `compute_warpgroups` warpgroups owns `block_q`
+    query rows (a CTA compute_warpgroups * block_q) and steps over K/V by `block_kv` through `num_stages` shared-memory
+    slots. Full (not causal) attention: `full_block_kv` and `full_compute_warpgroups` replace the two where set, and
+    `persistent` runs one CTA per SM, each walking (batch, head, query tile) items in turn (causal calls keep one CTA
+    per tile, longest first); see `forward_schedule`. Backward dK/dV: a warpgroup owns `bwd_block_kv` key rows and steps
+    over queries by `bwd_block_q`; backward dQ: a warpgroup owns `dq_block_q` query rows and steps over keys by
+    `dq_block_kv`; both through `bwd_num_stages` slots. `bwd_overlap`: the backward issues its independent wgmmas
+    together and awaits each only where its result is read (False: each is awaited when issued; see
+    `backward_step.gradient_step`). `bwd_form`: "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes
+    from the dK/dV kernel, added up in fp32 by TMA reduce-add) or "one_kernel_private" (the same, each warpgroup adding
+    its own keys' dQ share); see backward.py. `bwd_producer_registers`: the backward kernels' TMA warpgroup's register
+    cap, the compute warpgroups getting what it leaves (`register_caps`: 40 -> 232, FA3's 24 -> 240). Defaults as
+    measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
+    D=128 with `bwd_overlap`, 485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64:
+    381)."""
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
@@ -331,14 +331,14 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
 
 def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
                    limit: int = SM90_SMEM_BYTES) -> tuple[HopperConfig, ...]:
-    """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family mosaic`), each a full
-    config timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks one
-    at a time, then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the
-    other backward forms, with the default and with FA3's register split (the one-kernel forms spilled at 232
-    registers: backward.py). Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x
-    D fp32) plus S^T and dP^T, so bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in
-    `limit` (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third
-    stage, forward or backward, and dq_block_q 128)."""
+    """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family mosaic`), each a full config
+    timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks one at a time,
+    then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
+    forms, with the default and with FA3's register split (the one-kernel forms spilled at 232 registers: backward.py).
+    Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
+    bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in `limit`
+    (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third stage, forward or
+    backward, and dq_block_q 128)."""
     base = default_config(head_dim, dtype=dtype, out_dtype=out_dtype, limit=limit)
     variants = [dict(bwd_overlap=not base.bwd_overlap), dict(bwd_producer_registers=24)] + (
         [dict(block_kv=256)] if head_dim <= 64 else []) + [
