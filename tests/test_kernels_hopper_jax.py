@@ -26,8 +26,8 @@ from test_flash_attention_jax import (_float64_attention, _flash_and_naive, _fla
 
 from jax_impl.attention import reference_attention
 from jax_impl.kernels.flash_attention import BACKENDS, flash_attention, flash_attention_forward
-from jax_impl.kernels.hopper.config import (HopperConfig, autotune_space, default_config, hopper_unsupported,
-                                            register_caps)
+from jax_impl.kernels.hopper.config import (BACKWARD_FORMS, BACKWARD_PRODUCER_REGISTERS, HopperConfig, autotune_space,
+                                            default_config, hopper_unsupported, register_caps)
 
 on_hopper = pytest.mark.skipif(
     jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
@@ -151,7 +151,8 @@ def test_autotune_space_starts_at_the_default_and_varies_the_backward():
         assert {c.bwd_overlap for c in space} == {True, False}
         assert {c.bwd_form for c in space} == {"one_kernel", "one_kernel_private", "two_kernel"}
         assert {c.dq_block_kv for c in space} == {64, 128}
-        assert {(c.bwd_form, c.bwd_producer_registers) for c in space} >= {("two_kernel", 24), ("one_kernel", 24)}
+        assert {(c.bwd_form, c.bwd_producer_registers) for c in space} >= {
+            (form, producer) for form in BACKWARD_FORMS for producer in BACKWARD_PRODUCER_REGISTERS}
     assert any(c.block_kv == 256 for c in autotune_space(64)) and not any(c.block_kv == 256
                                                                           for c in autotune_space(128))
 
@@ -177,10 +178,9 @@ def test_gpu_mosaic_triton_and_cudnn_meet_the_rule(dtype, seq_q, seq_k, heads, k
         assert not _flash_rule_violations(flash, naive, exact), backend
 
 
-# The backward's forms and register splits beside the default (two kernels, producer 40): FA3's split (producer 24,
-# 240 a compute thread) for every form, which `autotune_space` offers.
-BACKWARD_VARIANTS = [("one_kernel", 40), ("one_kernel_private", 40), ("two_kernel", 24), ("one_kernel", 24),
-                     ("one_kernel_private", 24)]
+# Every backward form at every register split `autotune_space` offers (the heuristic's picks among them: two kernels
+# at producer 24 for D=128, 40 for D=64), at both head dims.
+BACKWARD_VARIANTS = [(form, producer) for form in BACKWARD_FORMS for producer in BACKWARD_PRODUCER_REGISTERS]
 
 
 @pytest.mark.gpu

@@ -41,7 +41,10 @@ reduce-add alone gains nothing in the shared form; ptxas reports 168 registers a
 kernels (the entry count, (40 + 2 x 232) / 3; it warns of no ignored `setmaxnreg`) and spill stores of 232 bytes
 (dK/dV), 944 (one_kernel), 800 (one_kernel_private): the dQ accumulator pushes the one-kernel step's compute
 warpgroups past their 232 registers, and the in-kernel profile shows the whole step, not only the dQ part, ~2.6x
-slower in the one-kernel form. At D=64 one_kernel_private is level with two_kernel
+slower in the one-kernel form. FA3's split (`HopperConfig.bwd_producer_registers` 24, 240 a compute thread; the
+default at D=128 since 2026-11-28) lowers the spill stores to 144 / 736 / 612 bytes, none to zero: fwd+bwd 481 -> 497
+(two_kernel), 339 -> 381 (one_kernel), 316 -> 375 TF/s (one_kernel_private) at 16k causal (compare/results/
+kernels-mosaic-registers-2026-11-28-h200x4). At D=64 one_kernel_private is level with two_kernel
 (bwd 400 against 392 TF/s causal and full, within run-to-run spread), so the default stays "two_kernel".
 The named scopes (`jax.named_scope`) in the dK/dV kernel are the regions of Mosaic GPU's in-kernel profiler
 (`plgpu.CompilerParams(profile_space=..., profile_dir=...)`); without it they compile to nothing.

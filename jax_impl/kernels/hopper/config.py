@@ -45,7 +45,9 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_WARPGROUPS = 2  # + one TMA producer warpgroup (the backward's count, and the forward's default)
 FORWARD_WARPGROUPS = (2, 3)
 BACKWARD_FORMS = ("one_kernel", "one_kernel_private", "two_kernel")
-PRODUCER_REGISTERS = 40
+PRODUCER_REGISTERS = 40  # the forward's TMA warpgroup's cap with two compute warpgroups (232 each)
+# The backward's (HopperConfig.bwd_producer_registers), both in the sweep: FA3's 24 (240 a compute thread) and 40 (232).
+BACKWARD_PRODUCER_REGISTERS = (24, 40)
 DQ_CHUNK = 64  # dQ columns per reduce-add tile: one 128-byte-swizzle tile of K, half of D=128
 SMEM_ALIGNMENT = 1024  # each scratch buffer's start (jax/_src/pallas/mosaic_gpu/core.py SMEM_ALIGNMENT)
 BARRIER_BYTES = 8  # one mbarrier (jax/experimental/mosaic/gpu/utils.py MBARRIER_BYTES)
@@ -82,7 +84,7 @@ class HopperConfig:
     `backward_step.gradient_step`). `bwd_form`: "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes
     from the dK/dV kernel, added up in fp32 by TMA reduce-add) or "one_kernel_private" (the same, each warpgroup adding
     its own keys' dQ share); see backward.py. `bwd_producer_registers`: the backward kernels' TMA warpgroup's register
-    cap, the compute warpgroups getting what it leaves (`register_caps`: 40 -> 232, FA3's 24 -> 240). Defaults as
+    cap, the compute warpgroups getting what it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232). Defaults as
     measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
     D=128 with `bwd_overlap`, 485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64:
     381)."""
@@ -100,7 +102,7 @@ class HopperConfig:
     dq_block_kv: int = 128
     bwd_overlap: bool = True
     bwd_form: str = "two_kernel"
-    bwd_producer_registers: int = PRODUCER_REGISTERS
+    bwd_producer_registers: int = BACKWARD_PRODUCER_REGISTERS[0]
 
     @property
     def backward_registers(self) -> tuple[int, int]:
@@ -314,13 +316,17 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
          at D=64. Causal keeps two (three lost at some points at D=64 and at D=128). Backward: `bwd_overlap` and
          dq_block_kv 128 (fastest of the 2026-11-23 sweep at D=128 and 64). At D=128 the dQ kernel (Q, dO,
          2 stages x K/V at dq_block_kv 128, an fp32 out tile) takes 231552 bytes: dq_block_q 128 or a third
-         stage do not fit.
+         stage do not fit. The backward's register split: at D=128 FA3's (producer 24, 240 a compute thread;
+         fwd+bwd 481 -> 497 TFLOP/s at 16k causal, ptxas's spill stores 232 -> 144 bytes in the dK/dV kernel and
+         112 -> 44 in the dQ kernel), at D=64 producer 40 (393 against 383; no spills at either), as measured on an
+         H200 on 2026-11-28 (compare/results/kernels-mosaic-registers-2026-11-28-h200x4).
       2. the same with full attention on two compute warpgroups: an fp32 out tile needs its own buffer beside Q's,
          and at D=128 three warpgroups take 280688 bytes, two 231520; persistent at D=128 as in 1 (two persistent
          warpgroups ran 586-620 TFLOP/s against 552-594 without, bf16 out, same runs).
     `limit`: the device's (`smem_limit`); ValueError if none fits."""
     out_dtype = dtype if out_dtype is None else out_dtype
-    preferred = HopperConfig(full_compute_warpgroups=3, persistent=head_dim > 64)
+    preferred = HopperConfig(full_compute_warpgroups=3, persistent=head_dim > 64,
+                             bwd_producer_registers=24 if head_dim > 64 else 40)
     for config in (preferred, dataclasses.replace(preferred, full_compute_warpgroups=None)):
         if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
                for causal in (True, False)):
@@ -334,19 +340,20 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family mosaic`), each a full config
     timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks one at a time,
     then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
-    forms, with the default and with FA3's register split (the one-kernel forms spilled at 232 registers: backward.py).
+    forms, at both register splits (BACKWARD_PRODUCER_REGISTERS; the one-kernel forms spill at either: backward.py).
     Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
     bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in `limit`
     (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third stage, forward or
     backward, and dq_block_q 128)."""
     base = default_config(head_dim, dtype=dtype, out_dtype=out_dtype, limit=limit)
-    variants = [dict(bwd_overlap=not base.bwd_overlap), dict(bwd_producer_registers=24)] + (
+    other_split = [producer for producer in BACKWARD_PRODUCER_REGISTERS if producer != base.bwd_producer_registers]
+    variants = [dict(bwd_overlap=not base.bwd_overlap)] + [dict(bwd_producer_registers=p) for p in other_split] + (
         [dict(block_kv=256)] if head_dim <= 64 else []) + [
         dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
         dict(num_stages=3), dict(full_compute_warpgroups=None, persistent=False)] + (
         [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [
         dict(bwd_form=form, bwd_producer_registers=producer) for form in BACKWARD_FORMS if form != base.bwd_form
-        for producer in (base.bwd_producer_registers, 24)]
+        for producer in (base.bwd_producer_registers, *other_split)]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(config for config in dict.fromkeys(configs)
                  if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
