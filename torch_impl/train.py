@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from torch_impl import checkpointing
+from torch_impl.attention import AttentionFn
 from torch_impl.model import DTYPES, Llama, convert_to_fp8
 from torch_impl.parallel import (load_local_shards, local_batch, local_packed_batch, make_mesh, sequence_parallel_fn,
                                  shard_model)
@@ -387,17 +388,20 @@ class Training:
     device: torch.device
 
 
-def build_training(settings: TrainSettings, device: torch.device) -> Training:
+def build_training(settings: TrainSettings, device: torch.device, attention: AttentionFn | None = None) -> Training:
     """The sharded model and optimizer of `settings` on the initialised process group (`init_distributed`), its
-    weights loaded from `settings.model`; no checkpoint read, nothing trained."""
+    weights loaded from `settings.model`; no checkpoint read, nothing trained. `attention`: the model's attention
+    function (None: the settings' sequence-parallel scheme over the mesh's sp ranks; `twinflash bench train-peer`
+    passes PyTorch's context parallelism)."""
     check_attention_backend(settings)
     mesh = make_mesh(settings.mesh, device.type)
     source = open_weights(settings.model, settings.seed)
     config = source.config
     fast = device.type == "cuda" and not settings.eager  # inductor and fused kernels: GPUs only
-    attention = sequence_parallel_fn(mesh, settings.sp_scheme, settings.ulysses_degree,  # the sp ranks together
-                                     backend=settings.attention_backend, variant=settings.ring_variant,
-                                     compile_merge=fast, layout=scheme_layout(settings.sp_scheme, settings.pack))
+    if attention is None:
+        attention = sequence_parallel_fn(mesh, settings.sp_scheme, settings.ulysses_degree,  # the sp ranks together
+                                         backend=settings.attention_backend, variant=settings.ring_variant,
+                                         compile_merge=fast, layout=scheme_layout(settings.sp_scheme, settings.pack))
     with torch.device("meta"):
         llama = Llama(config, attention)
     if settings.fp8:  # before FSDP, which then shards and gathers the Float8Linears' plain weights

@@ -1,0 +1,251 @@
+"""`twinflash bench train-peer`: issue 40's live training peer. PyTorch's own context parallelism (the ring of
+`torch.distributed.tensor.experimental.context_parallel`, cuDNN SDPA at each of its steps) as the attention of our
+torch training step, beside the same step with our ring and kernels: the same GPUs, model, weights, tokens, FSDP2
+sharding, compiled modules, chunked loss, fused AdamW and checkpointing (`torch_impl.train.build_training`), so the
+rows differ in the sequence-parallel attention alone. Why not torchtitan itself: neither it nor its dependencies
+(torchdata, tyro, ...) are in the GPU image, and its Llama would differ from ours in more than the attention; this is
+the stack its documentation runs (FSDP2 + context parallel + cuDNN SDPA), on our model.
+
+Each row, on every rank: `--warmup` untimed and `--steps` timed steps of random tokens (the same global batches in
+both rows), each step's device time between CUDA events as `twinflash train` takes it; tokens/s, TFLOP/s per GPU and
+MFU from the median timed step (`weights.flops`), the peak memory of the slowest rank, the first step's loss and
+gradient norm (before any update: the same weights in both rows). The peer's step runs inside `context_parallel(sp
+mesh, buffers=[tokens, targets, positions])`: PyTorch shards the full sequence itself, in its head-tail order (rank r
+holds chunks r and 2W-1-r of 2W, our zigzag), and patches `F.scaled_dot_product_attention`, which
+`pytorch_cp_attention` calls with the KV heads repeated to the query heads (as torchtitan does); the backward is
+PyTorch's ring backward (DTensor's dispatch). Its rotation: `--rotate-method` (PyTorch's `set_rotate_method`).
+Checkpointing: both rows "full" by default (torchtitan's published 8B runs: full recomputation); with "save-attention"
+ours keeps its attention's out and log-sum-exp while the peer's attention, which keeps nothing, is recomputed.
+
+`hf_rows.compare_rows` adds each row's speed against ours and whether its loss and gradient norm agree within
+`AGREEMENT_TOLERANCE`; the table prints ours / peer. Exit 1 when the launch fails or the peer disagrees with ours,
+2 for bad input (without CUDA GPUs: PyTorch's context parallelism has no CPU attention to dispatch to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from compare.args import OneLineParser, integer, lengths, number, recorded_command, with_error_contract
+from compare.bench.common import default_out_path, write_json
+from compare.harness.hf_rows import AGREEMENT_TOLERANCE, compare_rows
+from compare.launch import Interrupted, interruptible, log_tail, run_logged, torchrun_launcher
+from weights import BadInputError, open_weights
+from weights.layout import check_split
+from weights.parallel import REMAT_MODES, checkpointed_layers
+
+ROWS = {"ours": "twinflash torch step + our ring (Gluon)", "peer": "the same step + PyTorch CP (cuDNN)"}
+ROTATE_METHODS = ("allgather", "alltoall")
+LAYOUT = "zigzag"  # PyTorch's head-tail order, which the peer's buffers are sharded in
+
+
+def pytorch_cp_attention(backends: tuple | None = None):
+    """The model's attention function (q [B, S, H, D], k/v [B, S, Hkv, D], causal) as scaled_dot_product_attention on
+    [B, H, S, D] with the KV heads repeated to H (head h reads KV head h // (H / Hkv), our grouping), looked up on
+    `F` at each call so that `context_parallel`'s patch takes it; SDPA's `backends` (None: cuDNN's alone)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = list(backends or (SDPBackend.CUDNN_ATTENTION,))
+
+    def attention(q, k, v):
+        group = q.shape[2] // k.shape[2]
+        k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+        with sdpa_kernel(chosen):
+            out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
+        return out.transpose(1, 2)
+    return attention
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The workers (under torchrun, one per GPU)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _settings(plan: dict, kind: str, world: int):
+    from weights.parallel import MeshShape
+    from weights.settings import TrainSettings
+
+    return TrainSettings(backend="torch", model=plan["model"], seq_len=plan["seq_len"],
+                         steps=plan["warmup"] + plan["steps"], mesh=MeshShape(fsdp=1, sp=world), batch=1, dtype="bf16",
+                         data="random", seed=plan["seed"], activation_checkpointing=plan["checkpointing"],
+                         checkpointed_layers=plan["checkpointed_layers"],
+                         attention_backend="triton" if kind == "ours" else "sdpa_cudnn")
+
+
+def _measure(kind: str, plan: dict, device) -> dict:
+    """One row: `kind`'s step over the plan's batches on this rank's part of the mesh."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from torch_impl.parallel import local_batch
+    from torch_impl.train import StepNumbers, build_training, completion_mark, launch_step, seconds_between
+    from weights.data import random_batches
+    from weights.flops import PEAK_FLOPS_PER_DEVICE, batch_model_flops
+    from weights.training import next_token_targets, valid_target_count
+
+    world, seq_len = dist.get_world_size(), plan["seq_len"]
+    settings = _settings(plan, kind, world)
+    run = build_training(settings, device, attention=pytorch_cp_attention() if kind == "peer" else None)
+    config = run.source.config
+    batches = random_batches(settings.steps, 1, seq_len, config.vocab_size, seed=plan["seed"])
+    count = valid_target_count(1, seq_len)
+    numbers, done = [], completion_mark(device)
+    for step, batch in enumerate(batches):
+        if kind == "ours":
+            loss, grad_norm, _ = launch_step(run.model, run.optimizer, *local_batch(batch, run.mesh, device), step, count)
+        else:  # full sequences, which context_parallel shards in place
+            tokens = torch.from_numpy(batch).to(device)
+            targets = torch.from_numpy(next_token_targets(batch)).to(device)
+            positions = torch.arange(seq_len, device=device)
+            buffers = [tokens, targets, positions]
+            with context_parallel(run.mesh["sp"], buffers=buffers, buffer_seq_dims=[1, 1, 0],
+                                  no_restore_buffers=set(buffers)):
+                loss, grad_norm, _ = launch_step(run.model, run.optimizer, tokens, targets, positions, step, count)
+        numbers.append(StepNumbers(loss, grad_norm, device))
+    seconds, losses, grad_norms = [], [], []
+    for step_numbers in numbers:
+        loss, grad_norm, peaks = step_numbers.read()
+        seconds.append(seconds_between(done, step_numbers.done))
+        done = step_numbers.done
+        losses.append(loss)
+        grad_norms.append(grad_norm)
+    step_s = statistics.median(seconds[plan["warmup"]:])
+    tflops = batch_model_flops(config, 1, seq_len) / step_s / world / 1e12
+    del run
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return dict(kind=kind, model=ROWS[kind], dtype="bf16", seq_len=seq_len, devices=world,
+                step_s=step_s, tokens_per_s=seq_len / step_s, tflops_per_device=tflops,
+                mfu=tflops * 1e12 / PEAK_FLOPS_PER_DEVICE, peak_memory_bytes=max(peaks), loss=losses[0],
+                grad_norm=grad_norms[0], step_seconds=seconds, losses=losses)
+
+
+def run_worker(plan: dict) -> None:
+    """Both rows on this rank; rank 0 appends each to the plan's rows file as it ends."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    from torch_impl.train import init_distributed
+
+    device = init_distributed()
+    try:
+        set_rotate_method(plan["rotate_method"])
+        meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device)}
+        for kind in ROWS:
+            row = _measure(kind, plan, device)
+            if dist.get_rank() == 0:
+                with open(plan["rows_path"], "a") as rows:
+                    rows.write(json.dumps({"meta": meta, "row": row}) + "\n")
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="twinflash bench train-peer", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3.1-8b", help="a preset or a converted checkpoint (default 8B)")
+    parser.add_argument("--seq-len", type=lengths, default=(32768,), help="tokens per sequence, one value (32k)")
+    parser.add_argument("--devices", type=integer(2), help="GPUs of the sequence-parallel ring (default: every GPU)")
+    parser.add_argument("--activation-checkpointing", choices=tuple(REMAT_MODES), default="full",
+                        help="both rows' (default full)")
+    parser.add_argument("--checkpointed-layers", type=integer(0), help="of the layers (default: all)")
+    parser.add_argument("--rotate-method", choices=ROTATE_METHODS, default="allgather", help="the peer's K/V rotation")
+    parser.add_argument("--warmup", type=integer(1), default=2, help="untimed steps (the first compiles)")
+    parser.add_argument("--steps", type=integer(1), default=5, help="timed steps")
+    parser.add_argument("--seed", type=integer(0), default=0, help="of the random weights and tokens")
+    parser.add_argument("--launch-timeout-s", type=number(0, above=True), default=1800.0)
+    parser.add_argument("--out", type=Path, help="JSON path (default out/train-peer-<date>-<gpu>.json)")
+    return parser
+
+
+def measurement_plan(args, rows_path: Path) -> dict:
+    """What the workers read; BadInputError for what cannot run (checked before anything launches)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus:
+        raise BadInputError("bench train-peer needs CUDA GPUs: PyTorch's context parallelism has no CPU attention "
+                            "(no sharding strategy for the CPU SDPA op)")
+    devices = args.devices or gpus
+    if devices > gpus:
+        raise BadInputError(f"--devices {devices}: this machine has {gpus} GPUs")
+    if devices < 2:
+        raise BadInputError("bench train-peer needs 2 or more GPUs: the peer is a ring")
+    if len(args.seq_len) != 1:
+        raise BadInputError(f"--seq-len takes one length, got {len(args.seq_len)}")
+    check_split(args.seq_len[0], devices, LAYOUT)
+    config = open_weights(args.model, args.seed).config
+    checkpointed_layers(args.activation_checkpointing, config.num_layers, args.checkpointed_layers)
+    return dict(model=args.model, seq_len=args.seq_len[0], devices=devices, checkpointing=args.activation_checkpointing,
+                checkpointed_layers=args.checkpointed_layers, rotate_method=args.rotate_method, warmup=args.warmup,
+                steps=args.steps, seed=args.seed, rows_path=str(rows_path))
+
+
+def render(rows: list[dict]) -> str:
+    lines = [f"{'row':42} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'loss':>9} {'ours/this':>9} "
+             f"{'agrees':>6}"]
+    for row in rows:
+        ratio = f"{1 / row['speed_vs_ours']:9.3f}" if row.get("speed_vs_ours") else f"{'-':>9}"
+        lines.append(f"{row['model']:42} {row['step_s'] * 1e3:9.1f} {row['tokens_per_s']:9,.0f} {row['mfu']:6.1%} "
+                     f"{row['peak_memory_bytes'] / 2**30:9.2f} {row['loss']:9.5f} {ratio} {str(row.get('agrees')):>6}")
+    return "\n".join(lines)
+
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="twinflash-bench-train-peer-") as tmp, interruptible():
+        work = Path(tmp)
+        plan = measurement_plan(args, work / "rows.jsonl")
+        (work / "plan.json").write_text(json.dumps(plan))
+        launcher, env = torchrun_launcher(plan["devices"])
+        env["PYTHONUNBUFFERED"] = "1"
+        log_path = work / "worker.log"
+        try:
+            failure = run_logged([*launcher, "-m", __spec__.name, "--worker", str(work / "plan.json")], env,
+                                 log_path, args.launch_timeout_s)
+        except Interrupted as stop:
+            print(f"twinflash: bench train-peer interrupted ({stop.signal_name})", file=sys.stderr)
+            return stop.exit_code
+        records = [json.loads(line) for line in Path(plan["rows_path"]).read_text().splitlines()
+                   ] if Path(plan["rows_path"]).exists() else []
+        if failure:
+            failure = f"the workers {failure}: {log_tail(log_path, 600)}"
+    meta = {key: value for record in records for key, value in record["meta"].items()}
+    rows = compare_rows([record["row"] for record in records])
+    if any(row.get("agrees") is False for row in rows):
+        failure = (f"the peer's first loss or gradient norm is beyond {AGREEMENT_TOLERANCE['bf16']:.0e} (relative) "
+                   f"of ours" + (f"; {failure}" if failure else ""))
+    path = args.out or default_out_path("train-peer", meta, datetime.date.today())
+    write_json(path, {"command": recorded_command(["twinflash", "bench", "train-peer", *argv]),
+                      "date": datetime.datetime.now().isoformat(timespec="seconds"), "versions": meta,
+                      "plan": {k: v for k, v in plan.items() if k != "rows_path"}, "method": __doc__.split("\n\n")[1],
+                      "rows": rows, "failure": failure})
+    if rows:
+        print(render(rows))
+    print(f"[train-peer bench] wrote {path}" + (f"; {failure}" if failure else ""))
+    return 1 if failure else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        run_worker(json.loads(Path(argv[1]).read_text()))
+        return 0
+    return with_error_contract(lambda: _main(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

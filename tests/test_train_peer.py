@@ -1,0 +1,61 @@
+"""`twinflash bench train-peer` (compare/bench/train_peer.py): the peer's attention function computes our attention
+(CPU, through SDPA's math backend, with a negative control), the command's bad input exits 2 with one line (no GPUs
+here), its table prints ours / peer; on 2 GPUs, the whole bench: PyTorch's context parallelism in our training step
+agrees with our ring on the first step's loss and gradient norm (the bench's own check, exit 1 when not)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+from compare.bench.train_peer import ROWS, main, pytorch_cp_attention, render
+from torch_impl.attention import reference_attention
+
+
+def _qkv(heads: int, kv_heads: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 48, h, 16, generator=generator, dtype=torch.float64) for h in (heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_the_peers_attention_is_ours(heads, kv_heads):
+    q, k, v = _qkv(heads, kv_heads)
+    peer = pytorch_cp_attention((SDPBackend.MATH,))(q, k, v)
+    # float64 inputs, but the reference keeps its log-sum-exp in float32 (its contract): differences of ~4e-7
+    torch.testing.assert_close(peer, reference_attention(q, k, v, causal=True), rtol=1e-5, atol=2e-6)
+
+
+def test_a_wrong_head_grouping_is_seen():
+    """Negative control: KV heads in another order (head h reading KV head h % Hkv, not h // (H / Hkv)) differ."""
+    q, k, v = _qkv(4, 2)
+    peer = pytorch_cp_attention((SDPBackend.MATH,))(q, k, v)
+    swapped = reference_attention(q, k.flip(2), v.flip(2), causal=True)
+    assert (peer - swapped).abs().max() > 1e-2
+
+
+def test_without_gpus_the_bench_exits_2_with_one_line(capsys):
+    assert main(["--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs CUDA GPUs" in err
+
+
+def test_the_table_prints_ours_over_the_peer():
+    row = dict(model=ROWS["peer"], step_s=0.2, tokens_per_s=1000.0, mfu=0.4, peak_memory_bytes=2**31, loss=1.0,
+               speed_vs_ours=1 / 1.25, agrees=True)
+    table = render([dict(row, model=ROWS["ours"], speed_vs_ours=1.0), row])
+    assert "1.250" in table.splitlines()[2] and "1.000" in table.splitlines()[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_the_peer_agrees_with_our_ring(tmp_path):
+    out = tmp_path / "peer.json"
+    code = main(["--model", "llama3.2-1b", "--seq-len", "8192", "--devices", "2", "--warmup", "1", "--steps", "1",
+                 "--out", str(out)])
+    document = json.loads(out.read_text())
+    assert code == 0, document["failure"]
+    assert [row["kind"] for row in document["rows"]] == ["ours", "peer"]
+    assert all(row["agrees"] for row in document["rows"])
