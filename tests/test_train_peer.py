@@ -1,14 +1,18 @@
 """`twinflash bench train-peer` (compare/bench/train_peer.py): the peer's attention function computes our attention
-(CPU, through SDPA's math backend, with a negative control), the command's bad input exits 2 with one line (no GPUs
-here), its table prints ours / peer; on 2 GPUs, the whole bench: PyTorch's context parallelism in our training step
-agrees with our ring on the first step's loss and gradient norm (the bench's own check, exit 1 when not)."""
+(CPU, through SDPA's math backend, with a negative control); PyTorch's `context_parallel` shards the peer's tokens,
+targets and positions into exactly the parts our ring's ranks hold (`local_batch`, the zigzag layout; 4 gloo
+processes); the command's bad input exits 2 with one line (no GPUs here), its table prints ours / peer; on 2 GPUs,
+the whole bench: PyTorch's context parallelism in our training step agrees with our ring on the first step's loss and
+gradient norm (the bench's own check, exit 1 when not)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+from distributed import run_on_ranks
 from torch.nn.attention import SDPBackend
 
 from compare.bench.train_peer import ROWS, main, pytorch_cp_attention, render
@@ -34,6 +38,39 @@ def test_a_wrong_head_grouping_is_seen():
     peer = pytorch_cp_attention((SDPBackend.MATH,))(q, k, v)
     swapped = reference_attention(q, k.flip(2), v.flip(2), causal=True)
     assert (peer - swapped).abs().max() > 1e-2
+
+
+def shards_of_context_parallel(rank, world, seq_len):
+    """On each rank: the peer's buffers as `context_parallel` leaves them, beside our ring's parts of the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from torch_impl.parallel import local_batch, make_mesh
+    from weights.parallel import MeshShape
+    from weights.training import next_token_targets
+
+    batch = np.random.default_rng(0).integers(0, 1000, (1, seq_len), dtype=np.int64)
+    ours = [t.tolist() for t in local_batch(batch, make_mesh(MeshShape(fsdp=1, sp=world), "cpu"), torch.device("cpu"))]
+    buffers = [torch.from_numpy(batch), torch.from_numpy(next_token_targets(batch)), torch.arange(seq_len)[None]]
+    with context_parallel(init_device_mesh("cpu", (world,)), buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                          no_restore_buffers=set(buffers)):
+        peer = [t.tolist() for t in buffers]
+    return {"ours": ours, "peer": peer}
+
+
+def test_context_parallel_shards_the_peers_batch_as_our_ring_does():
+    world, seq_len = 4, 64
+    per_rank = run_on_ranks(world, {"shards": ("shards_of_context_parallel", {"seq_len": seq_len})},
+                            module=__name__)
+    for rank, out in enumerate(per_rank):
+        shards = out["shards"]
+        assert "error" not in shards, shards
+        tokens, targets, positions = shards["peer"]
+        assert [tokens, targets, positions[0]] == shards["ours"], rank
+        # rank r holds chunks r and 2W-1-r of 2W (not contiguous: the negative control of the layout's claim)
+        chunk = seq_len // (2 * world)
+        assert positions[0] == (list(range(rank * chunk, (rank + 1) * chunk))
+                                + list(range((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)))
 
 
 def test_without_gpus_the_bench_exits_2_with_one_line(capsys):

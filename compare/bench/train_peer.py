@@ -104,9 +104,9 @@ def _measure(kind: str, plan: dict, device) -> dict:
         else:  # full sequences, which context_parallel shards in place
             tokens = torch.from_numpy(batch).to(device)
             targets = torch.from_numpy(next_token_targets(batch)).to(device)
-            positions = torch.arange(seq_len, device=device)
+            positions = torch.arange(seq_len, device=device)[None]  # [1, S]: every buffer sharded on dim 1
             buffers = [tokens, targets, positions]
-            with context_parallel(run.mesh["sp"], buffers=buffers, buffer_seq_dims=[1, 1, 0],
+            with context_parallel(run.mesh["sp"], buffers=buffers, buffer_seq_dims=[1, 1, 1],
                                   no_restore_buffers=set(buffers)):
                 loss, grad_norm, _ = launch_step(run.model, run.optimizer, tokens, targets, positions, step, count)
         numbers.append(StepNumbers(loss, grad_norm, device))
