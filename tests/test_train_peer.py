@@ -1,7 +1,8 @@
 """`twinflash bench train-peer` (compare/bench/train_peer.py): the peer's attention function computes our attention
 (CPU, through SDPA's math backend, with a negative control); PyTorch's `context_parallel` shards the peer's tokens,
 targets and positions into exactly the parts our ring's ranks hold (`local_batch`, the zigzag layout; 4 gloo
-processes); the command's bad input exits 2 with one line (no GPUs here), its table prints ours / peer; on 2 GPUs,
+processes); our torch and JAX rows are measured and agree (the bench's path without GPUs, the peer aside); the
+command's bad input exits 2 with one line (no GPUs here), its table prints ours / peer; on 2 GPUs,
 the whole bench: PyTorch's context parallelism in our training step agrees with our ring on the first step's loss and
 gradient norm (the bench's own check, exit 1 when not)."""
 
@@ -15,7 +16,9 @@ import torch
 from distributed import run_on_ranks
 from torch.nn.attention import SDPBackend
 
+from compare.bench import train_peer
 from compare.bench.train_peer import ROWS, main, pytorch_cp_attention, render
+from compare.harness.hf_rows import compare_rows
 from torch_impl.attention import reference_attention
 
 
@@ -71,6 +74,33 @@ def test_context_parallel_shards_the_peers_batch_as_our_ring_does():
         chunk = seq_len // (2 * world)
         assert positions[0] == (list(range(rank * chunk, (rank + 1) * chunk))
                                 + list(range((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk)))
+
+
+PLAN = dict(model="tiny", seq_len=128, devices=2, checkpointing="full", checkpointed_layers=None, warmup=1, steps=1,
+            seed=0)
+
+
+def ours_torch_row(rank, world, plan):
+    from compare.bench.train_peer import _measure
+
+    return _measure("ours", plan, torch.device("cpu"))
+
+
+def test_our_rows_are_measured_and_agree_across_backends(tmp_path):
+    """The bench's measuring path without GPUs, the peer aside: our torch row (its worker's `_measure`, 2 gloo ranks,
+    the kernels under Triton's interpreter) and our JAX row (`twinflash train --backend jax`, 2 emulated devices), the
+    same weights and tokens, compared as the bench compares them; a negative control for the comparison: another seed
+    (other weights and tokens) disagrees."""
+    torch_row = run_on_ranks(2, {"row": ("ours_torch_row", {"plan": PLAN})}, module=__name__)[0]["row"]
+    assert "error" not in torch_row, torch_row
+    jax_row, failure = train_peer.jax_row(PLAN, tmp_path, timeout_s=600)
+    assert failure is None, failure
+    assert [len(row["step_seconds"]) for row in (torch_row, jax_row)] == [2, 2]
+    ours, jax = compare_rows([torch_row, jax_row])
+    assert ours["agrees"] and jax["agrees"], (ours["loss"], jax["loss"], ours["grad_norm"], jax["grad_norm"])
+    (tmp_path / "other").mkdir()
+    other, _ = train_peer.jax_row(dict(PLAN, seed=1), tmp_path / "other", timeout_s=600)
+    assert compare_rows([torch_row, other])[1]["agrees"] is False
 
 
 def test_without_gpus_the_bench_exits_2_with_one_line(capsys):

@@ -17,9 +17,11 @@ PyTorch's ring backward (DTensor's dispatch). Its rotation: `--rotate-method` (P
 Checkpointing: both rows "full" by default (torchtitan's published 8B runs: full recomputation); with "save-attention"
 ours keeps its attention's out and log-sum-exp while the peer's attention, which keeps nothing, is recomputed.
 
-`hf_rows.compare_rows` adds each row's speed against ours and whether its loss and gradient norm agree within
-`AGREEMENT_TOLERANCE`; the table prints ours / peer. Exit 1 when the launch fails or the peer disagrees with ours,
-2 for bad input (without CUDA GPUs: PyTorch's context parallelism has no CPU attention to dispatch to).
+Then (unless --no-jax) our JAX step on the same GPUs, weights and tokens (`twinflash train --backend jax`, the same
+seed; `jax_row`), the issue's goal being ours at 1.1x the peer in both backends. `hf_rows.compare_rows` adds each row's
+speed against our torch row and whether its first loss and gradient norm agree with it within `AGREEMENT_TOLERANCE`;
+the table prints ours / each row. Exit 1 when a launch fails or a row disagrees, 2 for bad input (without CUDA GPUs:
+PyTorch's context parallelism has no CPU attention to dispatch to).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -42,6 +45,7 @@ from weights.layout import check_split
 from weights.parallel import REMAT_MODES, checkpointed_layers
 
 ROWS = {"ours": "twinflash torch step + our ring (Gluon)", "peer": "the same step + PyTorch CP (cuDNN)"}
+JAX_ROW = ("ours_jax", "twinflash JAX step + our ring (Mosaic)")
 ROTATE_METHODS = ("allgather", "alltoall")
 LAYOUT = "zigzag"  # PyTorch's head-tail order, which the peer's buffers are sharded in
 
@@ -62,6 +66,21 @@ def pytorch_cp_attention(backends: tuple | None = None):
             out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
         return out.transpose(1, 2)
     return attention
+
+
+def row_of(kind: tuple[str, str], plan: dict, seconds: list[float], losses: list[float], first_grad_norm: float,
+           peak_memory_bytes: int) -> dict:
+    """A row of the table and the JSON from one run's step times and losses: the median timed step's rates (model
+    FLOPs: `weights.flops.batch_model_flops`), the first step's loss and gradient norm."""
+    from weights.flops import PEAK_FLOPS_PER_DEVICE, batch_model_flops
+
+    step_s = statistics.median(seconds[plan["warmup"]:])
+    config = open_weights(plan["model"], plan["seed"]).config
+    tflops = batch_model_flops(config, 1, plan["seq_len"]) / step_s / plan["devices"] / 1e12
+    return dict(kind=kind[0], model=kind[1], dtype="bf16", seq_len=plan["seq_len"], devices=plan["devices"],
+                step_s=step_s, tokens_per_s=plan["seq_len"] / step_s, tflops_per_device=tflops,
+                mfu=tflops * 1e12 / PEAK_FLOPS_PER_DEVICE, peak_memory_bytes=peak_memory_bytes, loss=losses[0],
+                grad_norm=first_grad_norm, step_seconds=seconds, losses=losses)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -88,11 +107,10 @@ def _measure(kind: str, plan: dict, device) -> dict:
     from torch_impl.parallel import local_batch
     from torch_impl.train import StepNumbers, build_training, completion_mark, launch_step, seconds_between
     from weights.data import random_batches
-    from weights.flops import PEAK_FLOPS_PER_DEVICE, batch_model_flops
     from weights.training import next_token_targets, valid_target_count
 
-    world, seq_len = dist.get_world_size(), plan["seq_len"]
-    settings = _settings(plan, kind, world)
+    seq_len = plan["seq_len"]
+    settings = _settings(plan, kind, dist.get_world_size())
     run = build_training(settings, device, attention=pytorch_cp_attention() if kind == "peer" else None)
     config = run.source.config
     batches = random_batches(settings.steps, 1, seq_len, config.vocab_size, seed=plan["seed"])
@@ -117,16 +135,12 @@ def _measure(kind: str, plan: dict, device) -> dict:
         done = step_numbers.done
         losses.append(loss)
         grad_norms.append(grad_norm)
-    step_s = statistics.median(seconds[plan["warmup"]:])
-    tflops = batch_model_flops(config, 1, seq_len) / step_s / world / 1e12
     del run
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    return dict(kind=kind, model=ROWS[kind], dtype="bf16", seq_len=seq_len, devices=world,
-                step_s=step_s, tokens_per_s=seq_len / step_s, tflops_per_device=tflops,
-                mfu=tflops * 1e12 / PEAK_FLOPS_PER_DEVICE, peak_memory_bytes=max(peaks), loss=losses[0],
-                grad_norm=grad_norms[0], step_seconds=seconds, losses=losses)
+    if device.type == "cuda":  # the next row's peak is its own
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return row_of((kind, ROWS[kind]), plan, seconds, losses, grad_norms[0], max(peaks))
 
 
 def run_worker(plan: dict) -> None:
@@ -154,6 +168,29 @@ def run_worker(plan: dict) -> None:
 # The command
 # ---------------------------------------------------------------------------------------------------------------
 
+def jax_row(plan: dict, work: Path, timeout_s: float) -> tuple[dict | None, str | None]:
+    """(our JAX step's row, the failure in one line or None): `twinflash train --backend jax` with the plan's
+    settings, weights and tokens (the same seed: the same random weights and batches as the torch rows), after the
+    torch launch has freed the GPUs; its train.jsonl read as the torch rows are measured (median timed step, the
+    first step's loss and gradient norm)."""
+    out = work / "jax"
+    command = [sys.executable, "-m", "compare.cli", "train", "--backend", "jax", "--model", plan["model"],
+               "--seq-len", str(plan["seq_len"]), "--steps", str(plan["warmup"] + plan["steps"]),
+               "--mesh", f"fsdp=1,sp={plan['devices']}", "--dtype", "bf16", "--data", "random",
+               "--seed", str(plan["seed"]), "--activation-checkpointing", plan["checkpointing"], "--out", str(out)]
+    if plan["checkpointed_layers"] is not None:
+        command += ["--checkpointed-layers", str(plan["checkpointed_layers"])]
+    log_path = work / "jax.log"
+    failure = run_logged(command, dict(os.environ), log_path, timeout_s)
+    steps = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()
+             ] if (out / "train.jsonl").exists() else []
+    if failure or len(steps) < plan["warmup"] + plan["steps"]:
+        return None, f"the JAX step {failure or 'stopped early'}: {log_tail(log_path, 600)}"
+    seconds = [row["seconds"] for row in steps]
+    return row_of(JAX_ROW, plan, seconds, [row["loss"] for row in steps], steps[0]["grad_norm"],
+                  max(max(row["peak_memory_bytes"]) for row in steps)), None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="twinflash bench train-peer", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3.1-8b", help="a preset or a converted checkpoint (default 8B)")
@@ -166,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=integer(1), default=2, help="untimed steps (the first compiles)")
     parser.add_argument("--steps", type=integer(1), default=5, help="timed steps")
     parser.add_argument("--seed", type=integer(0), default=0, help="of the random weights and tokens")
+    parser.add_argument("--no-jax", action="store_true", help="without the row of our JAX step")
     parser.add_argument("--launch-timeout-s", type=number(0, above=True), default=1800.0)
     parser.add_argument("--out", type=Path, help="JSON path (default out/train-peer-<date>-<gpu>.json)")
     return parser
@@ -204,30 +242,41 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _measure_rows(plan: dict, work: Path, args) -> tuple[dict, list[dict], list[str]]:
+    """(versions, rows as measured, failures in one line each): the torch rows under torchrun, then our JAX row."""
+    launcher, env = torchrun_launcher(plan["devices"])
+    env["PYTHONUNBUFFERED"] = "1"
+    log_path = work / "worker.log"
+    failure = run_logged([*launcher, "-m", __spec__.name, "--worker", str(work / "plan.json")], env, log_path,
+                         args.launch_timeout_s)
+    rows_path = Path(plan["rows_path"])
+    records = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
+    failures = [f"the workers {failure}: {log_tail(log_path, 600)}"] if failure else []
+    rows = [record["row"] for record in records]
+    if not args.no_jax:
+        row, jax_failure = jax_row(plan, work, args.launch_timeout_s)
+        rows += [row] if row else []
+        failures += [jax_failure] if jax_failure else []
+    return {key: value for record in records for key, value in record["meta"].items()}, rows, failures
+
+
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="twinflash-bench-train-peer-") as tmp, interruptible():
         work = Path(tmp)
         plan = measurement_plan(args, work / "rows.jsonl")
         (work / "plan.json").write_text(json.dumps(plan))
-        launcher, env = torchrun_launcher(plan["devices"])
-        env["PYTHONUNBUFFERED"] = "1"
-        log_path = work / "worker.log"
         try:
-            failure = run_logged([*launcher, "-m", __spec__.name, "--worker", str(work / "plan.json")], env,
-                                 log_path, args.launch_timeout_s)
+            meta, measured, failures = _measure_rows(plan, work, args)
         except Interrupted as stop:
             print(f"twinflash: bench train-peer interrupted ({stop.signal_name})", file=sys.stderr)
             return stop.exit_code
-        records = [json.loads(line) for line in Path(plan["rows_path"]).read_text().splitlines()
-                   ] if Path(plan["rows_path"]).exists() else []
-        if failure:
-            failure = f"the workers {failure}: {log_tail(log_path, 600)}"
-    meta = {key: value for record in records for key, value in record["meta"].items()}
-    rows = compare_rows([record["row"] for record in records])
-    if any(row.get("agrees") is False for row in rows):
-        failure = (f"the peer's first loss or gradient norm is beyond {AGREEMENT_TOLERANCE['bf16']:.0e} (relative) "
-                   f"of ours" + (f"; {failure}" if failure else ""))
+    rows = compare_rows(measured)
+    disagreeing = [row["model"] for row in rows if row.get("agrees") is False]
+    if disagreeing:
+        failures.insert(0, f"{', '.join(disagreeing)}: the first loss or gradient norm beyond "
+                           f"{AGREEMENT_TOLERANCE['bf16']:.0e} (relative) of ours")
+    failure = "; ".join(failures) or None
     path = args.out or default_out_path("train-peer", meta, datetime.date.today())
     write_json(path, {"command": recorded_command(["twinflash", "bench", "train-peer", *argv]),
                       "date": datetime.datetime.now().isoformat(timespec="seconds"), "versions": meta,
