@@ -30,7 +30,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,8 @@ from pathlib import Path
 from compare.args import OneLineParser, integer, lengths, number, recorded_command, with_error_contract
 from compare.bench.common import default_out_path, write_json
 from compare.harness.hf_rows import AGREEMENT_TOLERANCE, compare_rows
-from compare.launch import Interrupted, interruptible, log_tail, run_logged, torchrun_launcher
+from compare.launch import (JAX_GPU_MEMORY_FRACTION, Interrupted, host_devices_env, interruptible, log_tail, run_logged,
+                            torchrun_launcher)
 from weights import BadInputError, open_weights
 from weights.layout import check_split
 from weights.parallel import REMAT_MODES, checkpointed_layers
@@ -87,38 +87,47 @@ def row_of(kind: tuple[str, str], plan: dict, seconds: list[float], losses: list
 # The workers (under torchrun, one per GPU)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _settings(plan: dict, kind: str, world: int):
+ATTENTION_BACKENDS = {"ours": ("torch", "triton"), "peer": ("torch", "sdpa_cudnn"), JAX_ROW[0]: ("jax", "pallas")}
+
+
+def _settings(plan: dict, kind: str):
+    """The `twinflash train` settings of row `kind` (its backend and attention backend) on the plan's devices."""
     from weights.parallel import MeshShape
     from weights.settings import TrainSettings
 
-    return TrainSettings(backend="torch", model=plan["model"], seq_len=plan["seq_len"],
-                         steps=plan["warmup"] + plan["steps"], mesh=MeshShape(fsdp=1, sp=world), batch=1, dtype="bf16",
-                         data="random", seed=plan["seed"], activation_checkpointing=plan["checkpointing"],
-                         checkpointed_layers=plan["checkpointed_layers"],
-                         attention_backend="triton" if kind == "ours" else "sdpa_cudnn")
+    backend, attention_backend = ATTENTION_BACKENDS[kind]
+    return TrainSettings(backend=backend, model=plan["model"], seq_len=plan["seq_len"],
+                         steps=plan["warmup"] + plan["steps"], mesh=MeshShape(fsdp=1, sp=plan["devices"]), batch=1,
+                         dtype="bf16", data="random", seed=plan["seed"], activation_checkpointing=plan["checkpointing"],
+                         checkpointed_layers=plan["checkpointed_layers"], attention_backend=attention_backend)
+
+
+def _batches(plan: dict, settings):
+    """The plan's global batches: random tokens of the model's vocabulary, the same for every row."""
+    from weights.data import random_batches
+
+    vocab = open_weights(plan["model"], plan["seed"]).config.vocab_size
+    return random_batches(settings.steps, 1, plan["seq_len"], vocab, seed=plan["seed"])
 
 
 def _measure(kind: str, plan: dict, device) -> dict:
     """One row: `kind`'s step over the plan's batches on this rank's part of the mesh."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.tensor.experimental import context_parallel
 
     from torch_impl.parallel import local_batch
     from torch_impl.train import StepNumbers, build_training, completion_mark, launch_step, seconds_between
-    from weights.data import random_batches
     from weights.training import next_token_targets, valid_target_count
 
     seq_len = plan["seq_len"]
-    settings = _settings(plan, kind, dist.get_world_size())
+    settings = _settings(plan, kind)
     run = build_training(settings, device, attention=pytorch_cp_attention() if kind == "peer" else None)
-    config = run.source.config
-    batches = random_batches(settings.steps, 1, seq_len, config.vocab_size, seed=plan["seed"])
     count = valid_target_count(1, seq_len)
     numbers, done = [], completion_mark(device)
-    for step, batch in enumerate(batches):
+    for step, batch in enumerate(_batches(plan, settings)):
         if kind == "ours":
-            loss, grad_norm, _ = launch_step(run.model, run.optimizer, *local_batch(batch, run.mesh, device), step, count)
+            local = local_batch(batch, run.mesh, device)
+            loss, grad_norm, _ = launch_step(run.model, run.optimizer, *local, step, count)
         else:  # full sequences, which context_parallel shards in place
             tokens = torch.from_numpy(batch).to(device)
             targets = torch.from_numpy(next_token_targets(batch)).to(device)
@@ -164,31 +173,41 @@ def run_worker(plan: dict) -> None:
         dist.destroy_process_group()
 
 
+def run_jax_worker(plan: dict) -> None:
+    """Our JAX step over the first `devices` of JAX's (`jax_impl.train.run_training`, as `twinflash train --backend
+    jax` runs it), every step's numbers written to the plan's jax_steps_path."""
+    import jax
+
+    from jax_impl.train import run_training
+
+    settings = _settings(plan, JAX_ROW[0])
+    steps = []
+    run_training(settings, _batches(plan, settings), on_step=lambda **numbers: steps.append(numbers),
+                 devices=jax.devices()[:plan["devices"]])
+    Path(plan["jax_steps_path"]).write_text(json.dumps(steps))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------------------------
 
 def jax_row(plan: dict, work: Path, timeout_s: float) -> tuple[dict | None, str | None]:
-    """(our JAX step's row, the failure in one line or None): `twinflash train --backend jax` with the plan's
-    settings, weights and tokens (the same seed: the same random weights and batches as the torch rows), after the
-    torch launch has freed the GPUs; its train.jsonl read as the torch rows are measured (median timed step, the
-    first step's loss and gradient norm)."""
-    out = work / "jax"
-    command = [sys.executable, "-m", "compare.cli", "train", "--backend", "jax", "--model", plan["model"],
-               "--seq-len", str(plan["seq_len"]), "--steps", str(plan["warmup"] + plan["steps"]),
-               "--mesh", f"fsdp=1,sp={plan['devices']}", "--dtype", "bf16", "--data", "random",
-               "--seed", str(plan["seed"]), "--activation-checkpointing", plan["checkpointing"], "--out", str(out)]
-    if plan["checkpointed_layers"] is not None:
-        command += ["--checkpointed-layers", str(plan["checkpointed_layers"])]
+    """(our JAX step's row, the failure in one line or None): `run_jax_worker` in a process of its own (the torch
+    launch has freed the GPUs; without GPUs, over the plan's number of emulated devices), the same seed (the same
+    random weights and batches as the torch rows), its steps read as the torch rows are measured."""
+    plan = dict(plan, jax_steps_path=str(work / "jax-steps.json"))
+    (work / "jax-plan.json").write_text(json.dumps(plan))
+    env = host_devices_env(plan["devices"])  # (CPU only: XLA_FLAGS' host devices)
+    env.setdefault(*JAX_GPU_MEMORY_FRACTION)
     log_path = work / "jax.log"
-    failure = run_logged(command, dict(os.environ), log_path, timeout_s)
-    steps = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()
-             ] if (out / "train.jsonl").exists() else []
+    failure = run_logged([sys.executable, "-m", __spec__.name, "--jax-worker", str(work / "jax-plan.json")], env,
+                         log_path, timeout_s)
+    steps_path = Path(plan["jax_steps_path"])
+    steps = json.loads(steps_path.read_text()) if steps_path.exists() else []
     if failure or len(steps) < plan["warmup"] + plan["steps"]:
         return None, f"the JAX step {failure or 'stopped early'}: {log_tail(log_path, 600)}"
-    seconds = [row["seconds"] for row in steps]
-    return row_of(JAX_ROW, plan, seconds, [row["loss"] for row in steps], steps[0]["grad_norm"],
-                  max(max(row["peak_memory_bytes"]) for row in steps)), None
+    return row_of(JAX_ROW, plan, [step["seconds"] for step in steps], [step["loss"] for step in steps],
+                  steps[0]["grad_norm"], max(max(step["peak_memory_bytes"]) for step in steps)), None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,8 +309,9 @@ def _main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        run_worker(json.loads(Path(argv[1]).read_text()))
+    workers = {"--worker": run_worker, "--jax-worker": run_jax_worker}
+    if argv[:1] and argv[0] in workers:
+        workers[argv[0]](json.loads(Path(argv[1]).read_text()))
         return 0
     return with_error_contract(lambda: _main(argv))
 
