@@ -1,14 +1,17 @@
-"""What the GPU benchmarks (`bench kernels`, `bench ring`) share: their argument rules, the rows of earlier runs
-(--rows-from), and where and how a result JSON is written (under out/, which git ignores, unless --out says;
-atomically). A result worth keeping is copied into compare/results/ with its RUN.md."""
+"""What the GPU benchmarks share: their argument rules and the rows of earlier runs (--rows-from; `bench kernels`,
+`bench ring`), where and how a result JSON is written (under out/, which git ignores, unless --out says;
+atomically), and how a benchmark whose rows are held against ours ends (`finish_rows`; `bench hf`, `bench
+train-peer`). A result worth keeping is copied into compare/results/ with its RUN.md."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
+from compare.args import recorded_command
 from weights import BadInputError
 from weights.atomic import write_text_atomically
 
@@ -49,3 +52,24 @@ def default_out_path(kind: str, meta: dict, today: datetime.date) -> Path:
 def write_json(path: Path, document: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(path, json.dumps(document, indent=1) + "\n")
+
+
+def finish_rows(name: str, argv: list[str], meta: dict, rows: list[dict], failures: list[str], tolerance: float,
+                render: Callable[[list[dict]], str], out: Path | None, **fields) -> int:
+    """The end of a benchmark whose rows are held against ours (`bench hf`, `bench train-peer`; rows as
+    `compare.harness.hf_rows.compare_rows` leaves them): a row that disagrees beyond `tolerance` becomes the first
+    failure; the JSON (`out`, default out/<name>-<date>-<gpu>.json: the command, date, versions, `fields`, rows,
+    failure) is written and the table printed; exit code 1 on any failure, else 0."""
+    disagreeing = [row["model"] for row in rows if row.get("agrees") is False]
+    if disagreeing:
+        failures = [f"{', '.join(disagreeing)}: loss or gradient norm beyond {tolerance:.0e} (relative) of ours",
+                    *failures]
+    failure = "; ".join(failures) or None
+    path = out or default_out_path(name, meta, datetime.date.today())
+    write_json(path, {"command": recorded_command(["twinflash", "bench", name, *argv]),
+                      "date": datetime.datetime.now().isoformat(timespec="seconds"), "versions": meta, **fields,
+                      "rows": rows, "failure": failure})
+    if rows:
+        print(render(rows))
+    print(f"[{name} bench] wrote {path}" + (f"; {failure}" if failure else ""))
+    return 1 if failure else 0

@@ -11,7 +11,6 @@ model disagrees with ours, 2 for bad input.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import tempfile
 from pathlib import Path
@@ -21,10 +20,9 @@ from compare.args import (
     integer,
     lengths,
     number,
-    recorded_command,
     with_error_contract,
 )
-from compare.bench.common import default_out_path, write_json
+from compare.bench.common import finish_rows
 from compare.harness.hf_rows import (AGREEMENT_TOLERANCE, LAYOUT, METHOD, compare_rows, launch_rows, measurement_plan,
                                      prepare_weights)
 from compare.launch import Interrupted, interruptible
@@ -96,20 +94,8 @@ def _main(argv: list[str]) -> int:
         except Interrupted as stop:
             print(f"twinflash: bench hf interrupted ({stop.signal_name})", file=sys.stderr)
             return stop.exit_code
-    rows = compare_rows(rows)
-    disagreeing = [row["model"] for row in rows if row.get("agrees") is False]
-    if disagreeing:
-        failure = (f"{', '.join(disagreeing)}: loss or gradient norm beyond {AGREEMENT_TOLERANCE[args.dtype]:.0e} "
-                   f"(relative) of ours" + (f"; {failure}" if failure else ""))
-    path = args.out or default_out_path("hf", meta, datetime.date.today())
-    write_json(path, {"command": recorded_command(["twinflash", "bench", "hf", *argv]),
-                      "date": datetime.datetime.now().isoformat(timespec="seconds"), "devices": args.devices,
-                      "versions": meta, "method": METHOD, "rows": rows,
-                      "failure": failure})
-    if rows:
-        print(render(rows))
-    print(f"[hf bench] wrote {path}" + (f"; {failure}" if failure else ""))
-    return 1 if failure else 0
+    return finish_rows("hf", argv, meta, compare_rows(rows), [failure] if failure else [],
+                       AGREEMENT_TOLERANCE[args.dtype], render, args.out, devices=args.devices, method=METHOD)
 
 
 def main(argv: list[str] | None = None) -> int:

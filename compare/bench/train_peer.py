@@ -27,7 +27,6 @@ PyTorch's context parallelism has no CPU attention to dispatch to).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import statistics
@@ -35,8 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from compare.args import OneLineParser, integer, lengths, number, recorded_command, with_error_contract
-from compare.bench.common import default_out_path, write_json
+from compare.args import OneLineParser, integer, lengths, number, with_error_contract
+from compare.bench.common import finish_rows
 from compare.harness.hf_rows import AGREEMENT_TOLERANCE, compare_rows
 from compare.launch import (JAX_GPU_MEMORY_FRACTION, Interrupted, host_devices_env, interruptible, log_tail, run_logged,
                             torchrun_launcher)
@@ -290,21 +289,9 @@ def _main(argv: list[str]) -> int:
         except Interrupted as stop:
             print(f"twinflash: bench train-peer interrupted ({stop.signal_name})", file=sys.stderr)
             return stop.exit_code
-    rows = compare_rows(measured)
-    disagreeing = [row["model"] for row in rows if row.get("agrees") is False]
-    if disagreeing:
-        failures.insert(0, f"{', '.join(disagreeing)}: the first loss or gradient norm beyond "
-                           f"{AGREEMENT_TOLERANCE['bf16']:.0e} (relative) of ours")
-    failure = "; ".join(failures) or None
-    path = args.out or default_out_path("train-peer", meta, datetime.date.today())
-    write_json(path, {"command": recorded_command(["twinflash", "bench", "train-peer", *argv]),
-                      "date": datetime.datetime.now().isoformat(timespec="seconds"), "versions": meta,
-                      "plan": {k: v for k, v in plan.items() if k != "rows_path"}, "method": __doc__.split("\n\n")[1],
-                      "rows": rows, "failure": failure})
-    if rows:
-        print(render(rows))
-    print(f"[train-peer bench] wrote {path}" + (f"; {failure}" if failure else ""))
-    return 1 if failure else 0
+    return finish_rows("train-peer", argv, meta, compare_rows(measured), failures, AGREEMENT_TOLERANCE["bf16"], render,
+                       args.out, plan={k: v for k, v in plan.items() if k != "rows_path"},
+                       method=__doc__.split("\n\n")[1])
 
 
 def main(argv: list[str] | None = None) -> int:
