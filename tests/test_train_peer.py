@@ -1,10 +1,11 @@
-"""`twinflash bench train-peer` (compare/bench/train_peer.py): the peer's attention function computes our attention
-(CPU, through SDPA's math backend, with a negative control); PyTorch's `context_parallel` shards the peer's tokens,
-targets and positions into exactly the parts our ring's ranks hold (`local_batch`, the zigzag layout; 4 gloo
-processes); our torch and JAX rows are measured and agree (the bench's path without GPUs, the peer aside); the
-command's bad input exits 2 with one line (no GPUs here), its table prints ours / peer; on 2 GPUs,
-the whole bench: PyTorch's context parallelism in our training step agrees with our ring on the first step's loss and
-gradient norm (the bench's own check, exit 1 when not)."""
+"""The live training peer (compare/harness/peer_rows.py) and `twinflash bench train-peer` (compare/bench/
+train_peer.py): the peer's attention function computes our attention (CPU, through SDPA's math backend, with a negative
+control); PyTorch's `context_parallel` shards the peer's tokens, targets and positions into exactly the parts our ring's
+ranks hold (`local_batch`, the zigzag layout; 4 gloo processes); our torch and JAX rows are measured and agree (the
+bench's path without GPUs, the peer aside); the command's bad input exits 2 with one line (no GPUs here), its table
+prints ours / peer; the compare's section (its plan, rendering, schema, and a disagreement failing it: the negative
+control); on 2 GPUs, the whole bench: PyTorch's context parallelism in our training step agrees with our ring on the
+first step's loss and gradient norm (the bench's own check, exit 1 when not)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import torch
 from distributed import run_on_ranks
 from torch.nn.attention import SDPBackend
 
-from compare.bench import train_peer
-from compare.bench.train_peer import ROWS, main, pytorch_cp_attention, render
+from compare.bench.train_peer import main, render
+from compare.harness import peer_rows
 from compare.harness.hf_rows import compare_rows
+from compare.harness.hf_rows import AGREEMENT_TOLERANCE
+from compare.harness.peer_rows import ROWS, pytorch_cp_attention
 from torch_impl.attention import reference_attention
 
 
@@ -81,7 +84,7 @@ PLAN = dict(model="tiny", seq_len=128, devices=2, checkpointing="full", checkpoi
 
 
 def ours_torch_row(rank, world, plan):
-    from compare.bench.train_peer import _measure
+    from compare.harness.peer_rows import _measure
 
     return _measure("ours", plan, torch.device("cpu"))
 
@@ -93,14 +96,80 @@ def test_our_rows_are_measured_and_agree_across_backends(tmp_path):
     (other weights and tokens) disagrees."""
     torch_row = run_on_ranks(2, {"row": ("ours_torch_row", {"plan": PLAN})}, module=__name__)[0]["row"]
     assert "error" not in torch_row, torch_row
-    jax_row, failure = train_peer.jax_row(PLAN, tmp_path, timeout_s=600)
+    jax_row, failure = peer_rows.jax_row(PLAN, tmp_path, timeout_s=600)
     assert failure is None, failure
     assert [len(row["step_seconds"]) for row in (torch_row, jax_row)] == [2, 2]
     ours, jax = compare_rows([torch_row, jax_row])
     assert ours["agrees"] and jax["agrees"], (ours["loss"], jax["loss"], ours["grad_norm"], jax["grad_norm"])
     (tmp_path / "other").mkdir()
-    other, _ = train_peer.jax_row(dict(PLAN, seed=1), tmp_path / "other", timeout_s=600)
+    other, _ = peer_rows.jax_row(dict(PLAN, seed=1), tmp_path / "other", timeout_s=600)
     assert compare_rows([torch_row, other])[1]["agrees"] is False
+
+
+def _row(kind: str, loss: float, grad_norm: float, tokens_per_s: float) -> dict:
+    return {"kind": kind, "model": ROWS.get(kind, kind), "dtype": "bf16", "seq_len": 256, "devices": 4, "step_s": 0.5,
+            "tokens_per_s": tokens_per_s, "tflops_per_device": 400.0, "mfu": 0.4, "peak_memory_bytes": 2**30,
+            "loss": loss, "grad_norm": grad_norm}
+
+
+def _record(rows: list[dict], status: str = "ok", message: str | None = None) -> dict:
+    return {"seq_len": 256, "devices": 4, "status": status, "message": message, "versions": {},
+            "rows": compare_rows(rows)}
+
+
+def test_the_compare_reports_the_peer_and_a_disagreement_fails_it():
+    """The report's section (compare/report/peer.py): ours over each row's tokens/s, the schema, and the negative
+    control: a peer whose first loss is 10x the bf16 tolerance away from ours fails the section and the report."""
+    from compare.report.peer import peer_section
+    from compare.report.render import render_markdown
+    from compare.report.write import validate_report
+    from test_compare_report import make_report
+
+    rows = [_row("ours", 5.0, 2.0, 1200.0), _row("peer", 5.0 * (1 + 1e-4), 2.0, 1000.0),
+            _row("ours_jax", 5.0, 2.0, 1100.0)]
+    close = peer_section([_record(rows)], None)
+    assert close["passed"] and not close["failures"]
+    report = make_report() | {"training_peer": close, "plots": []}
+    validate_report(report)
+    text = render_markdown(report)
+    assert "PyTorch's context parallelism in our training step" in text and "1.2×" in text  # ours / the peer
+    far = peer_section([_record([rows[0], _row("peer", 5.0 * (1 + 10 * AGREEMENT_TOLERANCE["bf16"]), 2.0, 1000.0)])],
+                       None)
+    assert not far["passed"] and far["failures"] == [f"S=256: {ROWS['peer']} disagrees with our torch row beyond "
+                                                     f"its tolerance"]
+    report = make_report() | {"training_peer": far, "plots": []}
+    report["passed"] = report["passed"] and far["passed"]
+    validate_report(report)
+    assert "NO" in render_markdown(report)
+
+
+def test_the_compare_plans_the_peer_on_gpus_only():
+    """`plan_peer_rows`: a measurement per length on 2 or more GPUs in train mode with torch, a length skipped up
+    front keeping its reason; otherwise one note saying why, which the report shows."""
+    from compare.harness.peer_rows import plan_peer_rows
+    from compare.harness.plan import CompareSettings
+    from compare.report.peer import peer_section
+    from compare.report.render import render_markdown
+    from compare.report.write import validate_report
+    from test_compare_report import make_report
+
+    gpus = CompareSettings(model="tiny", mode="train", seq_lens=(256, 512), device_counts=(2,), devices=2, steps=1,
+                           dtype="bf16", backends=("torch", "jax"), attention_ablation=("ours",),
+                           activation_checkpointing="full", check_seq_len=64, check_layers=2, bench=True,
+                           platform="gpu")
+    measurements, note = plan_peer_rows(gpus, False, {512: "estimated peak 90 GiB > 80 GiB"})
+    assert note is None and [(m.seq_len, m.devices, m.skip) for m in measurements] == [
+        (256, 2, None), (512, 2, "estimated peak 90 GiB > 80 GiB")]
+    for change, why in ((dict(platform="cpu"), "it needs GPUs"), (dict(devices=1), "2 or more devices"),
+                        (dict(backends=("jax",)), "the torch backend is not in --backends"),
+                        (dict(mode="forward"), "--mode train"), (dict(bench=False), "--no-bench"),
+                        (dict(dtype="fp32"), "it runs bf16")):
+        measurements, note = plan_peer_rows(CompareSettings(**{**gpus.__dict__, **change}), False, {})
+        assert measurements == [] and why in note, (change, note)
+    assert "spanning nodes" in plan_peer_rows(gpus, True, {})[1]
+    report = make_report() | {"training_peer": peer_section([], plan_peer_rows(gpus, True, {})[1]), "plots": []}
+    validate_report(report)
+    assert "spanning nodes" in render_markdown(report)
 
 
 def test_without_gpus_the_bench_exits_2_with_one_line(capsys):

@@ -30,9 +30,11 @@ our kernels at the most devices per length (job ids `<backend>-<scheme>-equivale
 the report's scheme section (compare/report/schemes.py).
 With `--model HF_DIR` (a Hugging Face Llama directory, converted once for the run) the report adds HF's
 LlamaForCausalLM with our ring beside our torch model per context length (compare/harness/hf_rows.py, after the
-jobs), which must agree with ours.
-Exit code: 0 when the equivalence section passes (its float32 checks and its fast path) and HF's model, if any,
-agrees, 1 when one fails, 2 for bad input, 130 / 143 when interrupted by SIGINT / SIGTERM: the workers are stopped and the report of the jobs that
+jobs), which must agree with ours. On 2 or more GPUs in train mode with torch in --backends the report adds the live
+training peer (compare/harness/peer_rows.py, after the jobs): PyTorch's context parallelism with cuDNN as the attention
+of our torch step, beside ours in both backends, each of which must agree with our torch row.
+Exit code: 0 when the equivalence section passes (its float32 checks and its fast path) and HF's model and the
+training peer, where measured, agree, 1 when one fails, 2 for bad input, 130 / 143 when interrupted by SIGINT / SIGTERM: the workers are stopped and the report of the jobs that
 finished is written, the rest marked "interrupted" (one line names it).
 """
 
@@ -56,6 +58,7 @@ from compare.harness.across_nodes import Lead
 from compare.harness.equivalence import WEIGHTS_EXACT, equivalence_section, load_equivalence
 from compare.harness.fastpath import fast_path_section
 from compare.harness.hf_rows import plan_hf_rows, run_hf_rows
+from compare.harness.peer_rows import plan_peer_rows, run_peer_rows
 from compare.harness.launches import CACHE_DIR, run_jobs, side_launcher
 from compare.harness.plan import (PRECISIONS, WEIGHTS_DIR, CompareSettings, check_model, gpu_count, gpu_memory_bytes,
                                   plan_jobs, plan_settings, prepare_weights)
@@ -65,6 +68,7 @@ from compare.nodes import Nodes, add_arguments as add_node_arguments, from_args 
 from compare.report.data import add_scaling, benchmark_point, job_timing, report_dict
 from compare.report.fields import fmt_seq
 from compare.report.hf import hf_section
+from compare.report.peer import peer_section
 from compare.report.precision import precision_section
 from compare.report.write import load_peers, write_report
 from weights import PRESETS, BadInputError, is_hf_checkpoint, open_weights
@@ -288,6 +292,14 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
                                      lambda line: console.print(line, markup=False, highlight=False))
         except Interrupted as stop:  # the compare's own jobs are done: the report has them, not the HF rows
             interrupted, hf_note = stop, f"HF rows not measured: interrupted ({stop.signal_name})"
+    peer_measurements, peer_note = plan_peer_rows(settings, lead.nodes.spans_hosts, memory_skips)
+    peer_records = []
+    if peer_measurements and interrupted is None:
+        try:
+            peer_records = run_peer_rows(peer_measurements, settings, work_dir, args.job_timeout_s, deadline,
+                                         lambda line: console.print(line, markup=False, highlight=False))
+        except Interrupted as stop:  # as for the HF rows: the report has the compare's own jobs
+            interrupted, peer_note = stop, f"the training peer not measured: interrupted ({stop.signal_name})"
 
     config = open_weights(settings.weights).config
     results = {job.id: J.read_result(work_dir, job.id) for job in jobs}
@@ -304,7 +316,8 @@ def _run(args: argparse.Namespace, argv: list[str], lead: Lead) -> int:
     add_scaling(points, settings.platform)
     report = report_dict(settings=settings, config=config, equivalence=equivalence, points=points,
                          peers=load_peers(), argv=argv, jobs=[job_timing(job, results[job.id]) for job in jobs],
-                         hf=hf_section(hf_records, points, hf_note, settings.platform))
+                         hf=hf_section(hf_records, points, hf_note, settings.platform),
+                         training_peer=peer_section(peer_records, peer_note))
     report["precision"] = precision_section(report, bf16_floor, [curves[job.id] for job in jobs if job.kind == "curve"
                                                                  and job.attention == "ours"])
     write_report(report, out)

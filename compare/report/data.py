@@ -155,16 +155,18 @@ def model_section(name: str, config: LlamaConfig) -> dict:
 
 
 def report_dict(*, settings: CompareSettings, config: LlamaConfig, equivalence: dict, points: list[dict],
-                peers: list[dict], argv: list[str], jobs: list[dict] | None = None, hf: dict | None = None) -> dict:
+                peers: list[dict], argv: list[str], jobs: list[dict] | None = None, hf: dict | None = None,
+                training_peer: dict | None = None) -> dict:
     """The report without its precision section ("precision": null; `compare.report.precision.precision_section`
     makes it from this dict) and without its plots (`write_report` lists them). `hf`: the Hugging Face section
-    (compare/report/hf.py), whose disagreement fails the report."""
+    (compare/report/hf.py), `training_peer` the live training peer's (compare/report/peer.py); a disagreement in
+    either fails the report."""
     return {
         "format": "twinflash-compare/1",
         "command": recorded_command(["twinflash", "compare", *argv]),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "passed": (equivalence["passed"] and equivalence.get("fast_path", {"passed": True})["passed"]
-                   and (hf is None or hf["passed"])),
+                   and all(section is None or section["passed"] for section in (hf, training_peer))),
         "settings": settings.public(),
         "environment": environment(settings),
         "model": model_section(settings.model, config),
@@ -174,6 +176,7 @@ def report_dict(*, settings: CompareSettings, config: LlamaConfig, equivalence: 
         "benchmark": {"points": points},
         "precision": None,
         "hf": hf,
+        "training_peer": training_peer,
         "peers": peers,
         "jobs": jobs or [],
         "plots": [],

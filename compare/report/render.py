@@ -21,7 +21,7 @@ import html
 import math
 import re
 
-from compare.report import fastpath, hf, noise_floor, precision, schemes, summary
+from compare.report import fastpath, hf, noise_floor, peer, precision, schemes, summary
 from compare.report.fields import (ATTENTIONS, DASH, STATUS_LABELS, WORST_PARAMETERS, finite, fmt, fmt_seq, fmt_tokens,
                                    max_devices, on_cpu, sorted_points)
 
@@ -54,16 +54,19 @@ def _document(report: dict) -> list[tuple]:
     failing = [f"{c['name']}: {k['metric']} {fmt(k['value'], 'sig')} > tolerance {fmt(k['tolerance'], 'sig')}"
                for c in eq["comparisons"] for k in c["checks"] if not k["passed"]]
     failing += eq.get("failures", []) + eq.get("fast_path", {}).get("failures", [])
-    failing += (report.get("hf") or {}).get("failures", [])
+    failing += (report.get("hf") or {}).get("failures", []) + (report.get("training_peer") or {}).get("failures", [])
     detail = ("; ".join(failing) if failing else "every check within its tolerance"
               if eq["comparisons"] else "no comparison was run") + "."
     doc = [("h", 1, f"twinflash compare: {model['name']}, {s['mode']}, {s['dtype']}")]
     if on_cpu(report):
         doc.append(("p", [("b", "CPU run: not a benchmark."), " " + CPU_CAVEAT.format(devices=s["devices"])]))
-    doc.append(("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" (equivalence and fast path{', HF rows' if report.get('hf') else ''}) — {detail}"]))
+    judged = "equivalence and fast path" + (", HF rows" if report.get("hf") else "") + (
+        ", the training peer's agreement" if (report.get("training_peer") or {}).get("measurements") else "")
+    doc.append(("p", [("b", f"Verdict: {_verdict(report['passed'])}"), f" ({judged}) — {detail}"]))
     return (doc + summary.blocks(report) + _setup(report) + _equivalence(report) + fastpath.blocks(report) + noise_floor.blocks(report)
             + _benchmark(report)
             + _ablation(report) + schemes.blocks(report) + precision.blocks(report) + hf.blocks(report)
+            + peer.blocks(report)
             + _peers(report) + _jobs(report) + _flops_and_traces(report))
 
 
