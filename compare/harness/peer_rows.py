@@ -71,14 +71,13 @@ def pytorch_cp_attention(backends: tuple | None = None):
     return attention
 
 
-def row_of(kind: tuple[str, str], plan: dict, seconds: list[float], losses: list[float], first_grad_norm: float,
-           peak_memory_bytes: int) -> dict:
+def row_of(kind: tuple[str, str], plan: dict, config, seconds: list[float], losses: list[float],
+           first_grad_norm: float, peak_memory_bytes: int) -> dict:
     """A row of the table and the JSON from one run's step times and losses: the median timed step's rates (model
-    FLOPs: `weights.flops.batch_model_flops`), the first step's loss and gradient norm."""
+    FLOPs of `config`: `weights.flops.batch_model_flops`), the first step's loss and gradient norm."""
     from weights.flops import PEAK_FLOPS_PER_DEVICE, batch_model_flops
 
     step_s = statistics.median(seconds[plan["warmup"]:])
-    config = open_weights(plan["model"], plan["seed"]).config
     tflops = batch_model_flops(config, 1, plan["seq_len"]) / step_s / plan["devices"] / 1e12
     return dict(kind=kind[0], model=kind[1], dtype="bf16", seq_len=plan["seq_len"], devices=plan["devices"],
                 step_s=step_s, tokens_per_s=plan["seq_len"] / step_s, tflops_per_device=tflops,
@@ -105,12 +104,11 @@ def _settings(plan: dict, kind: str):
                          checkpointed_layers=plan["checkpointed_layers"], attention_backend=attention_backend)
 
 
-def _batches(plan: dict, settings):
-    """The plan's global batches: random tokens of the model's vocabulary, the same for every row."""
+def _batches(plan: dict, settings, config):
+    """The plan's global batches: random tokens of the model's (`config`) vocabulary, the same for every row."""
     from weights.data import random_batches
 
-    vocab = open_weights(plan["model"], plan["seed"]).config.vocab_size
-    return random_batches(settings.steps, 1, plan["seq_len"], vocab, seed=plan["seed"])
+    return random_batches(settings.steps, 1, plan["seq_len"], config.vocab_size, seed=plan["seed"])
 
 
 def _measure(kind: str, plan: dict, device) -> dict:
@@ -127,7 +125,8 @@ def _measure(kind: str, plan: dict, device) -> dict:
     run = build_training(settings, device, attention=pytorch_cp_attention() if kind == "peer" else None)
     count = valid_target_count(1, seq_len)
     numbers, done = [], completion_mark(device)
-    for step, batch in enumerate(_batches(plan, settings)):
+    config = run.source.config
+    for step, batch in enumerate(_batches(plan, settings, config)):
         if kind == "ours":
             local = local_batch(batch, run.mesh, device)
             loss, grad_norm, _ = launch_step(run.model, run.optimizer, *local, step, count)
@@ -152,7 +151,7 @@ def _measure(kind: str, plan: dict, device) -> dict:
     if device.type == "cuda":  # the next row's peak is its own
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    return row_of((kind, ROWS[kind]), plan, seconds, losses, grad_norms[0], max(peaks))
+    return row_of((kind, ROWS[kind]), plan, config, seconds, losses, grad_norms[0], max(peaks))
 
 
 def run_worker(plan: dict) -> None:
@@ -185,7 +184,8 @@ def run_jax_worker(plan: dict) -> None:
 
     settings = _settings(plan, JAX_ROW[0])
     steps = []
-    run_training(settings, _batches(plan, settings), on_step=lambda **numbers: steps.append(numbers),
+    batches = _batches(plan, settings, open_weights(plan["model"], plan["seed"]).config)
+    run_training(settings, batches, on_step=lambda **numbers: steps.append(numbers),
                  devices=jax.devices()[:plan["devices"]])
     Path(plan["jax_steps_path"]).write_text(json.dumps(steps))
 
@@ -205,8 +205,9 @@ def jax_row(plan: dict, work: Path, timeout_s: float) -> tuple[dict | None, str 
     steps = json.loads(steps_path.read_text()) if steps_path.exists() else []
     if failure or len(steps) < plan["warmup"] + plan["steps"]:
         return None, f"the JAX step {failure or 'stopped early'}: {log_tail(log_path, 600)}"
-    return row_of(JAX_ROW, plan, [step["seconds"] for step in steps], [step["loss"] for step in steps],
-                  steps[0]["grad_norm"], max(max(step["peak_memory_bytes"]) for step in steps)), None
+    return row_of(JAX_ROW, plan, open_weights(plan["model"], plan["seed"]).config, [step["seconds"] for step in steps],
+                  [step["loss"] for step in steps], steps[0]["grad_norm"],
+                  max(max(step["peak_memory_bytes"]) for step in steps)), None
 
 
 def launch_peer_rows(plan: dict, work: Path, timeout_s: float, *, jax: bool = True

@@ -325,8 +325,9 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
          warpgroups ran 586-620 TFLOP/s against 552-594 without, bf16 out, same runs).
     `limit`: the device's (`smem_limit`); ValueError if none fits."""
     out_dtype = dtype if out_dtype is None else out_dtype
+    fa3_split, wide_producer = BACKWARD_PRODUCER_REGISTERS
     preferred = HopperConfig(full_compute_warpgroups=3, persistent=head_dim > 64,
-                             bwd_producer_registers=24 if head_dim > 64 else 40)
+                             bwd_producer_registers=fa3_split if head_dim > 64 else wide_producer)
     for config in (preferred, dataclasses.replace(preferred, full_compute_warpgroups=None)):
         if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
                for causal in (True, False)):
@@ -337,7 +338,7 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
 
 def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
                    limit: int = SM90_SMEM_BYTES) -> tuple[HopperConfig, ...]:
-    """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family mosaic`), each a full config
+    """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family hopper`), each a full config
     timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks one at a time,
     then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
     forms, at both register splits (BACKWARD_PRODUCER_REGISTERS; the one-kernel forms spill at either: backward.py).
