@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from compare.launch import worker_failure
+
 ROOT = Path(__file__).resolve().parents[1]
 STOP_WITHIN_S = 15.0  # the issue's bound: every process gone this long after the signal
 START_WITHIN_S = 120.0  # a 2-process gloo run reaches its first steps in ~20 s on a CI core; generous for a busy one
@@ -108,6 +110,34 @@ def test_an_owned_process_is_stopped_with_the_processes_in_sessions_of_their_own
     assert not [pid for pid in tree if _alive(pid)]
 
 
+_ENDING = """\
+import atexit, sys
+from compare.launch import end_process
+class Finalized:  # a module global: its __del__ runs in the interpreter's teardown
+    def __del__(self):
+        print("torn down", flush=True)
+kept = Finalized()
+atexit.register(print, "exit handlers ran")
+print("buffered output", end=" ")
+{ending}(3)
+"""
+
+
+def test_end_process_skips_the_interpreter_s_teardown_and_keeps_the_rest_of_an_exit():
+    """`end_process` (a torch worker's end: the gloo abort in teardown is in its docstring) runs the exit handlers,
+    flushes the output and exits with the code, and the interpreter's teardown does not run; `sys.exit` there is
+    the negative control, whose teardown does run."""
+    def end(ending: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _ENDING.format(ending=ending)], capture_output=True, text=True,
+                              cwd=ROOT, timeout=60)
+
+    ended = end("end_process")
+    assert ended.returncode == 3, ended.stderr
+    assert ended.stdout.split() == ["buffered", "output", "exit", "handlers", "ran"], ended.stdout
+    exited = end("sys.exit")
+    assert exited.returncode == 3 and "torn down" in exited.stdout, exited.stdout
+
+
 def test_an_owned_process_gets_sigterm_when_its_owner_is_killed():
     owner = ("import sys, time; from compare.launch import owned_process\n"
              "with owned_process([sys.executable, '-c', 'import time; time.sleep(60)']) as p:\n"
@@ -172,6 +202,38 @@ def test_a_killed_rank_ends_the_run(tmp_path):
     log = Path(line[1])
     assert log.exists(), "the log the line names is kept"
     log.unlink()
+
+
+# torchrun's summary at the end of a launch's log where rank 1 aborted (its shape as torch 2.13's torchrun writes it)
+_ABORTED_RANK_SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-28_21:05:00
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 14745)  (SIGABRT)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 14745
+"""
+
+
+def test_a_rank_that_aborted_is_named_with_what_it_printed():
+    def failure(*printed: str) -> str:
+        message, code, own = worker_failure("\n".join([*printed, _ABORTED_RANK_SUMMARY]), 1)
+        assert code == 1 and not own
+        return message
+
+    uncaught = ("[rank1]: terminate called after throwing an instance of 'gloo::IoException'",
+                "[rank1]:   what():  [gloo/transport/tcp/pair.cc:589] Read error [127.0.0.1]:3977: Connection reset",
+                "Fatal Python error: Aborted")
+    assert failure(*uncaught) == ("rank 1 died (killed by SIGABRT: terminate called after throwing an instance of "
+                                  "'gloo::IoException' what(): [gloo/transport/tcp/pair.cc:589] Read error "
+                                  "[127.0.0.1]:3977: Connection reset)")
+    assert failure("terminate called without an active exception") == (
+        "rank 1 died (killed by SIGABRT: terminate called without an active exception)")
+    # negative control: a log that says nothing of the abort (faulthandler's echo of the signal names no cause)
+    assert failure("step 3 done", "Fatal Python error: Aborted") == "rank 1 died (killed by SIGABRT)"
 
 
 def _environ(pid: int) -> dict[str, str]:

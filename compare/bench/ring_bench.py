@@ -39,7 +39,7 @@ from pathlib import Path
 from compare.args import OneLineParser, ints, lengths, names, recorded_command, with_error_contract
 from compare.bench import common
 from compare.bench.common import check_parts_and_heads, previous_rows, write_json
-from compare.launch import Interrupted, interruptible, log_tail, run_logged, torchrun_launcher
+from compare.launch import Interrupted, end_process, interruptible, log_tail, run_logged, torchrun_launcher
 from weights import BadInputError
 from weights.attention import VARIANTS
 from weights.layout import check_split
@@ -398,4 +398,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -50,8 +50,8 @@ from typing import Any
 import numpy as np
 
 from compare.args import SEED_MAX, OneLineParser, integer, number, with_error_contract
-from compare.launch import (JAX_GPU_MEMORY_FRACTION, PROGRESS_ENV, SETTINGS_FLAG, TORCHRUN_ENV, Interrupted, hand_off,
-                            host_devices_env, interruptible, progress_file, torchrun_launcher)
+from compare.launch import (JAX_GPU_MEMORY_FRACTION, PROGRESS_ENV, SETTINGS_FLAG, TORCHRUN_ENV, Interrupted,
+                            end_process, hand_off, host_devices_env, interruptible, progress_file, torchrun_launcher)
 from compare.nodes import Nodes, add_arguments as add_node_arguments, from_args as nodes_from_args
 from compare.nodes import launch_failure, torchrun_arguments
 from weights import PRESETS, BadInputError, LlamaConfig, open_weights
@@ -497,4 +497,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from compare.harness.plan import KERNELS, CompareSettings
-from compare.launch import log_tail, run_logged, torchrun_launcher
+from compare.launch import end_process, log_tail, run_logged, torchrun_launcher
 from weights import ConvertedCheckpoint, convert_hf_checkpoint, export_hf_checkpoint, is_hf_checkpoint, open_weights
 from weights.checkpoint import write_converted_checkpoint
 
@@ -293,4 +293,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))

@@ -43,7 +43,8 @@ from pathlib import Path
 
 from compare.harness.hf_rows import compare_rows
 from compare.harness.plan import CompareSettings
-from compare.launch import JAX_GPU_MEMORY_FRACTION, host_devices_env, log_tail, run_logged, torchrun_launcher
+from compare.launch import (JAX_GPU_MEMORY_FRACTION, end_process, host_devices_env, log_tail, run_logged,
+                            torchrun_launcher)
 from weights import open_weights
 
 METHOD = " ".join(__doc__.split("\n\n")[1].split())
@@ -313,4 +314,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))

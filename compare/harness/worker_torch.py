@@ -26,6 +26,7 @@ from compare.harness import fastpath_torch
 from compare.harness.jobs import (Job, Phases, SetupClock, bench_units, exposed_seconds,
                                   forward_passes, job_batches, launched_at, mark_progress, mark_started,
                                   read_job_file, timed_steps, union_seconds, write_result)
+from compare.launch import end_process
 from compare.nodes import Nodes
 from torch_impl.parallel import local_batch
 from torch_impl.train import Training, all_ranks, build_training, init_distributed, peak_memory_bytes, train_step
@@ -250,4 +251,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))
