@@ -54,28 +54,15 @@ _OWNED_START = ("import ctypes, os, signal, sys; signal.pthread_sigmask(signal.S
                 "os.execvp(sys.argv[2], sys.argv[2:])")
 
 
-def end_process(main: Callable[[], int | None]) -> NoReturn:
-    """Runs `main` (a worker module's, under `if __name__ == "__main__"`) and ends the process with its exit code as
+def end_process(code: int | None) -> NoReturn:
+    """Ends a worker process of ours (the `__main__` of a module torchrun runs) with exit code `code` (None: 0) as
     multiprocessing ends its children: exit handlers run and the output is flushed, then `os._exit`, without the
     interpreter's teardown. In that teardown a gloo thread still letting go of its last collective's tensors waits
     for the GIL and is ended by the finalizing interpreter, an unwind through a C++ destructor: std::terminate,
-    SIGABRT, after a run that succeeded or over the error of one that failed (a core dump's stack:
-    ~AsyncAllgatherWork, decref_pyobject, take_gil, pthread_exit). Four gloo ranks ending with one all_gather aborted
-    in 7 launches of 15 through `sys.exit`, in none of 45 through `os._exit` (15 of them with the exit handlers run
-    first, as here; CPU, torch 2.13). `main`'s return value is the exit code (None: 0); an exception ends the
-    process as Python's own exit would: SystemExit with its code, any other with its traceback on stderr and 1."""
-    try:
-        code = main()
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code
-        else:  # sys.exit("message"): the message on stderr, exit code 1
-            print(stop.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    atexit._run_exitfuncs()  # what the interpreter's exit would run first (logging's flush, jax.distributed's shutdown)
+    SIGABRT after a run that succeeded (a core dump's stack: ~AsyncAllgatherWork, decref_pyobject, take_gil,
+    pthread_exit). Four gloo ranks ending with one all_gather aborted in 7 launches of 15 through `sys.exit`, in none
+    of 45 through `os._exit` (15 of them with the exit handlers run first, as here; CPU, torch 2.13)."""
+    atexit._run_exitfuncs()  # what `sys.exit` would run first (logging's flush, jax.distributed's shutdown barrier)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code or 0)

@@ -398,4 +398,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    end_process(main)
+    end_process(main())

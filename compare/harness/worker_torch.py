@@ -251,4 +251,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    end_process(lambda: main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))
