@@ -28,8 +28,8 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 from weights.settings import TrainSettings
 
@@ -265,9 +265,14 @@ def stop_process_tree(process: subprocess.Popen) -> None:
     process.wait()
 
 
+def _unprefixed_lines(log: str) -> list[str]:
+    """A worker log's lines without the `[rankN]: ` that PyTorch puts before a rank's own (its uncaught exceptions)."""
+    return [line.partition("]: ")[2] if line.startswith("[rank") else line for line in log.splitlines()]
+
+
 def failure_reason(log_tail: str) -> str | None:
     """The last exception line of a worker's log (a rank's own error, not torchrun's summary of it)."""
-    lines = [line.partition("]: ")[2] if line.startswith("[rank") else line for line in log_tail.splitlines()]
+    lines = _unprefixed_lines(log_tail)
     errors = [line.strip() for line in lines
               if re.match(r"\s*[\w.]*(Error|Exception|RESOURCE_EXHAUSTED)\b", line) and "ChildFailedError" not in line]
     if errors:
@@ -305,9 +310,8 @@ _SIGNAL_ECHOES = ("Fatal Python error: Aborted", "Fatal Python error: Segmentati
 def abort_reason(log: str) -> str | None:
     """Why a worker that died by a signal aborted, as its log says (`_ABORT_LINES`; a `what():` line joined to the
     `terminate called` line before it), at most 300 characters; None where the log says nothing of it."""
-    lines = [line.partition("]: ")[2] if line.startswith("[rank") else line for line in log.splitlines()]
     found: list[str] = []
-    for line in lines:
+    for line in _unprefixed_lines(log):
         match = _ABORT_LINES.match(line)
         if match is None or match[1].startswith(_SIGNAL_ECHOES):
             continue

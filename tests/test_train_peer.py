@@ -5,7 +5,7 @@ ranks hold (`local_batch`, the zigzag layout; 4 gloo processes); our torch and J
 bench's path without GPUs, the peer aside); the command's bad input exits 2 with one line (no GPUs here), its table
 prints ours / peer; the compare's section (its plan, rendering, schema, and a disagreement failing it: the negative
 control); on 2 GPUs, the whole bench: PyTorch's context parallelism in our training step agrees with our ring on the
-first step's loss and gradient norm (the bench's own check, exit 1 when not)."""
+first step's loss and gradient norm, and so does our JAX step (the bench's own check, exit 1 when not)."""
 
 from __future__ import annotations
 
@@ -193,5 +193,5 @@ def test_gpu_the_peer_agrees_with_our_ring(tmp_path):
                  "--out", str(out)])
     document = json.loads(out.read_text())
     assert code == 0, document["failure"]
-    assert [row["kind"] for row in document["rows"]] == ["ours", "peer"]
-    assert all(row["agrees"] for row in document["rows"])
+    assert [row["kind"] for row in document["rows"]] == ["ours", "peer", "ours_jax"]
+    assert all(row["agrees"] for row in document["rows"]), [(row["loss"], row["grad_norm"]) for row in document["rows"]]
