@@ -14,6 +14,7 @@ to --out after each row (a run cut short keeps what it measured), and a table la
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def backward_candidates(head_dim: int, causal: bool):
     kernels-gluon-backward-2026-11-23-h200-tuning) and the warp-specialised form (FlashAttention-3's structure)
     around it: D=128, 2 Q/dO stages with two float32 dQ tiles per consumer or 3 stages with one (shared memory
     holds one or the other); D=64, 64-row query blocks (128 rows spill) with 3 or 4 stages, and K and V in
-    registers (at D=128 they do not fit)."""
+    registers (at D=128 they do not fit); and the default with the widest dQ swizzle (128 bytes, config.DQ_SWIZZLES).
+    """
     from torch_impl.kernels.hopper.config import HopperBackwardConfig, backward_config, lockstep_config
 
     del causal
@@ -51,7 +53,8 @@ def backward_candidates(head_dim: int, causal: bool):
         shapes = [dict(num_stages=2, dq_buffers=2), dict(num_stages=3, dq_buffers=1)]
     else:
         shapes = [dict(block_m=64, num_stages=s) for s in (3, 4)] + [dict(block_m=64, num_stages=3, kv_in_regs=True)]
-    space = [backward_config(head_dim, False, 0), lockstep_config(head_dim)]
+    default = backward_config(head_dim, False, 0)
+    space = [default, dataclasses.replace(default, dq_swizzle=128), lockstep_config(head_dim)]
     space += [HopperBackwardConfig(warp_specialize=True, **shape) for shape in shapes]
     return list(dict.fromkeys(space))
 

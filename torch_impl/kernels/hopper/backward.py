@@ -279,14 +279,14 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart, Q
 
 def shared_layouts(dtype: torch.dtype, head_dim: int, config: HopperBackwardConfig):
     """(Q/dO tile, K/V tile, dS^T tile, row statistics, float32 dQ tile) shared-memory layouts: the widest swizzle
-    for each 2D tile, none for the float32 rows. The warp-specialised form stages dQ in halves of D."""
+    for each bf16/fp16 2D tile (the matmuls' operands), none for the float32 rows, the config's `dq_swizzle` for the
+    float32 dQ tile (config.DQ_SWIZZLES: why not the widest). The warp-specialised form stages dQ in halves of D."""
     element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    dq_cols = head_dim // 2 if config.warp_specialize else head_dim
     return (gl.NVMMASharedLayout.get_default_for([config.block_m, head_dim], element),
             gl.NVMMASharedLayout.get_default_for([config.block_n, head_dim], element),
             gl.NVMMASharedLayout.get_default_for([config.block_n, config.block_m], element),
             gl.NVMMASharedLayout.get_default_for([config.block_m], gl.float32),
-            gl.NVMMASharedLayout.get_default_for([config.block_m, dq_cols], gl.float32))
+            gl.NVMMASharedLayout(swizzle_byte_width=config.dq_swizzle, element_bitwidth=32, rank=2))
 
 
 def padded_row_stats(lse: torch.Tensor, delta: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,13 @@ HOPPER_DTYPES = (torch.bfloat16, torch.float16)
 # registers by 8-byte reductions (inline PTX `red.v2.f32`; Triton 3.6 emits only scalar float32 atomics, which ran
 # 17-35 % slower still on H200: compare/results/kernels-gluon-backward-2026-11-23-h200-tuning).
 DQ_REDUCTIONS = ("tma", "vector_atomics")
+# The float32 dQ tile's shared-memory swizzle (bytes), the one a "tma" reduction stages through. A consumer stores
+# its wgmma accumulator there, each thread two adjacent columns (8-byte stores, eight rows of a warp at a time); at
+# 128 bytes (the widest, NVMMASharedLayout's default) rows r and r^1 of a half-warp land on the same banks, a 2-way
+# conflict on every store (Nsight Compute, H200, D=128 16k causal: 8.5M shared wavefronts against 4.2M ideal per
+# store, 256M conflicts in the kernel, FlashAttention-3's 3.4M); at 32 bytes the rows of a half-warp fill distinct
+# banks and the tile leaves in 32-byte-wide TMA boxes (compare/results/kernels-gluon-backward-ncu-2026-11-29-h200).
+DQ_SWIZZLES = (32, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +35,8 @@ class HopperBackwardConfig:
     """Launch shape of the Gluon backward: `block_n` resident keys per program (one warpgroup per 64 of them),
     `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight, `dq_reduction` one
     of DQ_REDUCTIONS, `dp_first` whether dP^T is issued before the previous step's dQ goes out, `stagger`
-    whether a non-causal program starts its walk over the query blocks where its key block's causal walk would.
+    whether a non-causal program starts its walk over the query blocks where its key block's causal walk would,
+    `dq_swizzle` the float32 dQ tile's shared-memory swizzle (one of DQ_SWIZZLES).
     `warp_specialize` runs the FlashAttention-3 form instead (`backward_ws.py`: two consumer
     warpgroups, a loader warp, a dQ writer warp; block_n 128, dQ by TMA reduce-add, `dq_buffers` float32 dQ
     tiles per consumer, `kv_in_regs` whether each consumer holds its K and V rows in registers (S^T and dP^T as
@@ -40,6 +48,7 @@ class HopperBackwardConfig:
     dq_reduction: str = "tma"
     dp_first: bool = False
     stagger: bool = True
+    dq_swizzle: int = 32
     warp_specialize: bool = False
     dq_buffers: int = 2
     kv_in_regs: bool = False
@@ -50,6 +59,8 @@ class HopperBackwardConfig:
     def __post_init__(self):
         if self.dq_reduction not in DQ_REDUCTIONS:
             raise ValueError(f"dq_reduction {self.dq_reduction!r} is none of {DQ_REDUCTIONS}")
+        if self.dq_swizzle not in DQ_SWIZZLES:
+            raise ValueError(f"dq_swizzle {self.dq_swizzle!r} is none of {DQ_SWIZZLES}")
         if self.warp_specialize and (self.block_n != 128 or self.dq_reduction != "tma"):
             raise ValueError("the warp-specialised backward takes block_n 128 and dq_reduction 'tma'")
 
@@ -72,7 +83,10 @@ def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> HopperBackw
     """The launch shape for a call class, as measured on H200 at 16k (compare/results/
     kernels-gluon-backward-2026-11-23-h200-h13d): the warp-specialised form, 520 / 540 TF/s causal / not at D=128
     (2 stages and two dQ tiles per consumer; 3 stages and one ran 518 / 537; the lockstep form 415 / 398), 429 / 426
-    at D=64 (64-row query blocks, 3 stages, K and V in registers; in shared memory 407-416; lockstep 358 / 367)."""
+    at D=64 (64-row query blocks, 3 stages, K and V in registers; in shared memory 407-416; lockstep 358 / 367).
+    The float32 dQ tile at the 32-byte swizzle (`DQ_SWIZZLES`; compare/results/kernels-gluon-backward-ncu-2026-11-29-
+    h200, backward alone at 16k): 533 / 544 at D=128 against 517 / 539 at 128 bytes; 428 / 433 at D=64 against
+    434 / 424, within the spread of repeats, so one swizzle serves both."""
     del causal, seq_bucket
     if head_dim == 128:
         return HopperBackwardConfig(warp_specialize=True, num_stages=2, dq_buffers=2)
