@@ -133,6 +133,7 @@ def test_a_perturbed_attention_gradient_fails_the_fast_path_which_names_backend_
     (["--seq-lens", "100"], "100"),
     (["--devices", "0"], "--devices"),
     (["--backends", "torch,mxnet"], "--backends"),
+    (["--backends", "jax"], "name torch too (--backends torch,jax)"),  # the reference's backend left out
     (["--perturb", "jax:no.such.weight"], "--perturb"),
     (["--model", "/no/such/dir"], "/no/such/dir"),
     (["--ablation", "fastest"], "--ablation"),

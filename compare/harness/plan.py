@@ -231,8 +231,11 @@ def plan_settings(args: argparse.Namespace, gpus: int, device_memory_bytes: int 
     check_seq_len = args.check_seq_len or min(min(seq_lens), MAX_CHECK_SEQ_LEN)
     for count in {devices, *counts}:  # the float32 check on all devices, the fast path on each count
         check_split(check_seq_len, count, RING_LAYOUT)
-    backends, notes = _available_backends(_parsed_list(args.backends, BACKENDS, "--backends"),
-                                          explicit=args.backends != ",".join(BACKENDS))
+    asked = _parsed_list(args.backends, BACKENDS, "--backends")
+    if "torch" not in asked:  # the reference is no backend to compare, but the compare needs it
+        raise BadInputError(f"--backends {args.backends}: the float32 reference runs on the torch backend; name "
+                            f"torch too (--backends torch,{args.backends})")
+    backends, notes = _available_backends(asked, explicit=args.backends != ",".join(BACKENDS))
     if "torch" not in backends:
         raise BadInputError(f"the float32 reference runs on the torch backend: {INSTALL_HINT['torch']}")
     perturb = parse_perturbation(args.perturb, backends, parameter_shapes(config)) if args.perturb else None
