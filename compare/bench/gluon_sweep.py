@@ -44,7 +44,8 @@ def backward_candidates(head_dim: int, causal: bool):
     kernels-gluon-backward-2026-11-23-h200-tuning) and the warp-specialised form (FlashAttention-3's structure)
     around it: D=128, 2 Q/dO stages with two float32 dQ tiles per consumer or 3 stages with one (shared memory
     holds one or the other); D=64, 64-row query blocks (128 rows spill) with 3 or 4 stages, and K and V in
-    registers (at D=128 they do not fit); and the default with the widest dQ swizzle (128 bytes, config.DQ_SWIZZLES).
+    registers (at D=128 they do not fit); and the default with the widest dQ swizzle (128 bytes, config.DQ_SWIZZLES)
+    or with the log-sum-exp read after the first matmuls (lse_first False).
     """
     from torch_impl.kernels.hopper.config import HopperBackwardConfig, backward_config, lockstep_config
 
@@ -54,7 +55,8 @@ def backward_candidates(head_dim: int, causal: bool):
     else:
         shapes = [dict(block_m=64, num_stages=s) for s in (3, 4)] + [dict(block_m=64, num_stages=3, kv_in_regs=True)]
     default = backward_config(head_dim, False, 0)
-    space = [default, dataclasses.replace(default, dq_swizzle=128), lockstep_config(head_dim)]
+    space = [default, dataclasses.replace(default, dq_swizzle=128), dataclasses.replace(default, lse_first=False),
+             lockstep_config(head_dim)]
     space += [HopperBackwardConfig(warp_specialize=True, **shape) for shape in shapes]
     return list(dict.fromkeys(space))
 

@@ -340,7 +340,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         gluon_backward_ws_kernel[grid](
             *tensors_and_strides, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
             NUM_STAGES=config.num_stages, DQ_BUFFERS=config.dq_buffers, STAGGER=config.stagger,
-            KV_IN_REGS=config.kv_in_regs, **constexprs,
+            KV_IN_REGS=config.kv_in_regs, LSE_FIRST=config.lse_first, **constexprs,
             CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
             num_warps=config.num_warps, maxnreg=config.max_regs)
     else:

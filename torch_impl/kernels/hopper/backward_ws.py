@@ -223,7 +223,8 @@ def _dq_writer(args):
 
 
 @gluon_jit
-def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr):
+def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr,
+             LSE_FIRST: gl.constexpr):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
      stride_dks, stride_dvs, query_start, query_end) = args
@@ -268,9 +269,12 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.const
         q_buf = q_bufs.index(slot)
         do_buf = do_bufs.index(slot)
         mbarrier.wait(ready.index(slot), (step // num_stages) & 1)
+        if LSE_FIRST:  # read before the matmuls, whose operand reads would queue ahead of it in shared memory
+            lse2 = lse_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
         s_t = warpgroup_mma(k_mine, q_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v_mine, do_buf.permute((1, 0)), zeros_t, use_acc=False, is_async=True)
-        lse2 = lse_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
+        if not LSE_FIRST:
+            lse2 = lse_bufs.index(slot).load(gl.SliceLayout(0, st_layout))
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
         if masked_block(block, full, SPANS):
@@ -309,13 +313,13 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.const
 
 
 @gluon_jit
-def _consumer0(args, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr):
-    _consume(args, 0, CAUSAL, SPANS, KV_IN_REGS)
+def _consumer0(args, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr, LSE_FIRST: gl.constexpr):
+    _consume(args, 0, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST)
 
 
 @gluon_jit
-def _consumer1(args, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr):
-    _consume(args, 1, CAUSAL, SPANS, KV_IN_REGS)
+def _consumer1(args, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr, LSE_FIRST: gl.constexpr):
+    _consume(args, 1, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST)
 
 
 def _kernel_decorator():
@@ -334,7 +338,7 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart,
                              n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
                              CAUSAL: gl.constexpr, SPANS: gl.constexpr, BLOCK_M: gl.constexpr,
                              NUM_STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr, STAGGER: gl.constexpr,
-                             KV_IN_REGS: gl.constexpr,
+                             KV_IN_REGS: gl.constexpr, LSE_FIRST: gl.constexpr,
                              Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
                              STATS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -389,8 +393,8 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart,
             n_steps, full, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
             stride_dks, stride_dvs, query_start, query_end)
     gl.warp_specialize([
-        (_consumer0, (args, CAUSAL, SPANS, KV_IN_REGS)),
-        (_consumer1, (args, CAUSAL, SPANS, KV_IN_REGS)),
+        (_consumer0, (args, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST)),
+        (_consumer1, (args, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST)),
         (_loader, (args, )),
         (_dq_writer, (args, )),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

@@ -40,8 +40,11 @@ class HopperBackwardConfig:
     `warp_specialize` runs the FlashAttention-3 form instead (`backward_ws.py`: two consumer
     warpgroups, a loader warp, a dQ writer warp; block_n 128, dQ by TMA reduce-add, `dq_buffers` float32 dQ
     tiles per consumer, `kv_in_regs` whether each consumer holds its K and V rows in registers (S^T and dP^T as
-    register-A matmuls), registers split by setmaxnreg: `consumer_regs` for the worker consumer, `producer_regs`
-    for the two single warps, the default consumer what `max_regs` leaves; dp_first does not apply)."""
+    register-A matmuls), `lse_first` whether each consumer reads its step's log-sum-exp rows from shared memory
+    before issuing S^T and dP^T (after, that read queued behind the matmuls' operand reads and P^T waited for it:
+    compare/results/kernels-gluon-backward-ncu-2026-11-29-h200), registers split by setmaxnreg: `consumer_regs` for
+    the worker consumer, `producer_regs` for the two single warps, the default consumer what `max_regs` leaves;
+    dp_first does not apply)."""
     block_n: int = 128
     block_m: int = 64
     num_stages: int = 2
@@ -52,6 +55,7 @@ class HopperBackwardConfig:
     warp_specialize: bool = False
     dq_buffers: int = 2
     kv_in_regs: bool = False
+    lse_first: bool = True
     max_regs: int = 168
     consumer_regs: int = 240
     producer_regs: int = 24
