@@ -1,8 +1,9 @@
 """Tests of the Hopper family's backward (`torch_impl/kernels/hopper/backward.py` and `backward_ws.py`, Gluon sm_90;
 backend "triton_hopper", and "triton" where the Hopper family serves the call).
 
-Gluon has no interpreter: on CPU only the refusal is tested here (tests/test_triton_compile.py compiles the kernel
-for sm_90 where the installed Triton is the one it is written for). The `gpu` tests hold it to the flash rule of
+Gluon has no interpreter: on CPU only the refusals are tested here, of what the kernel cannot run and of config
+choices outside their lists (tests/test_triton_compile.py compiles the kernel for sm_90 where the installed Triton
+is the one it is written for). The `gpu` tests hold it to the flash rule of
 `test_flash_attention_torch.py` (error against a float64 oracle <= 2x the error of a naive same-dtype
 implementation + KERNEL_ATOL): GQA 4 and 32 (Hkv 8 and 1 of 32 query heads), lengths that are no multiple of any
 block, Sq > Sk (causal rows that see no key: zero dq) and Sq < Sk, causal and not, D 64 and 128, bf16 and fp16;
@@ -22,7 +23,7 @@ from test_flash_attention_torch import _exact, _inputs, _naive, _numpy, _ours, _
 from compare.bench.gluon_sweep import backward_candidates
 from torch_impl.kernels.flash_attention import flash_attention_backward
 from torch_impl.kernels.hopper.backward import hopper_backward
-from torch_impl.kernels.hopper.config import HopperBackwardConfig, lockstep_config
+from torch_impl.kernels.hopper.config import DQ_REDUCTIONS, DQ_SWIZZLES, HopperBackwardConfig, lockstep_config
 from torch_impl.kernels.portable.backward import portable_backward
 from torch_impl.kernels.portable.forward import portable_forward
 from torch_impl.kernels.tiles import GLUON_AVAILABLE, row_delta
@@ -39,6 +40,17 @@ def test_forced_hopper_backward_refuses_what_it_cannot_run():
     expected = "head dims" if ON_HOPPER and GLUON_AVAILABLE else "triton_hopper"
     with pytest.raises(ValueError, match=expected):  # D = 32 (and on CPU: no interpreter for Gluon)
         flash_attention_backward(dout, q, k, v, q, lse, causal=True, softmax_scale=None, backend="triton_hopper")
+
+
+@pytest.mark.parametrize("field, value, message", [("dq_swizzle", 64, "dq_swizzle 64 is none of"),
+                                                   ("dq_reduction", "atomics", "dq_reduction 'atomics' is none of")])
+def test_a_backward_config_outside_its_choices_is_refused(field, value, message):
+    """The config's own checks (its fields reach the kernel as compile-time layouts and branches); every listed
+    choice constructing is the negative control."""
+    with pytest.raises(ValueError, match=message):
+        HopperBackwardConfig(**{field: value})
+    choices = DQ_SWIZZLES if field == "dq_swizzle" else DQ_REDUCTIONS
+    assert [getattr(HopperBackwardConfig(**{field: c}), field) for c in choices] == list(choices)
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
