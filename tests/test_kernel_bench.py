@@ -1,5 +1,6 @@
 """Tests of `twinflash bench kernels` (compare/bench/kernel_bench.py) that need no GPU: the FLOP count, the merge of the
-two parts' rows into one table with ratios, the rendering, the JSON report and the no-CUDA exit."""
+two parts' rows into one table with ratios, the rendering, the JSON report and the no-CUDA exit; and the bad input of
+its Nsight Compute driver (compare/bench/kernel_ncu.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from compare.bench import kernel_bench
+from compare.bench import kernel_bench, kernel_ncu
 from weights.flops import attention_flops
 
 
@@ -89,6 +90,17 @@ def test_without_cuda_exits_2_with_one_line(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs the torch part to fail")
+@pytest.mark.parametrize("argv, message", [(["triton"], kernel_ncu.NO_CUDA),
+                                           (["flash9"], "invalid choice: 'flash9'"),
+                                           (["pallas", "--heads", "32", "--kv-heads", "5"], "multiple of --kv-heads 5"),
+                                           (["fa3", "--seq-len", "0"], "--seq-len")])
+def test_the_ncu_driver_s_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    """compare.bench.kernel_ncu without a GPU (this machine) or with bad arguments: one line, exit 2."""
+    assert kernel_ncu.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("twinflash: error:") and err.count("\n") == 1 and message in err, err
+
+
 def test_a_part_that_crashes_is_one_error_row():
     args = kernel_bench.build_parser().parse_args(["--quick"])
     kernel_bench._check_args(args)

@@ -14,16 +14,21 @@ import argparse
 import sys
 import time
 
+from compare.args import OneLineParser, integer, with_error_contract
+from compare.bench.kernel_peers import PEERS_INSTALL
+from weights import BadInputError
+
 IMPLS = ("triton", "pallas", "fa3")
+NO_CUDA = "compare.bench.kernel_ncu needs a CUDA GPU: it profiles kernels that run there"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python3 -m compare.bench.kernel_ncu", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python3 -m compare.bench.kernel_ncu", description=__doc__.splitlines()[0])
     parser.add_argument("impl", choices=IMPLS)
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seq-len", type=integer(1), default=16384)
+    parser.add_argument("--heads", type=integer(1), default=32)
+    parser.add_argument("--kv-heads", type=integer(1), default=32)
+    parser.add_argument("--head-dim", type=integer(1), default=128)
     parser.add_argument("--causal", choices=("causal", "full"), default="causal")
     return parser
 
@@ -58,7 +63,10 @@ def jax_call(args):
 
     causal = args.causal == "causal"
     if args.impl == "fa3":
-        from flash_attn3_jax import flash_mha
+        try:
+            from flash_attn3_jax import flash_mha
+        except ImportError as err:
+            raise BadInputError(f"fa3: {err} (an optional peer: {PEERS_INSTALL})") from err
 
         def attend(q, k, v):
             return flash_mha(q, k, v, is_causal=causal)
@@ -82,9 +90,19 @@ def jax_call(args):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return with_error_contract(lambda: _main(argv))
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    call = torch_call(args) if args.impl == "triton" else jax_call(args)
+    if args.heads % args.kv_heads:
+        raise BadInputError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     import torch  # its cudaProfilerStart/Stop (the CUDA runtime's), for any implementation
+
+    if not torch.cuda.is_available():
+        raise BadInputError(NO_CUDA)
+    call = torch_call(args) if args.impl == "triton" else jax_call(args)
 
     for _ in range(4):
         call()
