@@ -89,7 +89,7 @@ def test_without_cuda_exits_2_with_one_line(capsys):
     assert capsys.readouterr().err == f"twinflash: error: {kernel_bench.NO_CUDA}\n"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs the torch part to fail")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
 @pytest.mark.parametrize("argv, message", [(["triton"], kernel_ncu.NO_CUDA),
                                            (["flash9"], "invalid choice: 'flash9'"),
                                            (["pallas", "--heads", "32", "--kv-heads", "5"], "multiple of --kv-heads 5"),
@@ -101,6 +101,7 @@ def test_the_ncu_driver_s_bad_input_is_one_line_and_exit_2(capsys, argv, message
     assert err.startswith("twinflash: error:") and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs the torch part to fail")
 def test_a_part_that_crashes_is_one_error_row():
     args = kernel_bench.build_parser().parse_args(["--quick"])
     kernel_bench._check_args(args)
