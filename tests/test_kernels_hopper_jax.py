@@ -33,23 +33,26 @@ on_hopper = pytest.mark.skipif(
     jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
     reason="needs an sm90 (Hopper) GPU")
 
-# (Sq, Sk, H, Hkv, D, causal, backward form): odd tails on both sides; GQA 3:1 and 2:1; Sq > Sk causal has rows
-# that see no key; D 64 (the interpreter's cost grows with D, and D 128 runs the same code at the GPU tests' sizes).
-# The default (two-kernel) backward takes every case; the one-kernel forms, whose dQ takes an interpreter-only path
-# (per-CTA or per-warpgroup slices, masked and summed), the case with rows that see no key and CTAs that skip
-# query blocks.
-INTERPRET_CASES = [(77, 141, 3, 1, 64, True, "two_kernel"), (141, 77, 2, 1, 64, True, "two_kernel"),
-                   (100, 150, 2, 2, 64, False, "two_kernel"), (141, 77, 2, 1, 64, True, "one_kernel"),
-                   (141, 77, 2, 1, 64, True, "one_kernel_private")]
+# (Sq, Sk, H, Hkv, D, causal, backward form, query rows): odd tails on both sides; GQA 3:1 and 2:1; Sq > Sk causal
+# has rows that see no key; D 64 (the interpreter's cost grows with D, and D 128 runs the same code at the GPU tests'
+# sizes). The default (two-kernel, S^T) backward takes every case; the one-kernel forms, whose dQ takes an
+# interpreter-only path (per-CTA or per-warpgroup slices, masked and summed), and the query-rows orientation
+# (`HopperConfig.bwd_query_rows`: P and dS through shared memory) the case with rows that see no key and CTAs that
+# skip query blocks, and query rows also the full-attention case (padded keys).
+INTERPRET_CASES = [(77, 141, 3, 1, 64, True, "two_kernel", False), (141, 77, 2, 1, 64, True, "two_kernel", False),
+                   (100, 150, 2, 2, 64, False, "two_kernel", False), (141, 77, 2, 1, 64, True, "one_kernel", False),
+                   (141, 77, 2, 1, 64, True, "one_kernel_private", False),
+                   (141, 77, 2, 1, 64, True, "two_kernel", True), (100, 150, 2, 2, 64, False, "two_kernel", True),
+                   (141, 77, 2, 1, 64, True, "one_kernel", True), (141, 77, 2, 1, 64, True, "one_kernel_private", True)]
 
 
-@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal,bwd_form", INTERPRET_CASES,
-                         ids=[f"q{a}-k{b}-h{c}:{d}-d{e}-{'causal' if f else 'full'}-{g}" for a, b, c, d, e, f, g
-                              in INTERPRET_CASES])
-def test_mosaic_flash_rule_against_float64(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form):
+@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal,bwd_form,query_rows", INTERPRET_CASES,
+                         ids=[f"q{a}-k{b}-h{c}:{d}-d{e}-{'causal' if f else 'full'}-{g}{'-query-rows' if h else ''}"
+                              for a, b, c, d, e, f, g, h in INTERPRET_CASES])
+def test_mosaic_flash_rule_against_float64(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form, query_rows):
     q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16)
     flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_hopper",
-                                    config=HopperConfig(bwd_form=bwd_form))
+                                    config=HopperConfig(bwd_form=bwd_form, bwd_query_rows=query_rows))
     exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
     assert flash[0].dtype == jnp.bfloat16 and flash[1].dtype == jnp.float32
     assert not _flash_rule_violations(flash, naive, exact)
@@ -150,6 +153,7 @@ def test_autotune_space_starts_at_the_default_and_varies_the_backward():
         assert space[0] == default_config(head_dim) and len(set(space)) == len(space) > 5
         assert {c.bwd_overlap for c in space} == {True, False}
         assert {c.bwd_form for c in space} == {"one_kernel", "one_kernel_private", "two_kernel"}
+        assert {c.bwd_form for c in space if c.bwd_query_rows} == set(BACKWARD_FORMS)
         assert {c.dq_block_kv for c in space} == {64, 128}
         assert {(c.bwd_form, c.bwd_producer_registers) for c in space} >= {
             (form, producer) for form in BACKWARD_FORMS for producer in BACKWARD_PRODUCER_REGISTERS}
@@ -179,20 +183,23 @@ def test_gpu_mosaic_triton_and_cudnn_meet_the_rule(dtype, seq_q, seq_k, heads, k
 
 
 # Every backward form at every register split `autotune_space` offers (the heuristic's picks among them: two kernels
-# at producer 24 for D=128, 40 for D=64), at both head dims.
-BACKWARD_VARIANTS = [(form, producer) for form in BACKWARD_FORMS for producer in BACKWARD_PRODUCER_REGISTERS]
+# at producer 24 for D=128, 40 for D=64), and in the query-rows orientation, at both head dims.
+BACKWARD_VARIANTS = [(form, producer, query_rows) for form in BACKWARD_FORMS for producer in BACKWARD_PRODUCER_REGISTERS
+                     for query_rows in (False, True)]
 
 
 @pytest.mark.gpu
 @on_hopper
-@pytest.mark.parametrize("bwd_form,producer", BACKWARD_VARIANTS, ids=[f"{f}-{p}" for f, p in BACKWARD_VARIANTS])
+@pytest.mark.parametrize("bwd_form,producer,query_rows", BACKWARD_VARIANTS,
+                         ids=[f"{f}-{p}{'-query-rows' if r else ''}" for f, p, r in BACKWARD_VARIANTS])
 @pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal", GPU_CASES)
 def test_gpu_mosaic_backward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form,
-                                                 producer):
+                                                 producer, query_rows):
     q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16, seed=7)
     exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
     flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_hopper",
-                                    config=HopperConfig(bwd_form=bwd_form, bwd_producer_registers=producer))
+                                    config=HopperConfig(bwd_form=bwd_form, bwd_producer_registers=producer,
+                                                        bwd_query_rows=query_rows))
     assert not _flash_rule_violations(flash, naive, exact)
 
 

@@ -15,7 +15,8 @@ reaches the kernels as an argument (`config=`), so each timed function is its ow
 
 --family hopper, the Hopper family (Mosaic GPU kernels): for each head dim and causal setting, every `HopperConfig` of
 `jax_impl.kernels.hopper.config.autotune_space(D)` (the heuristic's default first) through
-`flash_attention(backend="pallas_hopper", config=...)`: fwd+bwd, and fwd once per distinct forward block
+`flash_attention(backend="pallas_hopper", config=...)` (--select: only those with the given field values, beside the
+default): fwd+bwd, and fwd once per distinct forward block
 sizes, timed as `bench kernels` times them, beside JAX cuDNN on the same inputs. Outputs and gradients are
 compared with the default config's (max_abs_diff); a config that fails to compile is an error row. --budget-s
 (per point) stops starting new candidates once spent (their rows say so), so a sweep fits a time-limited call.
@@ -33,7 +34,9 @@ import os
 import time
 from pathlib import Path
 
+from compare.args import OneLineParser, with_error_contract
 from compare.bench.kernel_bench import jax_median_ms
+from weights import BadInputError
 from weights.flops import attention_flops
 
 # (block_q, block_k, num_warps, num_stages). dkdv: block_k rows of K/V per program, block_q query rows per step.
@@ -50,8 +53,28 @@ def _parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _config_value(text: str) -> tuple[str, object]:
+    """FIELD=VALUE of --select: a HopperConfig field and a value of its type (true/false, an integer, a name)."""
+    from jax_impl.kernels.hopper.config import HopperConfig
+    field, _, value = text.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(HopperConfig)}
+    if field not in fields or not value:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIELD=VALUE with FIELD one of {', '.join(fields)}")
+    default = getattr(HopperConfig(), field)
+    if isinstance(default, bool):
+        if value.lower() not in ("true", "false"):
+            raise argparse.ArgumentTypeError(f"{field} takes true or false, got {value!r}")
+        return field, value.lower() == "true"
+    if isinstance(default, int) or default is None and value.isdigit():
+        try:
+            return field, int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{field} takes an integer, got {value!r}") from None
+    return field, value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m compare.bench.pallas_sweep", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m compare.bench.pallas_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=32)
@@ -64,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="which Pallas kernel family to sweep (hopper: sm90 only)")
     parser.add_argument("--budget-s", type=float,
                         help="hopper: start no candidate after this many seconds into a point")
+    parser.add_argument("--select", type=_config_value, action="append", default=[], metavar="FIELD=VALUE",
+                        help="hopper: time only the candidates whose HopperConfig has FIELD=VALUE (repeatable; "
+                             "all must hold), beside the default, e.g. bwd_query_rows=true")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("out/pallas_sweep.json"))
     return parser
@@ -181,7 +207,9 @@ def sweep_hopper_point(args, head_dim: int, causal: bool) -> list[dict]:
     except Exception as err:  # cuDNN's absence is a result of the sweep, not its end
         row["error"] = f"{type(err).__name__}: {err}"[:300]
     rows, first, forward_rows = [_emit(row)], None, {}
-    for config in autotune_space(head_dim):
+    space = autotune_space(head_dim)
+    space = space[:1] + tuple(c for c in space[1:] if all(getattr(c, f) == value for f, value in args.select))
+    for config in space:
         row = dict(point, impl="pallas_hopper", config=dataclasses.asdict(config))
         if time.monotonic() > deadline:
             rows.append(_emit(row | {"error": "skipped: --budget-s spent"}))
@@ -207,11 +235,17 @@ def sweep_hopper_point(args, head_dim: int, causal: bool) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    """Bad input (arguments, no GPU) is one line on stderr and exit 2 (`with_error_contract`)."""
+    return with_error_contract(lambda: _main(argv))
+
+
+def _main(argv) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     args = build_parser().parse_args(argv)
     import jax
     if jax.default_backend() != "gpu":
-        raise SystemExit("pallas_sweep needs jax with a GPU backend (the kernels are timed compiled, not interpreted)")
+        raise BadInputError("pallas_sweep needs jax with a GPU backend (the kernels are timed compiled, not "
+                            "interpreted)")
     print(json.dumps({"meta": {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}}), flush=True)
     causals = {"causal": (True,), "full": (False,), "both": (True, False)}[args.causal]
     if args.family == "hopper":

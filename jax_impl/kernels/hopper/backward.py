@@ -76,33 +76,44 @@ from jax_impl.kernels.tiles import (LOG2E, copy_in, edge_padded_spans, index_div
                                     tile_span_bounds, warpgroup_rows)
 
 
-def _matmul_tn_sum(pairs, *, interpret: bool):
-    """sum of a^T @ b in fp32 over (a, b) shared-memory tile pairs (wgmmas reading a transposed, one
-    accumulator)."""
+def _matmul_sum(pairs, *, transpose_a: bool, interpret: bool):
+    """sum of a @ b (`transpose_a`: a^T @ b, the wgmmas reading a transposed) in fp32 over (a, b) shared-memory tile
+    pairs, one accumulator."""
     if interpret:  # INTERPRET: plain dots (see tiles.py)
-        return sum(lax.dot_general(a[...], b[...], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-                   for a, b in pairs)
+        contract = 0 if transpose_a else 1
+        return sum(lax.dot_general(a[...], b[...], (((contract,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32) for a, b in pairs)
 
     def compute(acc_ref):
         for a, b in pairs:
-            plgpu.wgmma(acc_ref, plgpu.transpose_ref(a, (1, 0)), b)
+            plgpu.wgmma(acc_ref, plgpu.transpose_ref(a, (1, 0)) if transpose_a else a, b)
         return acc_ref[...]
     a, b = pairs[0]
-    return pl.run_scoped(compute, plgpu.ACC((a.shape[1], b.shape[1]), jnp.float32))
+    return pl.run_scoped(compute, plgpu.ACC((a.shape[1 if transpose_a else 0], b.shape[1]), jnp.float32))
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_ref, dv_ref, k_smem2, v_smem2,
-                 out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, kv_barriers, q_barriers, dout_barriers,
-                 lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool, scale: float, block_q: int,
-                 block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int, overlap: bool,
-                 private_dq: bool, registers: tuple[int, int], interpret: bool, span_refs=None):
-    """dK/dV (and with `dq_ref`, the one-kernel forms, dQ by reduce-add; else dq_ref, ds_smem and ds_ready are
-    None). `private_dq`: each warpgroup adds the dQ share of its own keys (ds_ready is None). `span_refs`:
+                 out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, p_smem, zero_smem, kv_barriers,
+                 q_barriers, dout_barriers, lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool,
+                 scale: float, block_q: int, block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int,
+                 overlap: bool, private_dq: bool, query_rows: bool, registers: tuple[int, int], interpret: bool,
+                 span_refs=None):
+    """dK/dV (and with `dq_ref`, the one-kernel forms, dQ by reduce-add; else dq_ref and ds_ready are None).
+    `private_dq`: each warpgroup adds the dQ share of its own keys (ds_ready is None). `query_rows`
+    (`HopperConfig.bwd_query_rows`): each step computes S and dP with query rows and passes P and dS to the
+    dK/dV wgmmas through p_smem and ds_smem (else S^T and dP^T, P^T and dS^T from registers; p_smem is None, and
+    so is ds_smem in the two-kernel form). `zero_smem` (`HopperConfig.bwd_rebuild_descriptors`, else None): an int32
+    0 that each step reads and adds to its index of every shared-memory tile it reads but does not stream (K, V, P,
+    dS, the fp32 out tile), so that LLVM computes their wgmma descriptors (one 64-bit value per 16-deep slice of a
+    wgmma) in the step instead of hoisting them out of the loop, where they stayed live throughout and ptxas spilled
+    them (their reloads sat before the step's wgmmas). `span_refs`:
     documents' (query_start, query_end) of every key and their `tiles.tile_span_bounds` over query blocks (the
     two-kernel form only; then `causal` is False). `registers`: the (TMA warpgroup's, compute warpgroups') caps,
     `HopperConfig.backward_registers`."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     kv_tile = lax.axis_index("kv_tile")
+    q_axis = 0 if query_rows else 1  # the axis of a step's score tile that runs over queries
+    k_axis = 1 - q_axis
     cta_first = kv_tile * (COMPUTE_WARPGROUPS * block_kv)
 
     def q_range(k_first):
@@ -128,13 +139,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
     def _compute():
         plgpu.set_max_registers(registers[1], action="increase")
         k_smem, v_smem, out_smem = k_smem2.at[wg], v_smem2.at[wg], out_smem2.at[wg]
+        if zero_smem is not None:
+            zero_smem[0] = jnp.int32(0)
         k_first, rows = warpgroup_rows(cta_first, wg, block_kv, batch, kv_head)
         copy_in(((k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)), kv_barriers, 2 * wg)
         if span_refs is None:
             _, full_start = q_range(k_first)
-        else:  # the query rows that see each of this warpgroup's keys: its rows of S^T
+        else:  # the query rows that see each of this warpgroup's keys: its columns of S (rows of S^T)
             query_start, query_end = (load_rows(ref.at[batch, pl.ds(k_first, block_kv)],
-                                                plgpu.Layout.WGMMA.reduce(1), interpret=interpret, from_global=True)
+                                                plgpu.Layout.WGMMA.reduce(q_axis), interpret=interpret,
+                                                from_global=True)
                                       for ref in span_refs[:2])
         dim = k_smem.shape[-1]
         zeros = layout(jnp.zeros((block_kv, dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
@@ -150,9 +164,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                     plgpu.barrier_wait(barrier.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
-        def add_dq(t, parity):
+        def add_dq(t, parity, zero):
             """dQ[block t] += dS K over the CTA's keys, for the column chunks this warpgroup takes at step t
-            (`private_dq`: over this warpgroup's keys, every chunk)."""
+            (`private_dq`: over this warpgroup's keys, every chunk); `zero`: the step's read of zero_smem."""
             q_block, head = q_block_and_head(t)
             rows = (batch, pl.ds(q_block * block_q, block_q), head)
             # INTERPRET: the CTA's (private_dq: the warpgroup's) own slice of dQ, added up by the wrapper
@@ -163,19 +177,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
 
                 @taker
                 def _():
-                    pairs = ([(ds_smem.at[parity, wg], k_smem.at[:, cols])] if private_dq else
-                             [(ds_smem.at[parity, w], k_smem2.at[w, :, cols]) for w in range(COMPUTE_WARPGROUPS)])
-                    with jax.named_scope("dq_mma"):
-                        dq = _matmul_tn_sum(pairs, interpret=interpret)
+                    parts = (wg,) if private_dq else range(COMPUTE_WARPGROUPS)
+                    pairs = [(ds_smem.at[parity, w + zero], k_smem2.at[w + zero, :, cols]) for w in parts]
+                    with jax.named_scope("dq_mma"):  # dS is stored [queries, keys], dS^T [keys, queries]
+                        dq = _matmul_sum(pairs, transpose_a=not query_rows, interpret=interpret)
                     with jax.named_scope("dq_wait_tma"):
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read dq_smem
                     with jax.named_scope("dq_out"):
-                        out_smem[...] = dq * scale
+                        dq_smem = out_smem2.at[wg + zero]
+                        dq_smem[...] = dq * scale
                         plgpu.commit_smem()
                         if interpret:  # INTERPRET: no TMA reduction; this CTA's own slice, added up by the wrapper
-                            plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[dq_slice + rows + (cols,)])
+                            plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[dq_slice + rows + (cols,)])
                         else:
-                            plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[rows + (cols,)], reduction_op="add")
+                            plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[rows + (cols,)], reduction_op="add")
 
         def step(t, carry, *, masked: bool):
             dk, dv = carry
@@ -183,45 +198,57 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             with jax.named_scope("inputs"):
                 for barrier in (q_barriers, lse_barriers, dout_barriers, delta_barriers):
                     plgpu.barrier_wait(barrier.at[slot])
-                lse2 = load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
-                delta = load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0), interpret=interpret)
-            # dS^T tiles of the shared one-kernel form alternate between two buffers: a warpgroup writes buffer
+                stats_layout = plgpu.Layout.WGMMA.reduce(k_axis)  # one value per query of the tile
+                lse2 = load_rows(lse_smem.at[slot], stats_layout, interpret=interpret)
+                delta = load_rows(delta_smem.at[slot], stats_layout, interpret=interpret)
+            zero = jnp.int32(0) if zero_smem is None else zero_smem[0]
+            wg_tile = wg + zero  # this warpgroup's tiles, indexed anew at each step (zero_smem)
+            # dS tiles of the shared one-kernel form alternate between two buffers: a warpgroup writes buffer
             # t % 2 again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ
-            # wgmmas of step t. With private_dq a warpgroup reads only its own tile, awaited within the step: one.
-            parity = index_rem(t - begin, ds_smem.shape[0]) if dq_ref is not None else 0
+            # wgmmas of step t. Every other form reads only its own tile, awaited within the step: one.
+            parity = index_rem(t - begin, ds_smem.shape[0]) if ds_smem is not None else 0
 
-            def probs_of(scores_t):
-                probs_t = jnp.exp2(scores_t * (scale * LOG2E) - lax.broadcast_in_dim(lse2, scores_t.shape, [1]))
+            def per_query(values, shape):
+                return lax.broadcast_in_dim(values, shape, [q_axis])
+
+            def probs_of(scores):  # S, or S^T without query_rows
+                probs = jnp.exp2(scores * (scale * LOG2E) - per_query(lse2, scores.shape))
+                if masked:
+                    q_pos = index_div(t, group) * block_q + iota(scores.shape, q_axis, interpret=interpret)
                 if masked and span_refs is None:
-                    q_pos = index_div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
-                    k_pos = k_first + iota(scores_t.shape, 0, interpret=interpret)
-                    probs_t = jnp.where(k_pos <= q_pos + offset, probs_t, 0.0)
+                    k_pos = k_first + iota(scores.shape, k_axis, interpret=interpret)
+                    probs = jnp.where(k_pos <= q_pos + offset, probs, 0.0)
                 elif masked:  # documents: the query rows in each key's query span
-                    q_pos = index_div(t, group) * block_q + iota(scores_t.shape, 1, interpret=interpret)
-                    seen = ((q_pos >= lax.broadcast_in_dim(query_start, scores_t.shape, [0]))
-                            & (q_pos < lax.broadcast_in_dim(query_end, scores_t.shape, [0])))
-                    probs_t = jnp.where(seen, probs_t, 0.0)
-                return probs_t
+                    seen = ((q_pos >= lax.broadcast_in_dim(query_start, scores.shape, [k_axis]))
+                            & (q_pos < lax.broadcast_in_dim(query_end, scores.shape, [k_axis])))
+                    probs = jnp.where(seen, probs, 0.0)
+                return probs
 
-            def dscores_of(probs_t, dprobs_t):
-                dscores_t = (probs_t * (dprobs_t - lax.broadcast_in_dim(delta, dprobs_t.shape, [1]))
-                             ).astype(q_smem.dtype)
-                if dq_ref is not None:
-                    ds_smem.at[parity, wg][...] = dscores_t
+            def dscores_of(probs, dprobs):
+                dscores = (probs * (dprobs - per_query(delta, dprobs.shape))).astype(q_smem.dtype)
+                if dq_ref is not None and not query_rows:  # with query_rows gradient_step stores it
+                    ds_smem.at[parity, wg_tile][...] = dscores
                     plgpu.commit_smem()
-                return dscores_t
+                return dscores
 
+            keys, values = k_smem2.at[wg_tile], v_smem2.at[wg_tile]
+            if query_rows:
+                scores_pair, dprobs_pair = (q_smem.at[slot], keys), (dout_smem.at[slot], values)
+                lhs_smem = (p_smem.at[wg_tile], ds_smem.at[parity, wg_tile])
+            else:
+                scores_pair, dprobs_pair = (keys, q_smem.at[slot]), (values, dout_smem.at[slot])
+                lhs_smem = None
             with jax.named_scope("grads"):
-                dv, dk = gradient_step((k_smem, q_smem.at[slot]), (v_smem, dout_smem.at[slot]), probs_of,
-                                        dscores_of, (dv, dout_smem.at[slot]), (dk, q_smem.at[slot]),
-                                        overlap=overlap, interpret=interpret)
+                dv, dk = gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, (dv, dout_smem.at[slot]),
+                                        (dk, q_smem.at[slot]), overlap=overlap, interpret=interpret,
+                                        lhs_smem=lhs_smem)
             plgpu.barrier_arrive(consumed.at[slot])
             if dq_ref is not None and not private_dq:
                 with jax.named_scope("ds_barrier"):
                     plgpu.barrier_arrive(ds_ready)
                     plgpu.barrier_wait(ds_ready)
             if dq_ref is not None:
-                add_dq(t, parity)
+                add_dq(t, parity, zero)
             return dk, dv
 
         carry = (zeros, zeros)
@@ -323,7 +350,8 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
             refs = refs[:len(inputs)] + (None,) + refs[len(inputs):]
         _dkdv_kernel(*refs, **smem, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
                      stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
-                     overlap=config.bwd_overlap, private_dq=private_dq, registers=config.backward_registers,
+                     overlap=config.bwd_overlap, private_dq=private_dq, query_rows=config.bwd_query_rows,
+                     registers=config.backward_registers,
                      interpret=interpret, span_refs=span_refs)
 
     results = launch(

@@ -29,25 +29,40 @@ def store_fp32(results, out_smem, out_refs):
 
 
 def gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, probs_acc, dscores_acc, *, overlap: bool,
-                  interpret: bool):
+                  interpret: bool, lhs_smem=None):
     """One backward step's matmuls around its elementwise math, all fp32-accumulating:
     S = a b^T and dP = c d^T from the shared-memory pairs `scores_pair` and `dprobs_pair`, P = probs_of(S),
     probs_acc = (acc, rhs): acc + P rhs (None: no such product), dS = dscores_of(P, dP),
     dscores_acc = (acc, rhs): acc + dS rhs. Returns the updated accumulators (None for an absent one).
+    `lhs_smem`: shared-memory tiles (P's, dS's) shaped as S. P and dS are stored there, and the products read them
+    transposed: acc + P^T rhs, acc + dS^T rhs (the dK/dV kernel with query rows, `HopperConfig.bwd_query_rows`: no
+    register tile is a wgmma operand, which would stay live until its wgmma completes).
 
     `overlap` (HopperConfig.bwd_overlap): S and dP are issued together and each product is awaited only where
     its result is read (S while dP runs, dP while P rhs runs), so the tensor cores have the next wgmma queued
     while the warpgroup computes P or dS; without it, every wgmma is awaited as soon as it is issued."""
     accs = tuple(pair[0] for pair in (probs_acc, dscores_acc) if pair is not None)
+
+    def lhs(value, which: int, dtype):
+        """The left operand of an accumulating product: the register tile, or (lhs_smem) its stored tile, read
+        transposed."""
+        if lhs_smem is None:
+            return value.astype(dtype)
+        lhs_smem[which][...] = value.astype(dtype)
+        if interpret:  # INTERPRET: the stored tile, transposed in registers
+            return lhs_smem[which][...].T
+        plgpu.commit_smem()  # the wgmma reads through the async proxy what the threads stored
+        return plgpu.transpose_ref(lhs_smem[which], (1, 0))
+
     if interpret:  # INTERPRET: plain dots (see tiles.py); no asynchrony to express
         def dot(a, b):
-            return jnp.dot(a if isinstance(a, jax.Array) else a[...], b[...], preferred_element_type=jnp.float32)
+            return jnp.dot(a, b[...], preferred_element_type=jnp.float32)
         probs = probs_of(wgmma_nt(*scores_pair, interpret=True))
         dprobs = wgmma_nt(*dprobs_pair, interpret=True)
-        new_probs_acc = None if probs_acc is None else probs_acc[0] + dot(probs.astype(probs_acc[1].dtype),
+        new_probs_acc = None if probs_acc is None else probs_acc[0] + dot(lhs(probs, 0, probs_acc[1].dtype),
                                                                             probs_acc[1])
         dscores = dscores_of(probs, dprobs)
-        return new_probs_acc, dscores_acc[0] + dot(dscores.astype(dscores_acc[1].dtype), dscores_acc[1])
+        return new_probs_acc, dscores_acc[0] + dot(lhs(dscores, 1, dscores_acc[1].dtype), dscores_acc[1])
 
     def settle():
         if not overlap:
@@ -62,13 +77,13 @@ def gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, probs_acc, dsc
             with jax.named_scope("probs"):
                 probs = probs_of(plgpu.wgmma_accumulator_load(scores_ref, wait_n=1 if overlap else 0))
             if probs_acc is not None:
-                plgpu.wgmma(acc_refs[0], probs.astype(probs_acc[1].dtype), probs_acc[1])
+                plgpu.wgmma(acc_refs[0], lhs(probs, 0, probs_acc[1].dtype), probs_acc[1])
                 settle()
             with jax.named_scope("dscores"):
                 dprobs = plgpu.wgmma_accumulator_load(dprobs_ref,
                                                       wait_n=1 if overlap and probs_acc is not None else 0)
                 dscores = dscores_of(probs, dprobs)
-            plgpu.wgmma(acc_refs[-1], dscores.astype(dscores_acc[1].dtype), dscores_acc[1])
+            plgpu.wgmma(acc_refs[-1], lhs(dscores, 1, dscores_acc[1].dtype), dscores_acc[1])
         shape = (scores_pair[0].shape[0], scores_pair[1].shape[0])
         pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
     results = pl.run_state(compute)(tuple(plgpu.ACC.init(acc) for acc in accs))  # awaits every wgmma

@@ -83,7 +83,13 @@ class HopperConfig:
     together and awaits each only where its result is read (False: each is awaited when issued; see
     `backward_step.gradient_step`). `bwd_form`: "two_kernel" (a separate dQ kernel) or "one_kernel" (FA3: dQ too comes
     from the dK/dV kernel, added up in fp32 by TMA reduce-add) or "one_kernel_private" (the same, each warpgroup adding
-    its own keys' dQ share); see backward.py. `bwd_producer_registers`: the backward kernels' TMA warpgroup's register
+    its own keys' dQ share); see backward.py. `bwd_query_rows`: the dK/dV step computes S = Q K^T with query rows
+    (FA3's orientation: the row statistics take 2 registers a thread, P and dS reach the dK/dV wgmmas through shared
+    memory) instead of S^T (lse and delta per column: 16 registers each at 64 queries; P^T and dS^T stay in registers
+    as the wgmmas' left operands); see backward.py. `bwd_rebuild_descriptors`: the dK/dV kernel recomputes the wgmma
+    descriptors of its fixed shared-memory tiles at every step (an int32 zero read from shared memory, `zero_smem`,
+    hides that they do not change) rather than keeping them live through the loop, spilled (backward.py).
+    `bwd_producer_registers`: the backward kernels' TMA warpgroup's register
     cap, the compute warpgroups getting what it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232). Defaults as
     measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
     D=128 with `bwd_overlap`, 485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64:
@@ -102,6 +108,8 @@ class HopperConfig:
     dq_block_kv: int = 128
     bwd_overlap: bool = True
     bwd_form: str = "two_kernel"
+    bwd_query_rows: bool = False
+    bwd_rebuild_descriptors: bool = True
     bwd_producer_registers: int = BACKWARD_PRODUCER_REGISTERS[0]
 
     @property
@@ -225,17 +233,23 @@ def backward_stages(config: HopperConfig, *, seq_q: int | None, seq_k: int | Non
 
 
 def dkdv_scratch(config: HopperConfig, *, head_dim: int, dtype, stages: int) -> KernelScratch:
-    """The dK/dV kernel's scratch (the one-kernel forms: with their dS^T tiles and the barrier between the
-    warpgroups' halves). fp32 results leave through shared memory in column chunks of DQ_CHUNK."""
+    """The dK/dV kernel's scratch: the one-kernel forms' dS tiles and the barrier between the warpgroups' halves;
+    with `bwd_query_rows` the P and dS tiles the dK/dV wgmmas read ([queries, keys] each, else dS^T [keys, queries]).
+    The shared one-kernel form alternates two dS tiles a warpgroup (backward.py says why), the others keep one. fp32
+    results leave through shared memory in column chunks of DQ_CHUNK."""
     wgs, block_q, block_kv = COMPUTE_WARPGROUPS, config.bwd_block_q, config.bwd_block_kv
     one_kernel, private_dq = config.bwd_form != "two_kernel", config.bwd_form == "one_kernel_private"
+    lhs_tile = (block_q, block_kv) if config.bwd_query_rows else (block_kv, block_q)
+    ds_tiles = 2 if one_kernel and not private_dq else 1
     buffers = dict(
         k_smem2=_tiles(wgs, block_kv, head_dim, dtype), v_smem2=_tiles(wgs, block_kv, head_dim, dtype),
         out_smem2=_tiles(wgs, block_kv, min(DQ_CHUNK, head_dim), jnp.float32),
         q_smem=_tiles(stages, block_q, head_dim, dtype), dout_smem=_tiles(stages, block_q, head_dim, dtype),
         lse_smem=plgpu.SMEM((stages, block_q), jnp.float32), delta_smem=plgpu.SMEM((stages, block_q), jnp.float32),
-        ds_smem=(plgpu.SMEM((1 if private_dq else 2, wgs, block_kv, block_q), dtype,
-                            transforms=smem_transforms(dtype)) if one_kernel else None),
+        ds_smem=(plgpu.SMEM((ds_tiles, wgs) + lhs_tile, dtype, transforms=smem_transforms(dtype))
+                 if one_kernel or config.bwd_query_rows else None),
+        p_smem=_tiles(wgs, *lhs_tile, dtype) if config.bwd_query_rows else None,
+        zero_smem=plgpu.SMEM((1,), jnp.int32) if config.bwd_rebuild_descriptors else None,
         kv_barriers=plgpu.Barrier(num_barriers=2 * wgs),
         q_barriers=plgpu.Barrier(num_barriers=stages), dout_barriers=plgpu.Barrier(num_barriers=stages),
         lse_barriers=plgpu.Barrier(num_barriers=stages), delta_barriers=plgpu.Barrier(num_barriers=stages),
@@ -341,7 +355,8 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family hopper`), each a full config
     timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks one at a time,
     then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
-    forms, at both register splits (BACKWARD_PRODUCER_REGISTERS; the one-kernel forms spill at either: backward.py).
+    forms, at both register splits (BACKWARD_PRODUCER_REGISTERS; the one-kernel forms spill at either: backward.py),
+    then every form in the other orientation of the dK/dV step (`bwd_query_rows`).
     Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
     bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in `limit`
     (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third stage, forward or
@@ -354,7 +369,10 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
         dict(num_stages=3), dict(full_compute_warpgroups=None, persistent=False)] + (
         [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [
         dict(bwd_form=form, bwd_producer_registers=producer) for form in BACKWARD_FORMS if form != base.bwd_form
-        for producer in (base.bwd_producer_registers, *other_split)]
+        for producer in (base.bwd_producer_registers, *other_split)] + [
+        dict(bwd_form=form, bwd_query_rows=not base.bwd_query_rows) for form in BACKWARD_FORMS] + [
+        dict(bwd_form=form, bwd_query_rows=rows, bwd_rebuild_descriptors=not base.bwd_rebuild_descriptors)
+        for form in BACKWARD_FORMS for rows in (False, True)]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(config for config in dict.fromkeys(configs)
                  if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
