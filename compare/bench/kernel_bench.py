@@ -10,8 +10,9 @@ Measured, bf16, batch 1, H=32 (defaults), for each S (--seq-lens), causal and no
                           backends of those names), beside "triton", which picks between them
   jax part    pallas      ours, `jax_impl.kernels.flash_attention.flash_attention` on [B, S, H, D] (default backend)
               pallas_hopper  ours forced to the Hopper Mosaic GPU kernels (backend="pallas_hopper")
-              pallas_hopper_one_kernel  the same with the one-kernel (FA3) backward (HopperConfig(bwd_form=
-                          "one_kernel")); measured only when --impls names it
+              pallas_hopper_one_kernel  the same with the one-kernel (FA3) backward in FA3's orientation (the
+                          heuristic's HopperConfig with bwd_form="one_kernel", bwd_query_rows=True); measured only
+                          when --impls names it
               pallas_portable  ours forced to the Triton-lowering kernels (backend="pallas_portable"); measured only
                           when --impls names it
               jax_cudnn   jax.nn.dot_product_attention(implementation="cudnn") (GQA native)
@@ -37,6 +38,7 @@ sweep goes on; a part that crashes or outlives --part-timeout-s is recorded as o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -234,16 +236,18 @@ def _jax_part(args) -> None:
     impls, import_errors = {}, {}
     try:
         from jax_impl.kernels.flash_attention import flash_attention
-        from jax_impl.kernels.hopper.config import HopperConfig
+        from jax_impl.kernels.hopper.config import default_config
 
         impls["pallas"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal)
         impls["pallas_hopper"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
                                                                          backend="pallas_hopper")
         impls["pallas_portable"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
                                                                            backend="pallas_portable")
-        one_kernel = HopperConfig(bwd_form="one_kernel")
+        def one_kernel(q):  # the heuristic's config for q but for the backward's form and orientation
+            return dataclasses.replace(default_config(q.shape[-1], dtype=q.dtype), bwd_form="one_kernel",
+                                       bwd_query_rows=True)
         impls["pallas_hopper_one_kernel"] = lambda q, k, v, causal: flash_attention(
-            q, k, v, causal=causal, backend="pallas_hopper", config=one_kernel)
+            q, k, v, causal=causal, backend="pallas_hopper", config=one_kernel(q))
     except Exception as err:
         error = f"import: {type(err).__name__}: {err}"[:300]
         import_errors.update(pallas=error, pallas_hopper=error, pallas_hopper_one_kernel=error, pallas_portable=error)

@@ -113,6 +113,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     kv_tile = lax.axis_index("kv_tile")
     q_axis = 0 if query_rows else 1  # the axis of a step's score tile that runs over queries
+    shared_dq = dq_ref is not None and not private_dq  # the warpgroups' dS tiles meet in each dQ product
     k_axis = 1 - q_axis
     cta_first = kv_tile * (COMPUTE_WARPGROUPS * block_kv)
 
@@ -204,8 +205,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             zero = jnp.int32(0) if zero_smem is None else zero_smem[0]
             wg_tile = wg + zero  # this warpgroup's tiles, indexed anew at each step (zero_smem)
             # dS tiles of the shared one-kernel form alternate between two buffers: a warpgroup writes buffer
-            # t % 2 again only after the ds_ready barrier of step t + 1, which the other reaches after its dQ
-            # wgmmas of step t. Every other form reads only its own tile, awaited within the step: one.
+            # t % 2 again only after awaiting the ds_ready barrier of step t + 1, which the other arrives at once its
+            # dS of step t + 1 is stored, after its dQ wgmmas of step t. (A warpgroup arrives as soon as its dS is
+            # stored and awaits the other's after its own dK/dV wgmmas, so the barrier's latency hides behind them;
+            # neither gets two phases ahead, as its next arrival follows its wait.) Every other form reads only its
+            # own tile, awaited within the step: one.
             parity = index_rem(t - begin, ds_smem.shape[0]) if ds_smem is not None else 0
 
             def per_query(values, shape):
@@ -224,11 +228,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                     probs = jnp.where(seen, probs, 0.0)
                 return probs
 
+            def dscores_stored():
+                if shared_dq:  # the other warpgroup may read it from now on
+                    plgpu.barrier_arrive(ds_ready)
+
             def dscores_of(probs, dprobs):
                 dscores = (probs * (dprobs - per_query(delta, dprobs.shape))).astype(q_smem.dtype)
                 if dq_ref is not None and not query_rows:  # with query_rows gradient_step stores it
                     ds_smem.at[parity, wg_tile][...] = dscores
                     plgpu.commit_smem()
+                    dscores_stored()
                 return dscores
 
             keys, values = k_smem2.at[wg_tile], v_smem2.at[wg_tile]
@@ -241,11 +250,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             with jax.named_scope("grads"):
                 dv, dk = gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, (dv, dout_smem.at[slot]),
                                         (dk, q_smem.at[slot]), overlap=overlap, interpret=interpret,
-                                        lhs_smem=lhs_smem)
+                                        lhs_smem=lhs_smem, dscores_stored=dscores_stored)
             plgpu.barrier_arrive(consumed.at[slot])
-            if dq_ref is not None and not private_dq:
+            if shared_dq:
                 with jax.named_scope("ds_barrier"):
-                    plgpu.barrier_arrive(ds_ready)
                     plgpu.barrier_wait(ds_ready)
             if dq_ref is not None:
                 add_dq(t, parity, zero)

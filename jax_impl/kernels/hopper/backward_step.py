@@ -29,14 +29,15 @@ def store_fp32(results, out_smem, out_refs):
 
 
 def gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, probs_acc, dscores_acc, *, overlap: bool,
-                  interpret: bool, lhs_smem=None):
+                  interpret: bool, lhs_smem=None, dscores_stored=None):
     """One backward step's matmuls around its elementwise math, all fp32-accumulating:
     S = a b^T and dP = c d^T from the shared-memory pairs `scores_pair` and `dprobs_pair`, P = probs_of(S),
     probs_acc = (acc, rhs): acc + P rhs (None: no such product), dS = dscores_of(P, dP),
     dscores_acc = (acc, rhs): acc + dS rhs. Returns the updated accumulators (None for an absent one).
     `lhs_smem`: shared-memory tiles (P's, dS's) shaped as S. P and dS are stored there, and the products read them
     transposed: acc + P^T rhs, acc + dS^T rhs (the dK/dV kernel with query rows, `HopperConfig.bwd_query_rows`: no
-    register tile is a wgmma operand, which would stay live until its wgmma completes).
+    register tile is a wgmma operand, which would stay live until its wgmma completes). `dscores_stored()` runs once dS
+    is in lhs_smem, before its product is issued (the one-kernel form signals the other warpgroup there).
 
     `overlap` (HopperConfig.bwd_overlap): S and dP are issued together and each product is awaited only where
     its result is read (S while dP runs, dP while P rhs runs), so the tensor cores have the next wgmma queued
@@ -49,9 +50,12 @@ def gradient_step(scores_pair, dprobs_pair, probs_of, dscores_of, probs_acc, dsc
         if lhs_smem is None:
             return value.astype(dtype)
         lhs_smem[which][...] = value.astype(dtype)
+        if not interpret:
+            plgpu.commit_smem()  # the wgmma reads through the async proxy what the threads stored
+        if which == 1 and dscores_stored is not None:
+            dscores_stored()
         if interpret:  # INTERPRET: the stored tile, transposed in registers
             return lhs_smem[which][...].T
-        plgpu.commit_smem()  # the wgmma reads through the async proxy what the threads stored
         return plgpu.transpose_ref(lhs_smem[which], (1, 0))
 
     if interpret:  # INTERPRET: plain dots (see tiles.py); no asynchrony to express
