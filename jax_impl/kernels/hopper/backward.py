@@ -71,8 +71,8 @@ from jax_impl.kernels.hopper.backward_dq import dq_call
 from jax_impl.kernels.hopper.backward_step import gradient_step, store_fp32
 from jax_impl.kernels.hopper.config import (COMPUTE_WARPGROUPS, DQ_CHUNK, HopperConfig, backward_lengths,
                                             backward_stages, check_smem, dkdv_scratch, dq_scratch)
-from jax_impl.kernels.tiles import (LOG2E, copy_in, edge_padded_spans, index_div, index_rem, iota, launch, layout,
-                                    load_rows, output_struct, pad_axis, part_runs, produce, tile_span,
+from jax_impl.kernels.tiles import (LOG2E, copy_in, declared_varying, edge_padded_spans, index_div, index_rem, iota,
+                                    launch, layout, load_rows, output_struct, pad_axis, part_runs, produce, tile_span,
                                     tile_span_bounds, warpgroup_rows)
 
 
@@ -369,8 +369,8 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
         dq_slices, dk, dv = results
         dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=block_kv * (1 if private_dq else wgs),
                                block_q=block_q, offset=offset)
-    elif one_kernel:
-        (dk, dv), dq = results, dkdv_inputs[-1][...]
+    elif one_kernel:  # dQ is read from the Ref, typed invariant inside shard_map like the launch's outputs (`launch`)
+        (dk, dv), dq = results, declared_varying(dkdv_inputs[-1][...], output_struct(dq_shape, jnp.float32, *inputs))
     else:
         dk, dv = results
         dq = dq_call(inputs, dq_span_inputs, dq_smem, causal=causal, scale=softmax_scale, config=config, group=group,
