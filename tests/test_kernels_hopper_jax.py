@@ -15,6 +15,7 @@ naive same-dtype implementation's + KERNEL_ATOL); its reasons are stated there.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import jax
@@ -145,6 +146,25 @@ def test_register_caps_never_ask_more_than_the_block_has():
         for producer in range(24, start + 1, 8):
             _, cap = register_caps(compute, producer)
             assert cap % 8 == 0 and producer + compute * cap <= start * (compute + 1), (compute, producer)
+
+
+@pytest.mark.parametrize("bwd_form", BACKWARD_FORMS)
+def test_every_backward_form_traces_for_gpus_inside_shard_map(bwd_form, monkeypatch):
+    """The compiled (not interpreted) kernels' gradient inside `jax.shard_map`, as the ring takes it, traced on CPU
+    with the interpreter switched off (tracing compiles nothing): the one-kernel forms' dQ, read back from the
+    reduce-add Ref, was typed invariant over the mesh axis while its input varied, and the custom_vjp refused it
+    (the two-kernel form, whose outputs the launch declares varying, is the control)."""
+    monkeypatch.setattr(importlib.import_module("jax_impl.kernels.flash_attention"), "_interpret", lambda: False)
+    mesh = jax.make_mesh((4,), ("sp",))
+    config = HopperConfig(bwd_form=bwd_form, bwd_query_rows=True)
+    spec = jax.sharding.PartitionSpec(None, "sp")
+
+    def loss(q):
+        out = jax.shard_map(functools.partial(flash_attention, causal=True, backend="pallas_hopper", config=config),
+                            mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, q, q)
+        return jnp.sum(out.astype(jnp.float32))
+    q = jax.device_put(jnp.zeros((1, 512, 2, 64), jnp.bfloat16), jax.sharding.NamedSharding(mesh, spec))
+    assert "twinflash_backward_dkdv" in str(jax.make_jaxpr(jax.grad(loss))(q))
 
 
 def test_autotune_space_starts_at_the_default_and_varies_the_backward():

@@ -84,8 +84,9 @@ def _pallas_estimates(fn, *args) -> list[int]:
     return estimates
 
 
-# (config changes, head dim, causal, out dtype, Sq, Sk): every kernel and form, the fp32 out tile and the reused
-# one, both forward schedules, extra stages, larger dQ tiles, and lengths short enough to clamp the stages.
+# (config changes, head dim, causal, out dtype, Sq, Sk): every kernel and form (both orientations of the dK/dV step,
+# the descriptors rebuilt by default and hoisted), the fp32 out tile and the reused one, both forward schedules, extra
+# stages, larger dQ tiles, and lengths short enough to clamp the stages.
 ESTIMATE_CASES = [
     (dict(full_compute_warpgroups=3, persistent=True), 128, False, FP32, 1024, 1024),
     (dict(full_compute_warpgroups=3, persistent=True), 128, False, BF16, 1024, 1024),
@@ -94,6 +95,9 @@ ESTIMATE_CASES = [
     (dict(dq_block_q=128, dq_block_kv=64), 128, False, BF16, 777, 1000),
     (dict(bwd_form="one_kernel"), 128, True, BF16, 1024, 1024),
     (dict(bwd_form="one_kernel_private"), 64, False, FP32, 1024, 1024),
+    (dict(bwd_form="one_kernel", bwd_query_rows=True), 128, True, BF16, 1024, 1024),
+    (dict(bwd_query_rows=True, bwd_rebuild_descriptors=False), 64, False, FP32, 1024, 1024),
+    (dict(bwd_form="one_kernel_private", bwd_query_rows=True), 128, False, BF16, 1024, 1024),
     (dict(num_stages=3, bwd_num_stages=3), 64, True, BF16, 64, 100),
 ]
 

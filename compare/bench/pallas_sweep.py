@@ -73,6 +73,12 @@ def _config_value(text: str) -> tuple[str, object]:
     return field, value
 
 
+def selected_candidates(space: tuple, select: list[tuple[str, object]]) -> tuple:
+    """The sweep's candidates under --select: the first (the default) and those of the rest with every field value."""
+    return space[:1] + tuple(config for config in space[1:]
+                             if all(getattr(config, field) == value for field, value in select))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m compare.bench.pallas_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=16384)
@@ -207,9 +213,7 @@ def sweep_hopper_point(args, head_dim: int, causal: bool) -> list[dict]:
     except Exception as err:  # cuDNN's absence is a result of the sweep, not its end
         row["error"] = f"{type(err).__name__}: {err}"[:300]
     rows, first, forward_rows = [_emit(row)], None, {}
-    space = autotune_space(head_dim)
-    space = space[:1] + tuple(c for c in space[1:] if all(getattr(c, f) == value for f, value in args.select))
-    for config in space:
+    for config in selected_candidates(autotune_space(head_dim), args.select):
         row = dict(point, impl="pallas_hopper", config=dataclasses.asdict(config))
         if time.monotonic() > deadline:
             rows.append(_emit(row | {"error": "skipped: --budget-s spent"}))
