@@ -12,7 +12,9 @@ out) and lse in the exp2 domain (rows with lse -inf and padded rows get +inf, so
     bwd_block_kv; a TMA warpgroup streams (Q, dO, lse, delta) blocks of every query head of the GQA group
     (one flat loop, head fastest) through `bwd_num_stages` slots, starting at the first query block that
     sees the CTA's keys. Per step (4 wgmmas): S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
-    dS^T = P^T (dP^T - delta), dK += dS^T Q. Blocks crossing the causal diagonal are masked.
+    dS^T = P^T (dP^T - delta), dK += dS^T Q, P^T and dS^T the wgmmas' register operands. With
+    `HopperConfig.bwd_query_rows` (FA3's orientation) the step computes S = Q K^T and dP = dO V^T instead, and
+    P and dS reach dV += P^T dO and dK += dS^T Q through shared memory. Blocks crossing the causal diagonal are masked.
   - dQ kernel (`backward_dq.py`): a CTA owns 2 * dq_block_q query rows of one (batch, head); the TMA warpgroup
     streams K/V blocks of dq_block_kv keys as in the forward (unmasked, then masked steps; longest tiles first).
     Per step (3 wgmmas): S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
@@ -27,30 +29,29 @@ read; every step still ends with all of its wgmmas complete (the accumulators ar
 `HopperConfig.bwd_form` picks the form: "two_kernel" runs both kernels above; "one_kernel" (FlashAttention-3's
 form, 5 wgmmas per step, no dQ kernel) runs the dK/dV kernel only, which also adds each step's dQ share into an
 fp32 dQ in global memory by TMA reduce-add:
-  - each compute warpgroup stores its dS^T tile (bf16) to shared memory; after a barrier between the two,
-    dQ[block] += dS K over the CTA's 2 * bwd_block_kv keys (two wgmmas, dS^T read transposed), its D columns
-    split in chunks of 64 between the warpgroups (D=64: one chunk, taken by the warpgroups in turn);
+  - each compute warpgroup stores its dS tile (bf16) to shared memory and signals the other; once it has the
+    other's, dQ[block] += dS K over the CTA's 2 * bwd_block_kv keys (two wgmmas), its D columns split in chunks
+    of 64 between the warpgroups (D=64: one chunk, taken by the warpgroups in turn);
   - the fp32 chunk goes out by `copy_smem_to_gmem(..., reduction_op="add")` into a zeroed dQ that the kernel
     takes as a mutable JAX Ref (aliased in and out: `pl.kernel` with a `plgpu.Mesh`).
 "one_kernel_private" is the same without the barrier and the turn-taking branch: each warpgroup adds the dQ share
-of its own keys, all D columns (one dS^T buffer, twice the reduce-add traffic).
-Where the time goes (H200, S=16k, causal, D=128, backward alone; compare/results/
-kernels-mosaic-backward-profile-2026-11-23-h200-h12g): two_kernel 12.6 ms (its dK/dV kernel 7.6), one_kernel 19.2,
-one_kernel_private 20.9, cuDNN ~10.9. Dropping the dQ wgmma takes the one-kernel forms to 11.8 / 12.8 ms, the
-reduce-add alone gains nothing in the shared form; ptxas reports 168 registers a thread for every one of these
-kernels (the entry count, (40 + 2 x 232) / 3; it warns of no ignored `setmaxnreg`) and spill stores of 232 bytes
-(dK/dV), 944 (one_kernel), 800 (one_kernel_private): the dQ accumulator pushes the one-kernel step's compute
-warpgroups past their 232 registers, and the in-kernel profile shows the whole step, not only the dQ part, ~2.6x
-slower in the one-kernel form. FA3's split (`HopperConfig.bwd_producer_registers` 24, 240 a compute thread; the
-default at D=128 since 2026-11-28) lowers the spill stores to 144 / 736 / 612 bytes, none to zero: fwd+bwd 481 -> 497
-(two_kernel), 339 -> 381 (one_kernel), 316 -> 375 TF/s (one_kernel_private) at 16k causal (compare/results/
-kernels-mosaic-registers-2026-11-28-h200x4). At D=64 one_kernel_private is level with two_kernel
-(bwd 400 against 392 TF/s causal and full, within run-to-run spread), so the default stays "two_kernel".
+of its own keys, all D columns (one dS buffer, twice the reduce-add traffic).
+
+What bounded the forms (H200, D=128, S=16k; compare/results/kernels-mosaic-query-rows-2026-11-29-h200): ptxas spilled
+in every backward kernel, 144-944 bytes a thread, most in the one-kernel forms. These were not values of the step's
+math. Mosaic GPU gives each 16-deep slice of a wgmma its own 64-bit shared-memory descriptor, and LLVM hoisted those
+of the tiles fixed through the loop (K, V, P, dS) out of it: about 72 registers stayed live and were spilled, then
+reloaded before the wgmmas. `HopperConfig.bwd_rebuild_descriptors` (the default) re-indexes those tiles at each
+step by a zero read from shared memory (`zero_smem`, which LLVM cannot see through), so their descriptors are
+computed in the step. Spill stores: two-kernel dK/dV 144 -> 48 bytes (causal), one-kernel with query rows 540 -> 0.
+Measured fwd+bwd: two kernels 468 -> 486 (causal) / 510 -> 520 (full). One kernel with query rows 389 -> 518 / 392 ->
+549 (the last with each warpgroup signalling its dS as soon as it is stored). At 16k-64k in one run
+the one-kernel form with query rows is 0.91-0.92x FA3 against the default's 0.86-0.88x, except at 64k full
+attention (0.85x; each dQ block then takes 512 reduce-adds), and 0.98-1.02x cuDNN at D=64 against 0.91-0.94x. It is
+not the default yet: it has not run in the ring on GPUs. Its dQ, read back from the Ref, was typed invariant
+inside `jax.shard_map` until a21910a, so the ring could not take it.
 The named scopes (`jax.named_scope`) in the dK/dV kernel are the regions of Mosaic GPU's in-kernel profiler
 (`plgpu.CompilerParams(profile_space=..., profile_dir=...)`); without it they compile to nothing.
-Measured on an H200 (S=16k, compare/results/README.md, 2026-11-22 and 2026-11-23), the one-kernel form reaches
-407-441 TFLOP/s fwd+bwd at D=128 with every wgmma awaited when issued and 337 with `bwd_overlap`, against the
-two-kernel form's 456-464 and 485, so "two_kernel" is the default (why: the spills above).
 GPU interpreter: it has no TMA reduction (nor aliased Refs), so under interpretation (lines marked INTERPRET) each
 CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the wrapper adds the slices up
 (the slices of query blocks a causal CTA never visits are masked out there). Everything else is the same code.

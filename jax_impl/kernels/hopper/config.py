@@ -92,8 +92,9 @@ class HopperConfig:
     `bwd_producer_registers`: the backward kernels' TMA warpgroup's register
     cap, the compute warpgroups getting what it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232). Defaults as
     measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
-    D=128 with `bwd_overlap`, 485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); the one-kernel form 337 (D=64:
-    381)."""
+    D=128 with `bwd_overlap`, 485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); 2026-11-29 (compare/results/
+    kernels-mosaic-query-rows-2026-11-29-h200): rebuilt descriptors 468 -> 486, the one-kernel form with query rows
+    518 (16k-64k: the faster form at 7 of 8 points, not the default until the ring has run it on GPUs)."""
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
@@ -355,7 +356,7 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family hopper`), each a full config
     timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks one at a time,
     then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
-    forms, at both register splits (BACKWARD_PRODUCER_REGISTERS; the one-kernel forms spill at either: backward.py),
+    forms, at both register splits (BACKWARD_PRODUCER_REGISTERS),
     then every form in the other orientation of the dK/dV step (`bwd_query_rows`).
     Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
     bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in `limit`
