@@ -11,6 +11,7 @@ kernels by the flash rule. The JAX-only cases (2-D mesh, shard_map use, lowered 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -331,6 +332,29 @@ def test_gpu_ring_bf16_meets_the_flash_rule(world, head_dim, layout, variant):
     errors = {name: float(np.max(np.abs(np.asarray(got[name], np.float64) - exact[name]))) for name in NAMES}
     naive_errors = {name: float(np.max(np.abs(np.asarray(naive[name], np.float64) - exact[name]))) for name in NAMES}
     print(f"ring-errors P={world} D={head_dim} {layout} {variant}: ours {errors} naive {naive_errors}")
+    assert_flash_rule(got, naive, exact)
+
+
+# (devices, backward form): the ring through each backward form of the Mosaic kernels (the heuristic's config with
+# its form changed; the one-kernel form in FA3's orientation, the faster one on one GPU), whose dQ comes back from a
+# reduce-add Ref inside shard_map: one device runs it on one GPU (the shard_map, the Ref and the custom_vjp compiled
+# as the ring compiles them), 2 and 4 where lent.
+GPU_FORM_CASES = [(world, form) for world in (1, 2, 4) for form in ("two_kernel", "one_kernel")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,bwd_form", GPU_FORM_CASES)
+def test_gpu_ring_backward_forms_meet_the_flash_rule(world, bwd_form, monkeypatch):
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < world or getattr(gpus[0], "compute_capability", None) != "9.0":
+        pytest.skip(f"needs {world} sm90 (Hopper) GPUs visible to JAX")
+    hopper_config = importlib.import_module("jax_impl.kernels.hopper.config")
+    heuristic = hopper_config.default_config
+    monkeypatch.setattr(hopper_config, "default_config", lambda *args, **kwargs: dataclasses.replace(
+        heuristic(*args, **kwargs), bwd_form=bwd_form, bwd_query_rows=bwd_form != "two_kernel"))
+    (q, k, v, dout), naive, exact = _gpu_references(128)
+    got = _named(_ring_results(q, k, v, dout, _mesh((world, "sp"), devices=gpus), layout="zigzag", variant="ring",
+                               backend="pallas"))
     assert_flash_rule(got, naive, exact)
 
 
