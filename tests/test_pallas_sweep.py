@@ -24,8 +24,9 @@ def test_select_keeps_the_default_and_the_candidates_with_every_value():
     assert selected_candidates(space, []) == space  # no --select: every candidate
     # the negative control: a value no candidate has leaves the default alone
     assert selected_candidates(space, [("bwd_producer_registers", 96)]) == space[:1]
-    assert build_parser().parse_args(["--select", "bwd_producer_registers=40"]).select == [
-        ("bwd_producer_registers", 40)]
+    assert build_parser().parse_args(["--select", "bwd_producer_registers=40", "--select", "full_block_kv=none",
+                                      "--select", "full_block_kv=256"]).select == [
+        ("bwd_producer_registers", 40), ("full_block_kv", None), ("full_block_kv", 256)]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -33,6 +34,7 @@ def test_select_keeps_the_default_and_the_candidates_with_every_value():
     (["--select", "bwd_query_rows"], "is not FIELD=VALUE"),
     (["--select", "bwd_query_rows=2"], "bwd_query_rows takes true or false, got '2'"),
     (["--select", "bwd_producer_registers=many"], "bwd_producer_registers takes an integer, got 'many'"),
+    (["--select", "full_block_kv=wide"], "full_block_kv takes an integer, got 'wide'"),
     pytest.param(["--family", "hopper"], "pallas_sweep needs jax with a GPU backend",
                  marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU would start the sweep")),
 ])

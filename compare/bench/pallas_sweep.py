@@ -54,7 +54,8 @@ def _parse_ints(text: str) -> list[int]:
 
 
 def _config_value(text: str) -> tuple[str, object]:
-    """FIELD=VALUE of --select: a HopperConfig field and a value of its type (true/false, an integer, a name)."""
+    """FIELD=VALUE of --select: a HopperConfig field and a value of its type (true/false, an integer, a name; "none"
+    for a field whose default is None)."""
     from jax_impl.kernels.hopper.config import HopperConfig
     field, _, value = text.partition("=")
     fields = {f.name: f for f in dataclasses.fields(HopperConfig)}
@@ -65,7 +66,9 @@ def _config_value(text: str) -> tuple[str, object]:
         if value.lower() not in ("true", "false"):
             raise argparse.ArgumentTypeError(f"{field} takes true or false, got {value!r}")
         return field, value.lower() == "true"
-    if isinstance(default, int) or default is None and value.isdigit():
+    if default is None and value.lower() == "none":
+        return field, None
+    if isinstance(default, int) or default is None:
         try:
             return field, int(value)
         except ValueError:

@@ -89,8 +89,8 @@ class HopperConfig:
     as the wgmmas' left operands); see backward.py. `bwd_rebuild_descriptors`: the dK/dV kernel recomputes the wgmma
     descriptors of its fixed shared-memory tiles at every step (an int32 zero read from shared memory, `zero_smem`,
     hides that they do not change) rather than keeping them live through the loop, spilled (backward.py).
-    `bwd_producer_registers`: the backward kernels' TMA warpgroup's register
-    cap, the compute warpgroups getting what it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232). Defaults as
+    `bwd_producer_registers`: the backward kernels' TMA warpgroup's register cap, the compute warpgroups getting what
+    it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232). Defaults as
     measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
     D=128 with `bwd_overlap`, 485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); 2026-11-29 (compare/results/
     kernels-mosaic-query-rows-2026-11-29-h200): rebuilt descriptors 468 -> 486, the one-kernel form with query rows
@@ -356,8 +356,8 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family hopper`), each a full config
     timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks one at a time,
     then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
-    forms, at both register splits (BACKWARD_PRODUCER_REGISTERS),
-    then every form in the other orientation of the dK/dV step (`bwd_query_rows`).
+    forms, at both register splits (BACKWARD_PRODUCER_REGISTERS), then every form in the other orientation of the
+    dK/dV step (`bwd_query_rows`), then every form in both orientations with the other `bwd_rebuild_descriptors`.
     Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
     bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in `limit`
     (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third stage, forward or
