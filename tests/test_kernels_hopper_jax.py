@@ -39,11 +39,14 @@ on_hopper = pytest.mark.skipif(
 # sizes). The default (two-kernel, S^T) backward takes every case; the one-kernel forms, whose dQ takes an
 # interpreter-only path (per-CTA or per-warpgroup slices, masked and summed), and the query-rows orientation
 # (`HopperConfig.bwd_query_rows`: P and dS through shared memory) the case with rows that see no key and CTAs that
-# skip query blocks, and query rows also the full-attention case (padded keys).
+# skip query blocks, and query rows also the full-attention case (padded keys). The full-attention cases have 4 query
+# blocks and 2 K/V tiles, so the second tile's walk starts 2 blocks in and wraps (`HopperConfig.bwd_stagger`); the
+# one-kernel form takes one (GQA 2:1: both heads' steps of each query block).
 INTERPRET_CASES = [(77, 141, 3, 1, 64, True, "two_kernel", False), (141, 77, 2, 1, 64, True, "two_kernel", False),
-                   (100, 150, 2, 2, 64, False, "two_kernel", False), (141, 77, 2, 1, 64, True, "one_kernel", False),
+                   (200, 150, 2, 2, 64, False, "two_kernel", False), (141, 77, 2, 1, 64, True, "one_kernel", False),
                    (141, 77, 2, 1, 64, True, "one_kernel_private", False),
-                   (141, 77, 2, 1, 64, True, "two_kernel", True), (100, 150, 2, 2, 64, False, "two_kernel", True),
+                   (141, 77, 2, 1, 64, True, "two_kernel", True), (200, 150, 2, 2, 64, False, "two_kernel", True),
+                   (200, 150, 2, 1, 64, False, "one_kernel", True),
                    (141, 77, 2, 1, 64, True, "one_kernel", True), (141, 77, 2, 1, 64, True, "one_kernel_private", True)]
 
 

@@ -97,8 +97,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                  out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, p_smem, zero_smem, kv_barriers,
                  q_barriers, dout_barriers, lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool,
                  scale: float, block_q: int, block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int,
-                 overlap: bool, private_dq: bool, query_rows: bool, registers: tuple[int, int], interpret: bool,
-                 span_refs=None):
+                 overlap: bool, private_dq: bool, query_rows: bool, stagger: bool, registers: tuple[int, int],
+                 interpret: bool, span_refs=None):
     """dK/dV (and with `dq_ref`, the one-kernel forms, dQ by reduce-add; else dq_ref and ds_ready are None).
     `private_dq`: each warpgroup adds the dQ share of its own keys (ds_ready is None). `query_rows`
     (`HopperConfig.bwd_query_rows`): each step computes S and dP with query rows and passes P and dS to the
@@ -109,8 +109,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
     wgmma) in the step instead of hoisting them out of the loop, where they stayed live throughout and ptxas spilled
     them (their reloads sat before the step's wgmmas). `span_refs`:
     documents' (query_start, query_end) of every key and their `tiles.tile_span_bounds` over query blocks (the
-    two-kernel form only; then `causal` is False). `registers`: the (TMA warpgroup's, compute warpgroups') caps,
-    `HopperConfig.backward_registers`."""
+    two-kernel form only; then `causal` is False). `stagger` (`HopperConfig.bwd_stagger`): a full-attention walk
+    starts at the query block of the CTA's first key and wraps around, as a causal walk starts at its diagonal, so
+    that the CTAs running at once read different Q blocks and add into different dQ rows. `registers`: the (TMA
+    warpgroup's, compute warpgroups') caps, `HopperConfig.backward_registers`."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     kv_tile = lax.axis_index("kv_tile")
     q_axis = 0 if query_rows else 1  # the axis of a step's score tile that runs over queries
@@ -134,8 +136,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         first_block, blocks = tile_span(span_refs[2], batch, kv_tile)
         begin, end = first_block * group, (first_block + blocks) * group
 
+    # stagger: the query block the walk starts at (full attention; causal walks start staggered by the diagonal)
+    rotation = (index_rem(index_div(cta_first, block_q), num_q_blocks)
+                if stagger and not causal and span_refs is None else None)
+
     def q_block_and_head(t):
-        return index_div(t, group), kv_head * group + index_rem(t, group)
+        q_block = index_div(t, group)
+        if rotation is not None:
+            q_block = index_rem(q_block + rotation, num_q_blocks)
+        return q_block, kv_head * group + index_rem(t, group)
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -219,7 +228,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
             def probs_of(scores):  # S, or S^T without query_rows
                 probs = jnp.exp2(scores * (scale * LOG2E) - per_query(lse2, scores.shape))
                 if masked:
-                    q_pos = index_div(t, group) * block_q + iota(scores.shape, q_axis, interpret=interpret)
+                    q_pos = q_block_and_head(t)[0] * block_q + iota(scores.shape, q_axis, interpret=interpret)
                 if masked and span_refs is None:
                     k_pos = k_first + iota(scores.shape, k_axis, interpret=interpret)
                     probs = jnp.where(k_pos <= q_pos + offset, probs, 0.0)
@@ -360,7 +369,7 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
         _dkdv_kernel(*refs, **smem, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
                      stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
                      overlap=config.bwd_overlap, private_dq=private_dq, query_rows=config.bwd_query_rows,
-                     registers=config.backward_registers,
+                     stagger=config.bwd_stagger, registers=config.backward_registers,
                      interpret=interpret, span_refs=span_refs)
 
     results = launch(

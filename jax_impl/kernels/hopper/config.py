@@ -89,6 +89,9 @@ class HopperConfig:
     as the wgmmas' left operands); see backward.py. `bwd_rebuild_descriptors`: the dK/dV kernel recomputes the wgmma
     descriptors of its fixed shared-memory tiles at every step (an int32 zero read from shared memory, `zero_smem`,
     hides that they do not change) rather than keeping them live through the loop, spilled (backward.py).
+    `bwd_stagger`: in full attention each dK/dV CTA starts its walk over the query blocks at its own first key's
+    block and wraps around (the causal walks start there anyway), so the CTAs running at once do not all read the
+    same Q block and, in the one-kernel forms, reduce-add into the same dQ rows (torch's `stagger`).
     `bwd_producer_registers`: the backward kernels' TMA warpgroup's register cap, the compute warpgroups getting what
     it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232). Defaults as
     measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
@@ -111,6 +114,7 @@ class HopperConfig:
     bwd_form: str = "two_kernel"
     bwd_query_rows: bool = False
     bwd_rebuild_descriptors: bool = True
+    bwd_stagger: bool = True
     bwd_producer_registers: int = BACKWARD_PRODUCER_REGISTERS[0]
 
     @property
@@ -357,7 +361,8 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks one at a time,
     then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
     forms, at both register splits (BACKWARD_PRODUCER_REGISTERS), then every form in the other orientation of the
-    dK/dV step (`bwd_query_rows`), then every form in both orientations with the other `bwd_rebuild_descriptors`.
+    dK/dV step (`bwd_query_rows`), then every form in both orientations with the other `bwd_rebuild_descriptors`,
+    then every form in both orientations with the other `bwd_stagger`.
     Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
     bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in `limit`
     (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third stage, forward or
@@ -373,6 +378,8 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
         for producer in (base.bwd_producer_registers, *other_split)] + [
         dict(bwd_form=form, bwd_query_rows=not base.bwd_query_rows) for form in BACKWARD_FORMS] + [
         dict(bwd_form=form, bwd_query_rows=rows, bwd_rebuild_descriptors=not base.bwd_rebuild_descriptors)
+        for form in BACKWARD_FORMS for rows in (False, True)] + [
+        dict(bwd_form=form, bwd_query_rows=rows, bwd_stagger=not base.bwd_stagger)
         for form in BACKWARD_FORMS for rows in (False, True)]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(config for config in dict.fromkeys(configs)
