@@ -40,13 +40,13 @@ on_hopper = pytest.mark.skipif(
 # interpreter-only path (per-CTA or per-warpgroup slices, masked and summed), and the query-rows orientation
 # (`HopperConfig.bwd_query_rows`: P and dS through shared memory) the case with rows that see no key and CTAs that
 # skip query blocks, and query rows also the full-attention case (padded keys). The full-attention cases have 4 query
-# blocks and 2 K/V tiles, so the second tile's walk starts 2 blocks in and wraps (`HopperConfig.bwd_stagger`); the
-# one-kernel form takes one (GQA 2:1: both heads' steps of each query block).
+# blocks and 2 K/V tiles; in the one-kernel form's (without GQA, as stagger needs) the second tile's walk starts 2
+# blocks in and wraps (`HopperConfig.bwd_stagger`).
 INTERPRET_CASES = [(77, 141, 3, 1, 64, True, "two_kernel", False), (141, 77, 2, 1, 64, True, "two_kernel", False),
                    (200, 150, 2, 2, 64, False, "two_kernel", False), (141, 77, 2, 1, 64, True, "one_kernel", False),
                    (141, 77, 2, 1, 64, True, "one_kernel_private", False),
                    (141, 77, 2, 1, 64, True, "two_kernel", True), (200, 150, 2, 2, 64, False, "two_kernel", True),
-                   (200, 150, 2, 1, 64, False, "one_kernel", True),
+                   (200, 150, 2, 2, 64, False, "one_kernel", True),
                    (141, 77, 2, 1, 64, True, "one_kernel", True), (141, 77, 2, 1, 64, True, "one_kernel_private", True)]
 
 
@@ -180,6 +180,7 @@ def test_autotune_space_starts_at_the_default_and_varies_the_backward():
         assert {c.bwd_overlap for c in space} == {True, False}
         assert {c.bwd_form for c in space} == {"one_kernel", "one_kernel_private", "two_kernel"}
         assert {c.bwd_form for c in space if c.bwd_query_rows} == set(BACKWARD_FORMS)
+        assert {c.bwd_form for c in space if not c.bwd_stagger} == {"one_kernel", "one_kernel_private"}
         assert {c.dq_block_kv for c in space} == {64, 128}
         assert {(c.bwd_form, c.bwd_producer_registers) for c in space} >= {
             (form, producer) for form in BACKWARD_FORMS for producer in BACKWARD_PRODUCER_REGISTERS}

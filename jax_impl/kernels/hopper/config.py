@@ -89,9 +89,13 @@ class HopperConfig:
     as the wgmmas' left operands); see backward.py. `bwd_rebuild_descriptors`: the dK/dV kernel recomputes the wgmma
     descriptors of its fixed shared-memory tiles at every step (an int32 zero read from shared memory, `zero_smem`,
     hides that they do not change) rather than keeping them live through the loop, spilled (backward.py).
-    `bwd_stagger`: in full attention each dK/dV CTA starts its walk over the query blocks at its own first key's
-    block and wraps around (the causal walks start there anyway), so the CTAs running at once do not all read the
-    same Q block and, in the one-kernel forms, reduce-add into the same dQ rows (torch's `stagger`).
+    `bwd_stagger` (the one-kernel forms, calls without GQA): in full attention each CTA starts its walk over the
+    query blocks at its own first key's block and wraps around (the causal walks start there anyway), so the CTAs
+    running at once do not all reduce-add into the same dQ rows (torch's `stagger`). Measured on an H200 (D=128, full
+    attention, one kernel with query rows; compare/results/kernels-mosaic-stagger-2026-11-29-h200): at Hkv 32,
+    523 -> 561-574 TFLOP/s at 64k, level at 16k (554 -> 559); at Hkv 8 (GQA 4:1) it lost, 551-570 -> 514-527 at 16k,
+    so GQA calls never stagger. Nor does the two-kernel form's dK/dV kernel, which adds into nothing shared
+    (staggered, it ran 1-2 % slower).
     `bwd_producer_registers`: the backward kernels' TMA warpgroup's register cap, the compute warpgroups getting what
     it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232). Defaults as
     measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
@@ -362,7 +366,7 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
     forms, at both register splits (BACKWARD_PRODUCER_REGISTERS), then every form in the other orientation of the
     dK/dV step (`bwd_query_rows`), then every form in both orientations with the other `bwd_rebuild_descriptors`,
-    then every form in both orientations with the other `bwd_stagger`.
+    then the one-kernel forms in both orientations with the other `bwd_stagger`.
     Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
     bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in `limit`
     (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third stage, forward or
@@ -380,7 +384,7 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
         dict(bwd_form=form, bwd_query_rows=rows, bwd_rebuild_descriptors=not base.bwd_rebuild_descriptors)
         for form in BACKWARD_FORMS for rows in (False, True)] + [
         dict(bwd_form=form, bwd_query_rows=rows, bwd_stagger=not base.bwd_stagger)
-        for form in BACKWARD_FORMS for rows in (False, True)]
+        for form in BACKWARD_FORMS if form != "two_kernel" for rows in (False, True)]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(config for config in dict.fromkeys(configs)
                  if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
