@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from compare.bench.gluon_sweep import candidates
+from compare.bench.gluon_sweep import backward_candidates, candidates
 from torch_impl.kernels.tiles import GLUON_AVAILABLE, GLUON_TRITON_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +188,7 @@ for head_dim in (128, 64):
 
 
 def _compile(block_d: int, script: str = _COMPILE) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     return subprocess.run([sys.executable, "-c", script, str(block_d)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 
@@ -205,6 +205,9 @@ def test_a_kernel_the_compiler_rejects_fails_the_check():
     assert "compiled forward" not in done.stdout
 
 
+# The Gluon checks need the Triton release the kernels are written for, which CI's CPU install lacks and the GPU image
+# has: marked gpu so that the GPU runs (`pytest -m gpu`) take them, though they launch nothing.
+@pytest.mark.gpu
 @pytest.mark.skipif(not GLUON_AVAILABLE, reason=f"the Gluon kernel is written for Triton {GLUON_TRITON_VERSION} "
                                                 f"(Gluon's API changes between releases)")
 def test_gluon_forward_compiles_for_sm90_within_its_registers_and_shared_memory():
@@ -216,11 +219,14 @@ def test_gluon_forward_compiles_for_sm90_within_its_registers_and_shared_memory(
     print(done.stdout)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GLUON_AVAILABLE, reason=f"the Gluon kernel is written for Triton {GLUON_TRITON_VERSION} "
                                                 f"(Gluon's API changes between releases)")
 def test_gluon_backward_compiles_for_sm90_within_its_registers_and_shared_memory():
     done = _compile(block_d=128, script=_COMPILE_GLUON_BACKWARD)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-    assert done.stdout.count("compiled gluon backward") == 24, done.stdout  # 16 + the 8 non-causal with spans
-    assert done.stdout.count("spans=True") == 8, done.stdout
+    per_mask = {causal: sum(len(backward_candidates(head_dim, causal)) + (head_dim == 128) for head_dim in (128, 64))
+                for causal in (True, False)}  # + dQ by vector atomics at D=128
+    assert done.stdout.count("compiled gluon backward") == per_mask[True] + 2 * per_mask[False], done.stdout
+    assert done.stdout.count("spans=True") == per_mask[False], done.stdout
     print(done.stdout)

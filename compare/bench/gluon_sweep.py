@@ -45,11 +45,12 @@ def backward_candidates(head_dim: int, causal: bool):
     around it: D=128, 2 Q/dO stages with two float32 dQ tiles per consumer or 3 stages with one (shared memory
     holds one or the other); D=64, 64-row query blocks (128 rows spill) with 3 or 4 stages, and K and V in
     registers (at D=128 they do not fit); and the default with the widest dQ swizzle (128 bytes, config.DQ_SWIZZLES)
-    or with the log-sum-exp read after the first matmuls (lse_first False).
+    or with the log-sum-exp read after the first matmuls (lse_first False); without a causal mask, also the default
+    with every key block's walk starting at the first query block (stagger False: the JAX twin's one-kernel
+    backward lost 7 % to its stagger with GQA, compare/results/kernels-mosaic-stagger-2026-11-29-h200).
     """
     from torch_impl.kernels.hopper.config import HopperBackwardConfig, backward_config, lockstep_config
 
-    del causal
     if head_dim == 128:
         shapes = [dict(num_stages=2, dq_buffers=2), dict(num_stages=3, dq_buffers=1)]
     else:
@@ -58,6 +59,8 @@ def backward_candidates(head_dim: int, causal: bool):
     space = [default, dataclasses.replace(default, dq_swizzle=128), dataclasses.replace(default, lse_first=False),
              lockstep_config(head_dim)]
     space += [HopperBackwardConfig(warp_specialize=True, **shape) for shape in shapes]
+    if not causal:  # a causal walk starts at its diagonal: staggered anyway
+        space.append(dataclasses.replace(default, stagger=False))
     return list(dict.fromkeys(space))
 
 
