@@ -40,13 +40,13 @@ on_hopper = pytest.mark.skipif(
 # interpreter-only path (per-CTA or per-warpgroup slices, masked and summed), and the query-rows orientation
 # (`HopperConfig.bwd_query_rows`: P and dS through shared memory) the case with rows that see no key and CTAs that
 # skip query blocks, and query rows also the full-attention case (padded keys). The full-attention cases have 4 query
-# blocks and 2 K/V tiles; in the one-kernel form's (without GQA, as stagger needs) the second tile's walk starts 2
-# blocks in and wraps (`HopperConfig.bwd_stagger`).
+# blocks and 2 K/V tiles; in the one-kernel form's (with and without GQA) the second tile's walk starts 2 steps in
+# and wraps (`HopperConfig.bwd_stagger`).
 INTERPRET_CASES = [(77, 141, 3, 1, 64, True, "two_kernel", False), (141, 77, 2, 1, 64, True, "two_kernel", False),
                    (200, 150, 2, 2, 64, False, "two_kernel", False), (141, 77, 2, 1, 64, True, "one_kernel", False),
                    (141, 77, 2, 1, 64, True, "one_kernel_private", False),
                    (141, 77, 2, 1, 64, True, "two_kernel", True), (200, 150, 2, 2, 64, False, "two_kernel", True),
-                   (200, 150, 2, 2, 64, False, "one_kernel", True),
+                   (200, 150, 2, 2, 64, False, "one_kernel", True), (200, 150, 2, 1, 64, False, "one_kernel", True),
                    (141, 77, 2, 1, 64, True, "one_kernel", True), (141, 77, 2, 1, 64, True, "one_kernel_private", True)]
 
 
@@ -227,6 +227,19 @@ def test_gpu_mosaic_backward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, 
     flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_hopper",
                                     config=HopperConfig(bwd_form=bwd_form, bwd_producer_registers=producer,
                                                         bwd_query_rows=query_rows))
+    assert not _flash_rule_violations(flash, naive, exact)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_one_kernel_staggered_with_gqa_meets_the_rule(head_dim):
+    """The one-kernel form's full-attention walk rotated by steps under GQA (`HopperConfig.bwd_stagger`): every
+    key tile starts at another (query block, head) step and wraps."""
+    q, k, v, dout = _inputs(1, 1000, 1000, 8, 2, head_dim, jnp.bfloat16, seed=7)
+    exact = _float64_attention(q, k, v, dout, causal=False, scale=1 / math.sqrt(head_dim))
+    flash, naive = _flash_and_naive(q, k, v, dout, causal=False, backend="pallas_hopper",
+                                    config=HopperConfig(bwd_form="one_kernel", bwd_query_rows=True))
     assert not _flash_rule_violations(flash, naive, exact)
 
 

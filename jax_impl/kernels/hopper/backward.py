@@ -109,9 +109,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
     wgmma) in the step instead of hoisting them out of the loop, where they stayed live throughout and ptxas spilled
     them (their reloads sat before the step's wgmmas). `span_refs`:
     documents' (query_start, query_end) of every key and their `tiles.tile_span_bounds` over query blocks (the
-    two-kernel form only; then `causal` is False). `stagger` (`HopperConfig.bwd_stagger`, one-kernel forms without
-    GQA): a full-attention walk starts at the query block of the CTA's first key and wraps around, as a causal walk
-    starts at its diagonal, so that the CTAs running at once add into different dQ rows. `registers`: the (TMA
+    two-kernel form only; then `causal` is False). `stagger` (`HopperConfig.bwd_stagger`, one-kernel forms): a
+    full-attention walk starts as many flat steps in as the CTA's first key is query blocks in, and wraps around, so
+    that the CTAs running at once add into different dQ rows. `registers`: the (TMA
     warpgroup's, compute warpgroups') caps, `HopperConfig.backward_registers`."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     kv_tile = lax.axis_index("kv_tile")
@@ -136,16 +136,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         first_block, blocks = tile_span(span_refs[2], batch, kv_tile)
         begin, end = first_block * group, (first_block + blocks) * group
 
-    # stagger: the query block the walk starts at (full attention; causal walks start staggered by the diagonal).
-    # Not in the two-kernel form, which adds into nothing shared, nor with GQA (`HopperConfig.bwd_stagger`).
-    rotation = (index_rem(index_div(cta_first, block_q), num_q_blocks)
-                if stagger and dq_ref is not None and group == 1 and not causal and span_refs is None else None)
+    # stagger: the flat step the walk starts at (full attention; causal walks start staggered by the diagonal), in
+    # steps, not query blocks: the next key tile's CTA runs as many steps ahead with GQA as without, so a Q block it
+    # read is read again by this one a few steps later, from L2 (`HopperConfig.bwd_stagger`). Not in the two-kernel
+    # form, which adds into nothing shared.
+    rotation = (index_rem(index_div(cta_first, block_q), num_q_blocks * group)
+                if stagger and dq_ref is not None and not causal and span_refs is None else None)
 
     def q_block_and_head(t):
-        q_block = index_div(t, group)
         if rotation is not None:
-            q_block = index_rem(q_block + rotation, num_q_blocks)
-        return q_block, kv_head * group + index_rem(t, group)
+            t = index_rem(t + rotation, num_q_blocks * group)
+        return index_div(t, group), kv_head * group + index_rem(t, group)
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
