@@ -38,16 +38,24 @@ def memory_plan(spec: StepSpec, batch: int, seq_len: int) -> dict[str, int]:
             "aliased": plan.alias_size_in_bytes, "temporaries": plan.temp_size_in_bytes}
 
 
-def lowered_step(spec: StepSpec, batch: int, seq_len: int) -> jax.stages.Lowered:
-    """The train step of `spec` lowered for abstract inputs (the sharded training state and a [batch, seq_len]
-    batch: shapes and shardings, nothing made), ready to compile (also compare/bench/jax_compile_profile.py)."""
+def abstract_inputs(spec: StepSpec, batch: int, seq_len: int) -> tuple[dict, jax.ShapeDtypeStruct,
+                                                                         jax.ShapeDtypeStruct]:
+    """(float32 parameters, tokens [batch, seq_len], positions [seq_len]) of `spec`'s step as shapes and shardings,
+    nothing made: what a function of the model is lowered for (targets take the tokens' shape)."""
     shapes = state_shapes(spec.config)
     shardings = parameter_shardings(spec.mesh, shapes)
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[name])
               for name, shape in shapes.items()}
-    state = {"model": params, "optimizer": {"exp_avg": params, "exp_avg_sq": params}}
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=activation_sharding(spec.mesh, "tokens"))
     positions = jax.ShapeDtypeStruct((seq_len,), jnp.int32, sharding=activation_sharding(spec.mesh, "positions"))
+    return params, tokens, positions
+
+
+def lowered_step(spec: StepSpec, batch: int, seq_len: int) -> jax.stages.Lowered:
+    """The train step of `spec` lowered for abstract inputs (`abstract_inputs`, with the optimizer state), ready to
+    compile (also compare/bench/jax_compile_profile.py)."""
+    params, tokens, positions = abstract_inputs(spec, batch, seq_len)
+    state = {"model": params, "optimizer": {"exp_avg": params, "exp_avg_sq": params}}
     scalars = step_scalars(adamw_coefficients(spec.optimizer, 0))
     return train_step.lower(state, tokens, tokens, positions, scalars, spec=spec)
 

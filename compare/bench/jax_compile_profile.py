@@ -7,19 +7,29 @@ compiled alone, (2) the same again from a new lowering (a hit of Mosaic's cache,
 hash of their bytes, would make it fast), (3) the train step at that length (its kernels compiled before by 1),
 (4) the step at half the length (nothing before), (5) the step with cuDNN attention; and how many of the step's
 Mosaic kernel hashes the attention alone shares. A table last, JSON to --out.
+
+`--check-layers N` times instead what compare's float32 equivalence check compiles first (`worker_jax.
+check_loss_grads_and_logits`: the loss, its gradients and the logits of the model's first N layers, float32, at
+`--check-precision` "highest" as the check runs on GPUs, or "default"), with `--check-attention` (pallas: ours;
+reference: plain math), and nothing else: XLA's autotuning results are shared by every compilation of a process, so
+an A/B of XLA_FLAGS (recorded in the JSON) or of these options takes one process each (on one H200 the check's 1B
+shape spent 148 s in this compilation at 8 layers, compare/results/compare-jax-check-compile-2026-11-29-h200).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import re
 import time
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_impl.memory_plan import lowered_step
+from compare.harness.worker_jax import check_loss_grads_and_logits
+from jax_impl.memory_plan import abstract_inputs, lowered_step
 from jax_impl.model import DTYPES
 from jax_impl.parallel import make_mesh, ring_attention_fn
 from jax_impl.train import step_spec
@@ -58,13 +68,41 @@ def step_lowered(model: str, seq_len: int, backend: str, mesh):
     return lowered_step(step_spec(settings, open_weights(model).config, mesh), 1, seq_len)
 
 
+def check_lowered(model: str, layers: int, seq_len: int, attention: str, precision: str, mesh):
+    """The float32 equivalence check's loss, gradients and logits (compare's JAX worker) for the first `layers`
+    layers of `model`, lowered for abstract inputs."""
+    settings = TrainSettings(backend="jax", model=model, seq_len=seq_len, steps=1, batch=1, mesh=MeshShape(),
+                             dtype="fp32", attention_backend=attention)
+    config = dataclasses.replace(open_weights(model).config, num_layers=layers)
+    spec = step_spec(settings, config, mesh)
+    params, tokens, positions = abstract_inputs(spec, 1, seq_len)
+    with jax.default_matmul_precision(None if precision == "default" else precision):
+        return check_loss_grads_and_logits.lower(params, tokens, tokens, positions, spec=spec, with_logits=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3.2-1b")
     parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--check-layers", type=int)
+    parser.add_argument("--check-attention", choices=("pallas", "reference"), default="pallas")
+    parser.add_argument("--check-precision", choices=("highest", "default"), default="highest")
     parser.add_argument("--out")
     args = parser.parse_args()
     mesh = make_mesh(MeshShape(), jax.devices()[:1])
+    if args.check_layers:
+        lowered, lower_s = timed(lambda: check_lowered(args.model, args.check_layers, args.seq_len,
+                                                       args.check_attention, args.check_precision, mesh))
+        _, compile_s = timed(lowered.compile)
+        result = {"model": args.model, "seq_len": args.seq_len, "layers": args.check_layers,
+                  "attention": args.check_attention, "precision": args.check_precision,
+                  "xla_flags": os.environ.get("XLA_FLAGS", ""), "lowered_s": lower_s, "compiled_s": compile_s,
+                  "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        print(json.dumps(result))
+        return
     config = open_weights(args.model).config
     rows = {}
     ahead, rows["attention lowered"] = timed(lambda: attention_lowered(mesh, config, args.seq_len))

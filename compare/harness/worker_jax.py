@@ -55,7 +55,9 @@ from weights.parallel import RING_LAYOUT
 from weights.training import adamw_coefficients
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch's name of it
-_loss_and_grads = jax.jit(jax.value_and_grad(next_token_loss, has_aux=True), static_argnames=("spec", "with_logits"))
+# the float32 check's first function (also timed alone by compare/bench/jax_compile_profile.py)
+check_loss_grads_and_logits = jax.jit(jax.value_and_grad(next_token_loss, has_aux=True),
+                                      static_argnames=("spec", "with_logits"))
 _loss_and_grads_alone = jax.jit(jax.value_and_grad(next_token_loss), static_argnames=("spec",))
 _forward_loss = jax.jit(next_token_loss, static_argnames=("spec",))
 
@@ -106,8 +108,8 @@ def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock, host
         tokens, targets, positions = sharded_batch(batches[0], run.mesh)
         arrays = {}
         if whole:
-            (loss, logits), grads = _loss_and_grads(run.state["model"], tokens, targets, positions, spec=run.spec,
-                                                    with_logits=True)
+            (loss, logits), grads = check_loss_grads_and_logits(run.state["model"], tokens, targets, positions,
+                                                                spec=run.spec, with_logits=True)
             order = layout_order(job.seq_len, settings.mesh.sp, RING_LAYOUT)
             arrays["logits"] = np.ascontiguousarray(on_host(logits)[:, inverse_order(order)])  # safetensors: C order
             del logits  # the device's copy, before the steps need the memory
