@@ -89,10 +89,11 @@ class HopperConfig:
     as the wgmmas' left operands); see backward.py. `bwd_rebuild_descriptors`: the dK/dV kernel recomputes the wgmma
     descriptors of its fixed shared-memory tiles at every step (an int32 zero read from shared memory, `zero_smem`,
     hides that they do not change) rather than keeping them live through the loop, spilled (backward.py).
-    `bwd_stagger` (the one-kernel forms): in full attention each CTA starts its walk over the
-    query blocks at its own first key's block and wraps around (the causal walks start there anyway), so the CTAs
-    running at once do not all reduce-add into the same dQ rows (torch's `stagger`). Measured on an H200 (D=128, full
-    attention, one kernel with query rows; compare/results/kernels-mosaic-stagger-2026-11-29-h200): at Hkv 32,
+    `bwd_stagger` (the one-kernel forms): in full attention each CTA starts its walk over the (query block, head)
+    steps as many steps in as its own first key is query blocks in, and wraps around (a causal walk starts at its
+    diagonal anyway), so the CTAs running at once do not all reduce-add into the same dQ rows (torch's `stagger`).
+    Measured on an H200 (D=128, full attention, one kernel with query rows;
+    compare/results/kernels-mosaic-stagger-2026-11-29-h200): at Hkv 32,
     523 -> 561-574 TFLOP/s at 64k, level at 16k (554 -> 559). At Hkv 8 (GQA 4:1) a stagger by query blocks lost,
     551-570 -> 514-527 at 16k: with the group's heads fastest in the walk, the next key tile's CTA ran 8 steps ahead,
     farther than L2 keeps the Q and dO blocks it read. The walk is rotated by steps instead (2 per key tile, as
