@@ -27,7 +27,7 @@ import pytest
 from jax_impl.attention import reference_attention, reference_attention_backward, reference_attention_forward
 from jax_impl.documents import Spans
 from jax_impl.kernels.flash_attention import flash_attention, flash_attention_backward, flash_attention_forward
-from jax_impl.kernels.hopper.config import HopperConfig
+from jax_impl.kernels.hopper.config import HopperConfig, default_config
 from jax_impl.kernels.portable.config import KernelConfig, PortableConfig
 
 # Interpret-mode kernels are tiny loops; XLA's CPU optimisation passes dominate their compile time.
@@ -261,17 +261,24 @@ def test_mosaic_pair_functions_take_any_monotone_spans():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **kernel_twins.HALF_P_TOL, err_msg=name)
 
 
-def test_mosaic_one_kernel_backward_refuses_documents():
+def test_mosaic_one_kernel_backward_refuses_documents_and_the_heuristic_takes_two_kernels():
     """The one-kernel forms add a step's dQ from both warpgroups' dS tiles; a warpgroup skipping another
-    document's query blocks would leave its tile stale, so they refuse documents (at trace time, in one line)."""
+    document's query blocks would leave its tile stale, so they refuse documents (at trace time, in one line).
+    The heuristic's backward is one kernel without documents, so with them it must take the two-kernel form: the
+    same call with config=None traces (the refusal above is its negative control)."""
     q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((1, 2, 128), jnp.float32)
     spans = Spans(*(jax.ShapeDtypeStruct((1, 128), jnp.int32),) * 2)
+
+    def backward(config):
+        return jax.eval_shape(lambda q, k, v, out, lse, spans: flash_attention_backward(
+            q, q, k, v, out, lse, causal=True, backend="pallas_hopper", config=config, spans=Spans(*spans)),
+            q, kv, kv, q, lse, spans)
     with pytest.raises(ValueError, match="bwd_form='one_kernel' takes no documents"):
-        jax.eval_shape(lambda q, k, v, out, lse, spans: flash_attention_backward(
-            q, q, k, v, out, lse, causal=True, backend="pallas_hopper", config=HopperConfig(bwd_form="one_kernel"),
-            spans=Spans(*spans)), q, kv, kv, q, lse, spans)
+        backward(HopperConfig(bwd_form="one_kernel"))
+    assert default_config(64).bwd_form == "one_kernel"
+    assert [g.shape for g in backward(None)] == [q.shape, kv.shape, kv.shape]
 
 
 @pytest.mark.parametrize("segment_ids, message", [

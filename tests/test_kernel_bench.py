@@ -112,19 +112,19 @@ def test_a_part_that_crashes_is_one_error_row():
 def test_head_dims_are_points_and_impls_select_what_a_part_measures(capsys):
     args = kernel_bench.build_parser().parse_args(["--seq-lens", "4k", "--kv-heads", "8", "--causal", "causal",
                                                    "--head-dim", "128,64", "--impls",
-                                                   "pallas_hopper,pallas_hopper_one_kernel,tokamax"])
+                                                   "pallas_hopper,pallas_hopper_two_kernel,tokamax"])
     kernel_bench._check_args(args)
     assert kernel_bench._points(args) == [(4096, True, 8, 128), (4096, True, 8, 64)]
-    assert kernel_bench._part_impls(args, "jax") == ("pallas_hopper", "tokamax", "pallas_hopper_one_kernel")
+    assert kernel_bench._part_impls(args, "jax") == ("pallas_hopper", "tokamax", "pallas_hopper_two_kernel")
     assert kernel_bench._part_impls(args, "torch") == ()
     child = kernel_bench._child_args(args)
-    assert child[child.index("--head-dim") + 1] == "128,64" and "pallas_hopper_one_kernel" in child[-1]
+    assert child[child.index("--head-dim") + 1] == "128,64" and "pallas_hopper_two_kernel" in child[-1]
     rows = [_row("pallas_hopper", 500.0, part="jax"), dict(_row("pallas_hopper", 300.0, part="jax"), head_dim=64),
-            _row("pallas_hopper_one_kernel", 400.0, part="jax")]
+            _row("pallas_hopper_two_kernel", 400.0, part="jax")]
     table = kernel_bench.merge_rows(rows)
     assert [(e["D"], e["pass"]) for e in table] == [(128, "fwd"), (128, "fwd+bwd"), (64, "fwd"), (64, "fwd+bwd")]
-    assert table[0]["mosaic/one-kernel"] == pytest.approx(500 / 400) and table[2]["pallas_hopper"] == 300.0
-    assert "pallas_hopper_one_kernel" not in kernel_bench.merge_rows(ROWS)[0]
+    assert table[0]["mosaic/two-kernel"] == pytest.approx(500 / 400) and table[2]["pallas_hopper"] == 300.0
+    assert "pallas_hopper_two_kernel" not in kernel_bench.merge_rows(ROWS)[0]
     assert kernel_bench.main(["--impls", "pallas,flash9"]) == 2
     assert "unknown implementation(s) flash9" in capsys.readouterr().err
 

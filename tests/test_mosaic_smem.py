@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -189,11 +190,11 @@ def test_the_ring_asks_for_its_pieces_with_the_configs_that_fit(ring_calls):
                                                                        HEAD_DIMS_AND_DTYPES])
 def test_default_configs_fit_every_ring_call(ring_calls, head_dim, dtype):
     """Each piece shape the ring produces, forward in the input's dtype and in float32, backward in every form
-    of the heuristic's config: every kernel within sm90's 227 KiB."""
+    of the heuristic's config, with and without documents: every kernel within sm90's 227 KiB."""
     over = []
     for kind, seq_q, seq_k, causal, _, _ in ring_calls:
-        for out_dtype in (dtype, FP32):
-            config = default_config(head_dim, dtype=dtype, out_dtype=out_dtype)
+        for out_dtype, documents in itertools.product((dtype, FP32), (False, True)):
+            config = default_config(head_dim, dtype=dtype, out_dtype=out_dtype, documents=documents)
             forms = [config] if kind == "forward" else [dataclasses.replace(config, bwd_form=form)
                                                         for form in BACKWARD_FORMS]
             for form in forms:
@@ -251,7 +252,8 @@ def test_autotune_space_holds_only_candidates_that_fit():
             assert space[0] == default_config(head_dim, out_dtype=out_dtype)
             assert all(fits(config, limit=SM90_SMEM_BYTES, head_dim=head_dim, dtype=BF16, out_dtype=out_dtype,
                             causal=causal) for config in space for causal in (True, False))
-    left_out = [dict(num_stages=3), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64)]
+    left_out = [dict(num_stages=3), dict(bwd_num_stages=3),
+                dict(dq_block_q=128, dq_block_kv=64, bwd_form="two_kernel", bwd_query_rows=False)]
     base = default_config(128)
     for change in left_out:  # in the D=64 space, out of the D=128 one: the same function decides
         assert dataclasses.replace(default_config(64), **change) in autotune_space(64)

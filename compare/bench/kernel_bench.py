@@ -10,9 +10,10 @@ Measured, bf16, batch 1, H=32 (defaults), for each S (--seq-lens), causal and no
                           backends of those names), beside "triton", which picks between them
   jax part    pallas      ours, `jax_impl.kernels.flash_attention.flash_attention` on [B, S, H, D] (default backend)
               pallas_hopper  ours forced to the Hopper Mosaic GPU kernels (backend="pallas_hopper")
-              pallas_hopper_one_kernel  the same with the one-kernel (FA3) backward in FA3's orientation (the
-                          heuristic's HopperConfig with bwd_form="one_kernel", bwd_query_rows=True); measured only
-                          when --impls names it
+              pallas_hopper_two_kernel  the same with the two-kernel backward (dK/dV, then dQ) in its own
+                          orientation (the heuristic's HopperConfig with bwd_form="two_kernel", bwd_query_rows=False;
+                          the heuristic's before 2026-11-29, which takes the one kernel of FA3); measured only when
+                          --impls names it
               pallas_portable  ours forced to the Triton-lowering kernels (backend="pallas_portable"); measured only
                           when --impls names it
               jax_cudnn   jax.nn.dot_product_attention(implementation="cudnn") (GQA native)
@@ -63,12 +64,12 @@ from weights.flops import attention_flops
 IMPLS = {"torch": ("triton", "sdpa_flash", "sdpa_cudnn"),
          "jax": ("pallas", "pallas_hopper", "jax_cudnn", "pallas_mha", "tokamax", "fa3")}
 TRITON_PATHS = ("triton_portable", "triton_hopper")  # measured only when --triton-paths names them
-EXTRA_IMPLS = {"jax": ("pallas_hopper_one_kernel", "pallas_portable")}  # measured only when --impls names them
+EXTRA_IMPLS = {"jax": ("pallas_hopper_two_kernel", "pallas_portable")}  # measured only when --impls names them
 KNOWN_IMPLS = tuple(i for part in IMPLS for i in (*IMPLS[part], *EXTRA_IMPLS.get(part, ())))
 RATIOS = (("ours/FA2", "triton", "sdpa_flash"), ("ours/cuDNN", "triton", "sdpa_cudnn"),
           ("pallas/mha", "pallas", "pallas_mha"), ("pallas/jax-cuDNN", "pallas", "jax_cudnn"),
           ("mosaic/jax-cuDNN", "pallas_hopper", "jax_cudnn"), ("mosaic/tokamax", "pallas_hopper", "tokamax"),
-          ("mosaic/fa3", "pallas_hopper", "fa3"), ("mosaic/one-kernel", "pallas_hopper", "pallas_hopper_one_kernel"))
+          ("mosaic/fa3", "pallas_hopper", "fa3"), ("mosaic/two-kernel", "pallas_hopper", "pallas_hopper_two_kernel"))
 PASSES = (("fwd", "fwd_tflops"), ("fwd+bwd", "fwdbwd_tflops"))
 NO_CUDA = "bench kernels needs a CUDA GPU"
 
@@ -243,14 +244,14 @@ def _jax_part(args) -> None:
                                                                          backend="pallas_hopper")
         impls["pallas_portable"] = lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
                                                                            backend="pallas_portable")
-        def one_kernel(q):  # the heuristic's config for q but for the backward's form and orientation
-            return dataclasses.replace(default_config(q.shape[-1], dtype=q.dtype), bwd_form="one_kernel",
-                                       bwd_query_rows=True)
-        impls["pallas_hopper_one_kernel"] = lambda q, k, v, causal: flash_attention(
-            q, k, v, causal=causal, backend="pallas_hopper", config=one_kernel(q))
+        def two_kernel(q):  # the heuristic's config for q but for the backward's form and orientation
+            return dataclasses.replace(default_config(q.shape[-1], dtype=q.dtype), bwd_form="two_kernel",
+                                       bwd_query_rows=False)
+        impls["pallas_hopper_two_kernel"] = lambda q, k, v, causal: flash_attention(
+            q, k, v, causal=causal, backend="pallas_hopper", config=two_kernel(q))
     except Exception as err:
         error = f"import: {type(err).__name__}: {err}"[:300]
-        import_errors.update(pallas=error, pallas_hopper=error, pallas_hopper_one_kernel=error, pallas_portable=error)
+        import_errors.update(pallas=error, pallas_hopper=error, pallas_hopper_two_kernel=error, pallas_portable=error)
     impls["jax_cudnn"] = lambda q, k, v, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                                               implementation="cudnn")
     try:

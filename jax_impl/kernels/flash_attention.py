@@ -31,7 +31,7 @@ Backends (`backend=`, `weights.training.ATTENTION_BACKENDS["jax"]`):
 Packed documents (`weights/documents.py`): `flash_attention(..., segment_ids=)` turns them into key spans
 (`jax_impl/documents.py`, traceable), which the pair functions take as `spans=` (the ring's per-step spans); both
 Pallas families and "reference" take them ("pallas" picks the family as without documents: the Hopper one on sm90
-where it serves the inputs; the Mosaic backward in its two-kernel form, the default), cuDNN refuses them with one
+where it serves the inputs; the Mosaic backward in its two-kernel form, the heuristic's with documents), cuDNN refuses them with one
 ValueError naming those that take them (`DOCUMENT_BACKENDS`).
 
 Block sizes (`config=`, every entry point): those of the Pallas kernel family serving the call, a `PortableConfig`
@@ -125,15 +125,16 @@ def runs_hopper_kernels(backend: str, q) -> bool:
     return backend in ("pallas", "pallas_hopper") and _uses_hopper(backend, q)
 
 
-def _pallas_config(backend: str, q, config, *, interpret: bool, out_dtype=None) -> PortableConfig | HopperConfig:
+def _pallas_config(backend: str, q, config, *, interpret: bool, documents: bool,
+                   out_dtype=None) -> PortableConfig | HopperConfig:
     """The config of the Pallas kernel family serving this call (a `HopperConfig` for the Hopper family, else a
     `PortableConfig`): `config` if given, else the family's heuristic for q's head dim and dtype, and for the Hopper
-    family the forward's out dtype (None: q's; the ring's fp32 partials take more shared memory) and the device's
-    shared memory."""
+    family the forward's out dtype (None: q's; the ring's fp32 partials take more shared memory), whether the call
+    has `documents` (the backward's form) and the device's shared memory."""
     uses_hopper = _uses_hopper(backend, q)
     if config is None:
         return (hopper_config.default_config(q.shape[3], dtype=q.dtype, out_dtype=out_dtype,
-                                             limit=smem_limit(interpret)) if uses_hopper
+                                             limit=smem_limit(interpret), documents=documents) if uses_hopper
                 else portable_config.default_config(q.shape[3], q.dtype, interpret=interpret))
     check_config_family(config, uses_hopper=uses_hopper, hopper_config=HopperConfig, portable_config=PortableConfig,
                         backend=backend)
@@ -285,7 +286,8 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal:
     if backend == "cudnn":
         return _cudnn_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
     interpret = _interpret()
-    config = _pallas_config(backend, q, config, interpret=interpret, out_dtype=out_dtype)
+    config = _pallas_config(backend, q, config, interpret=interpret, documents=spans is not None,
+                            out_dtype=out_dtype)
     if isinstance(config, HopperConfig):
         return hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=out_dtype, config=config,
                               interpret=interpret, spans=spans)
@@ -315,7 +317,7 @@ def flash_attention_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax
     if backend == "cudnn":
         return _cudnn_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
     interpret = _interpret()
-    config = _pallas_config(backend, q, config, interpret=interpret)
+    config = _pallas_config(backend, q, config, interpret=interpret, documents=spans is not None)
     if isinstance(config, HopperConfig):
         return hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, config=config,
                                interpret=interpret, spans=spans)

@@ -105,7 +105,7 @@ class HopperConfig:
     measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
     D=128 with `bwd_overlap`, 485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); 2026-11-29 (compare/results/
     kernels-mosaic-query-rows-2026-11-29-h200): rebuilt descriptors 468 -> 486, the one-kernel form with query rows
-    518 (16k-64k: the faster form at 7 of 8 points, not the default until the ring has run it on GPUs)."""
+    518 (16k-64k: the faster form at 7 of 8 points; the heuristic's since it passed in the ring on 2 GPUs)."""
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
@@ -332,11 +332,16 @@ def check_smem(config: HopperConfig, scratch: KernelScratch, call: str, *, inter
 
 # --- heuristics ---------------------------------------------------------------------------------------------------
 
-def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
-                   limit: int = SM90_SMEM_BYTES) -> HopperConfig:
+def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None, limit: int = SM90_SMEM_BYTES,
+                   documents: bool = False) -> HopperConfig:
     """Heuristic for calls with this head dim, input dtype and forward out dtype (None: the input's; the ring's
-    partials ask for float32): the first of these whose every kernel, causal and full, fits in `limit` bytes of
-    shared memory (`smem_needs`):
+    partials ask for float32), with or without `documents` (key spans): the first of these whose every kernel,
+    causal and full, fits in `limit` bytes of shared memory (`smem_needs`). The backward's form: one kernel with
+    query rows (FA3's form and orientation), where documents are absent, which they refuse (`hopper_backward`); on
+    an H200 it ran 518-549 TFLOP/s fwd+bwd at D=128 against the two-kernel form's 489-538 and 409-435 against
+    377-406 at D=64 (7 of 8 points; compare/results/kernels-mosaic-query-rows-2026-11-29-h200), 554-573 in full
+    attention with its walks staggered; it passed the flash rule in the ring on 1 and 2 GPUs
+    (compare/results/gpu-tests-2026-11-29-h200x2). With documents, the two-kernel form:
       1. block_kv 128 (FA3's and tokamax's sm90 choice), 2 stages; full attention on three compute warpgroups
          (192-row tiles), at D=128 on a persistent grid: on an H200 (S 16k and 64k, Hkv 32 and 8; compare/results/
          kernels-mosaic-forward-2026-11-23-h200-h12f) fwd 582-594 -> 638-654 TFLOP/s at D=128, 377-444 -> 460-488
@@ -354,7 +359,8 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     out_dtype = dtype if out_dtype is None else out_dtype
     fa3_split, wide_producer = BACKWARD_PRODUCER_REGISTERS
     preferred = HopperConfig(full_compute_warpgroups=3, persistent=head_dim > 64,
-                             bwd_producer_registers=fa3_split if head_dim > 64 else wide_producer)
+                             bwd_producer_registers=fa3_split if head_dim > 64 else wide_producer,
+                             bwd_form="two_kernel" if documents else "one_kernel", bwd_query_rows=not documents)
     for config in (preferred, dataclasses.replace(preferred, full_compute_warpgroups=None)):
         if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
                for causal in (True, False)):
@@ -366,8 +372,8 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
 def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
                    limit: int = SM90_SMEM_BYTES) -> tuple[HopperConfig, ...]:
     """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family hopper`), each a full config
-    timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks one at a time,
-    then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
+    timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks (on the
+    two-kernel form, which has the dQ kernel) one at a time, then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
     forms, at both register splits (BACKWARD_PRODUCER_REGISTERS), then every form in the other orientation of the
     dK/dV step (`bwd_query_rows`), then every form in both orientations with the other `bwd_rebuild_descriptors`,
     then the one-kernel forms in both orientations with the other `bwd_stagger`.
@@ -377,9 +383,12 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     backward, and dq_block_q 128)."""
     base = default_config(head_dim, dtype=dtype, out_dtype=out_dtype, limit=limit)
     other_split = [producer for producer in BACKWARD_PRODUCER_REGISTERS if producer != base.bwd_producer_registers]
+    # the dQ kernel's blocks: on the two-kernel form, the one that has that kernel
+    dq_kernel = {} if base.bwd_form == "two_kernel" else dict(bwd_form="two_kernel", bwd_query_rows=False)
     variants = [dict(bwd_overlap=not base.bwd_overlap)] + [dict(bwd_producer_registers=p) for p in other_split] + (
         [dict(block_kv=256)] if head_dim <= 64 else []) + [
-        dict(dq_block_kv=64), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64), dict(block_kv=64),
+        dict(dq_block_kv=64, **dq_kernel), dict(bwd_num_stages=3), dict(dq_block_q=128, dq_block_kv=64, **dq_kernel),
+        dict(block_kv=64),
         dict(num_stages=3), dict(full_compute_warpgroups=None, persistent=False)] + (
         [dict(compute_warpgroups=3)] if head_dim <= 64 else []) + [
         dict(bwd_form=form, bwd_producer_registers=producer) for form in BACKWARD_FORMS if form != base.bwd_form
