@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from compare.bench.jax_compile_profile import check_lowered
+from compare.harness.worker_jax import CHECK_COMPILER_OPTIONS
 from jax_impl.parallel import make_mesh
 from weights.parallel import MeshShape
 
@@ -33,3 +34,11 @@ def test_the_check_precision_reaches_the_matmuls(mesh):
         return check_lowered("tiny", 1, SEQ_LEN, "reference", precision, mesh).as_text()
     assert "HIGHEST" in text("highest")
     assert "HIGHEST" not in text("default")
+
+
+def test_the_check_compiles_with_xla_autotuning_off(mesh):
+    # on GPUs XLA's GEMM autotuning of the check's float32 dots took most of its compilation; the option is a GPU
+    # one, so this proves the CPU's XLA (CI's jaxlib) accepts it too, since compare runs the check there
+    assert dict(CHECK_COMPILER_OPTIONS) == {"xla_gpu_autotune_level": 0}
+    compiled = check_lowered("tiny", 1, SEQ_LEN, "reference", "highest", mesh).compile()
+    assert compiled.as_text()

@@ -13,7 +13,9 @@ check_loss_grads_and_logits`: the loss, its gradients and the logits of the mode
 `--check-precision` "highest" as the check runs on GPUs, or "default"), with `--check-attention` (pallas: ours;
 reference: plain math), and nothing else: XLA's autotuning results are shared by every compilation of a process, so
 an A/B of XLA_FLAGS (recorded in the JSON) or of these options takes one process each (on one H200 the check's 1B
-shape spent 148 s in this compilation at 8 layers, compare/results/compare-jax-check-compile-2026-11-29-h200).
+shape spent 148 s in this compilation at 8 layers, compare/results/compare-jax-check-compile-2026-11-29-h200; at 4
+layers 64.9 s, 10.4 s with XLA's autotuning off, which the check's own compiler options now ask: the JSON records
+them).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import time
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from compare.harness.worker_jax import check_loss_grads_and_logits
+from compare.harness.worker_jax import CHECK_COMPILER_OPTIONS, check_loss_grads_and_logits
 from jax_impl.memory_plan import abstract_inputs, lowered_step
 from jax_impl.model import DTYPES
 from jax_impl.parallel import make_mesh, ring_attention_fn
@@ -96,7 +98,8 @@ def main() -> None:
         _, compile_s = timed(lowered.compile)
         result = {"model": args.model, "seq_len": args.seq_len, "layers": args.check_layers,
                   "attention": args.check_attention, "precision": args.check_precision,
-                  "xla_flags": os.environ.get("XLA_FLAGS", ""), "lowered_s": lower_s, "compiled_s": compile_s,
+                  "xla_flags": os.environ.get("XLA_FLAGS", ""), "compiler_options": dict(CHECK_COMPILER_OPTIONS),
+                  "lowered_s": lower_s, "compiled_s": compile_s,
                   "jax": jax.__version__, "device": jax.devices()[0].device_kind}
         if args.out:
             with open(args.out, "w") as f:

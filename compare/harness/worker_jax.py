@@ -55,9 +55,14 @@ from weights.parallel import RING_LAYOUT
 from weights.training import adamw_coefficients
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch's name of it
-# the float32 check's first function (also timed alone by compare/bench/jax_compile_profile.py)
+# The float32 check's first function (also timed alone by compare/bench/jax_compile_profile.py), compiled without
+# XLA's autotuning: on one H200 its GEMM autotuning of the full-precision float32 dots took most of the compilation
+# (4 layers of the 1B shape at 2k tokens: 64.9 s, 10.4 s without; 148 s at 8 layers in a compare run;
+# compare/results/compare-jax-check-compile-2026-11-29-h200). The check needs its dots exact, not fast.
+CHECK_COMPILER_OPTIONS = (("xla_gpu_autotune_level", 0),)
 check_loss_grads_and_logits = jax.jit(jax.value_and_grad(next_token_loss, has_aux=True),
-                                      static_argnames=("spec", "with_logits"))
+                                      static_argnames=("spec", "with_logits"),
+                                      compiler_options=dict(CHECK_COMPILER_OPTIONS))
 _loss_and_grads_alone = jax.jit(jax.value_and_grad(next_token_loss), static_argnames=("spec",))
 _forward_loss = jax.jit(next_token_loss, static_argnames=("spec",))
 
