@@ -31,8 +31,8 @@ Backends (`backend=`, `weights.training.ATTENTION_BACKENDS["jax"]`):
 Packed documents (`weights/documents.py`): `flash_attention(..., segment_ids=)` turns them into key spans
 (`jax_impl/documents.py`, traceable), which the pair functions take as `spans=` (the ring's per-step spans); both
 Pallas families and "reference" take them ("pallas" picks the family as without documents: the Hopper one on sm90
-where it serves the inputs; the Mosaic backward in its two-kernel form, the heuristic's with documents), cuDNN refuses them with one
-ValueError naming those that take them (`DOCUMENT_BACKENDS`).
+where it serves the inputs; the Mosaic backward in its two-kernel form, the heuristic's with documents), cuDNN
+refuses them with one ValueError naming those that take them (`DOCUMENT_BACKENDS`).
 
 Block sizes (`config=`, every entry point): those of the Pallas kernel family serving the call, a `PortableConfig`
 or a `HopperConfig` (the other family's is a ValueError naming both, and so is any config for "reference" and

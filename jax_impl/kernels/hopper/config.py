@@ -341,7 +341,7 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None, limit: 
     an H200 it ran 518-549 TFLOP/s fwd+bwd at D=128 against the two-kernel form's 489-538 and 409-435 against
     377-406 at D=64 (7 of 8 points; compare/results/kernels-mosaic-query-rows-2026-11-29-h200), 554-573 in full
     attention with its walks staggered; it passed the flash rule in the ring on 1 and 2 GPUs
-    (compare/results/gpu-tests-2026-11-29-h200x2). With documents, the two-kernel form:
+    (compare/results/gpu-tests-2026-11-29-h200x2). With documents, the two-kernel form. The configs, in order:
       1. block_kv 128 (FA3's and tokamax's sm90 choice), 2 stages; full attention on three compute warpgroups
          (192-row tiles), at D=128 on a persistent grid: on an H200 (S 16k and 64k, Hkv 32 and 8; compare/results/
          kernels-mosaic-forward-2026-11-23-h200-h12f) fwd 582-594 -> 638-654 TFLOP/s at D=128, 377-444 -> 460-488
@@ -373,8 +373,9 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
                    limit: int = SM90_SMEM_BYTES) -> tuple[HopperConfig, ...]:
     """Candidates for the Mosaic sweep (`python -m compare.bench.pallas_sweep --family hopper`), each a full config
     timed as one, `default_config` first: the backward's schedule, register split, stages and dQ blocks (on the
-    two-kernel form, which has the dQ kernel) one at a time, then the forward's K/V block, stages and warpgroups (D=64: a 256-key forward block early), then the other backward
-    forms, at both register splits (BACKWARD_PRODUCER_REGISTERS), then every form in the other orientation of the
+    two-kernel form, which has the dQ kernel) one at a time, then the forward's K/V block, stages and warpgroups
+    (D=64: a 256-key forward block early), then the other backward forms, at both register splits
+    (BACKWARD_PRODUCER_REGISTERS), then every form in the other orientation of the
     dK/dV step (`bwd_query_rows`), then every form in both orientations with the other `bwd_rebuild_descriptors`,
     then the one-kernel forms in both orientations with the other `bwd_stagger`.
     Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
