@@ -204,6 +204,7 @@ def test_gpus_default_to_those_present_and_size_the_ring_rows():
     (["--gpus", "4", "--heads", "12", "--kv-heads", "3", "--schemes", "hybrid", "--ulysses-degree", "2"],
      "Ulysses degree 2 and the 3 KV heads"),
     (["--schemes", "tree"], "--schemes"),
+    (["--warmup", "1"], "--warmup: must be >= 2, got 1"),
 ])
 def test_bad_arguments_one_line_and_exit_2(argv, message, capsys):
     assert ring_bench.main(argv) == 2

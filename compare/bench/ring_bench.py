@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from compare.args import OneLineParser, ints, lengths, names, recorded_command, with_error_contract
+from compare.args import OneLineParser, integer, ints, lengths, names, recorded_command, with_error_contract
 from compare.bench import common
 from compare.bench.common import check_parts_and_heads, previous_rows, write_json
 from compare.launch import Interrupted, end_process, interruptible, log_tail, run_logged, torchrun_launcher
@@ -83,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "every scheme the GPU count allows)")
     parser.add_argument("--ulysses-degree", type=int, help="the hybrid's GPUs per all-to-all (default: GPUs / 2)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
-    parser.add_argument("--warmup", type=int, default=3)
+    # a call's time sets how many timed calls fit the budget, so at least one call after the compiling one: with
+    # one warm-up call in all, the JAX rows at 32k on 2 H200s ran at half speed (2026-11-29,
+    # compare/results/ring-one-kernel-2026-11-29-h200x2)
+    parser.add_argument("--warmup", type=integer(2), default=3, help="warm-up calls, the compiling one included")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=4.0, help="seconds per measurement before cutting iters")
     parser.add_argument("--launch-timeout-s", type=float, default=900.0, help="per worker launch")
