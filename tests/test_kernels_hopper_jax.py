@@ -209,8 +209,9 @@ def test_gpu_mosaic_triton_and_cudnn_meet_the_rule(dtype, seq_q, seq_k, heads, k
         assert not _flash_rule_violations(flash, naive, exact), backend
 
 
-# Every backward form at every register split `autotune_space` offers (the heuristic's picks among them: two kernels
-# at producer 24 for D=128, 40 for D=64), and in the query-rows orientation, at both head dims.
+# Every backward form at every register split `autotune_space` offers (the heuristic's picks among them: one kernel
+# with query rows in bfloat16, two kernels in float16 or with documents, at producer 24 for D=128, 40 for D=64), and
+# in the query-rows orientation, at both head dims.
 BACKWARD_VARIANTS = [(form, producer, query_rows) for form in BACKWARD_FORMS for producer in BACKWARD_PRODUCER_REGISTERS
                      for query_rows in (False, True)]
 
