@@ -277,7 +277,8 @@ def test_mosaic_one_kernel_backward_refuses_documents_and_the_heuristic_takes_tw
             q, kv, kv, q, lse, spans)
     with pytest.raises(ValueError, match="bwd_form='one_kernel' takes no documents"):
         backward(HopperConfig(bwd_form="one_kernel"))
-    assert default_config(64).bwd_form == "one_kernel" != default_config(64, dtype=jnp.float16).bwd_form
+    assert {default_config(64, dtype=dtype).bwd_form for dtype in (jnp.bfloat16, jnp.float16)} == {"one_kernel"}
+    assert default_config(64, documents=True).bwd_form == "two_kernel"
     assert [g.shape for g in backward(None)] == [q.shape, kv.shape, kv.shape]
 
 

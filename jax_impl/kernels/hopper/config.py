@@ -342,9 +342,8 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None, limit: 
     an H200 it ran 518-549 TFLOP/s fwd+bwd at D=128 against the two-kernel form's 489-538 and 409-435 against
     377-406 at D=64 (7 of 8 points; compare/results/kernels-mosaic-query-rows-2026-11-29-h200), 554-573 in full
     attention with its walks staggered; it passed the flash rule in the ring on 1 and 2 GPUs
-    (compare/results/gpu-tests-2026-11-29-h200x2). With documents, or in float16 (the one kernel has run on GPUs in
-    bfloat16 alone: `tests/test_kernels_hopper_jax.py`'s float16 cases take the heuristic, so they lift this once
-    they pass on it), the two-kernel form. The configs, in order:
+    (compare/results/gpu-tests-2026-11-29-h200x2), in float16 too (compare/results/gpu-tests-2026-11-29-h200).
+    With documents, the two-kernel form. The configs, in order:
       1. block_kv 128 (FA3's and tokamax's sm90 choice), 2 stages; full attention on three compute warpgroups
          (192-row tiles), at D=128 on a persistent grid: on an H200 (S 16k and 64k, Hkv 32 and 8; compare/results/
          kernels-mosaic-forward-2026-11-23-h200-h12f) fwd 582-594 -> 638-654 TFLOP/s at D=128, 377-444 -> 460-488
@@ -361,7 +360,7 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None, limit: 
     `limit`: the device's (`smem_limit`); ValueError if none fits."""
     out_dtype = dtype if out_dtype is None else out_dtype
     fa3_split, wide_producer = BACKWARD_PRODUCER_REGISTERS
-    one_kernel = not documents and jnp.dtype(dtype) == jnp.bfloat16
+    one_kernel = not documents
     preferred = HopperConfig(full_compute_warpgroups=3, persistent=head_dim > 64,
                              bwd_producer_registers=fa3_split if head_dim > 64 else wide_producer,
                              bwd_form="one_kernel" if one_kernel else "two_kernel", bwd_query_rows=one_kernel)
