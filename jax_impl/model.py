@@ -127,26 +127,46 @@ def quantise(x: jax.Array, dtype: str, axes: tuple[int, ...] | None = None) -> t
     per tensor): weights/fp8.py's recipe, scale = 448 / max(amax, eps), torchao's formula (torchao divides in
     float64 then rounds to float32; one correctly rounded float32 division gives the same number, as 53 >= 2 * 24
     + 2 bits make double rounding harmless)."""
+    scale = _fp8_scale(x, axes)
+    return _scaled_cast(x, scale, dtype), scale
+
+
+def _fp8_scale(x: jax.Array, axes: tuple[int, ...] | None = None) -> jax.Array:
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32)
-    scale = FP8_MAX / jnp.maximum(amax, AMAX_EPS)
-    return jnp.clip(x.astype(jnp.float32) * scale, -FP8_MAX, FP8_MAX).astype(jnp.dtype(dtype)), scale
+    return FP8_MAX / jnp.maximum(amax, AMAX_EPS)
 
 
-def _quantised_blocks(x: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
-    """(x [fsdp, sp, tokens, features] quantised per device block, the blocks' inverse scales [fsdp, sp])."""
+def _scaled_cast(x: jax.Array, scale: jax.Array, dtype: str) -> jax.Array:
+    return jnp.clip(x.astype(jnp.float32) * scale, -FP8_MAX, FP8_MAX).astype(jnp.dtype(dtype))
+
+
+def _transposed_cast(x: jax.Array, scale: jax.Array, dtype: str) -> jax.Array:
+    """x [..., rows, cols] cast as `_scaled_cast` casts it, as [..., cols, rows] in memory: the operand a GEMM that
+    contracts over the rows takes (cuBLASLt's FP8 GEMMs take both operands contraction-minor). Behind an
+    optimization barrier, since otherwise XLA folds the transpose into the dot and its GEMM rewriter puts it back
+    after fusion as a lone float8 transpose, a loop-emitted kernel at a tenth of the bandwidth: one H200 ran one
+    linear's fwd+bwd of the 1B MLP shape (32k tokens, 2048 -> 8192) in 4.95 ms that way, 3.1 ms this way, bf16
+    4.1 (compare/results/train-fp8-jax-2026-11-29-h200)."""
+    return jax.lax.optimization_barrier(_scaled_cast(jnp.swapaxes(x, -1, -2), scale, dtype))
+
+
+def _quantised_blocks(x: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(x [fsdp, sp, tokens, features] quantised per device block, the same transposed ([fsdp, sp, features,
+    tokens], `_transposed_cast`), the blocks' inverse scales [fsdp, sp])."""
     x_q, scale = quantise(x, dtype, (2, 3))
-    return x_q, 1 / scale[..., 0, 0]
+    return x_q, _transposed_cast(x, scale, dtype), 1 / scale[..., 0, 0]
 
 
-def _scaled_dot(a_q: jax.Array, b_q: jax.Array, inverse_scale: jax.Array, contract: tuple, dtype,
+def _scaled_dot(a_q: jax.Array, b_q: jax.Array, inverse_scale: jax.Array, dtype,
                 precision: jax.lax.Precision) -> jax.Array:
-    """One FP8 GEMM of 2-D float8 operands into `dtype`, times the scalar `inverse_scale` (1 / scale_a * 1 /
-    scale_b) rounded to `dtype`: flax's fp8_scaled_dot_general form, which XLA's GEMM rewriter turns into a
-    cuBLASLt FP8 GEMM with that scale in its epilogue, writing `dtype` directly (a float32 product rescaled in a
-    second pass cost more than the FP8 GEMMs saved; XLA 0.11 rewrites no dequantised float32 form and folds no float32
-    scale into a bf16 result: compare/results/train-fp8-jax-2026-11-23-h200-h17k). `precision` HIGHEST turns off
-    cuBLASLt's fast FP8 accumulation, as torchao's backward GEMMs run."""
-    product = jax.lax.dot_general(a_q, b_q, (contract, ((), ())), precision=precision,
+    """One FP8 GEMM a_q [m, k] . b_q [n, k]^T of 2-D float8 operands, both contraction-minor, into `dtype`, times
+    the scalar `inverse_scale` (1 / scale_a * 1 / scale_b) rounded to `dtype`: flax's fp8_scaled_dot_general form,
+    which XLA's GEMM rewriter turns into a cuBLASLt FP8 GEMM with that scale in its epilogue, writing `dtype`
+    directly (a float32 product rescaled in a second pass cost more than the FP8 GEMMs saved; XLA 0.11 rewrites no
+    dequantised float32 form and folds no float32 scale into a bf16 result: compare/results/
+    train-fp8-jax-2026-11-23-h200-h17k). `precision` HIGHEST turns off cuBLASLt's fast FP8 accumulation, as
+    torchao's backward GEMMs run."""
+    product = jax.lax.dot_general(a_q, b_q, (((1,), (1,)), ((), ())), precision=precision,
                                   preferred_element_type=dtype)
     return product * inverse_scale.astype(dtype)
 
@@ -164,35 +184,36 @@ def _per_block(fn: Callable, blocks: TokenBlocks) -> Callable:
 def fp8_matmul(x: jax.Array, weight: jax.Array, blocks: TokenBlocks) -> jax.Array:
     """x [B, S, in] @ weight [out, in].T in FP8 (weights/fp8.py), in x's dtype. Activations and output gradients
     get one scale per device's tokens (`blocks`), as each torch rank's Float8Linear scales its own; the (gathered)
-    weight one scale."""
+    weight one scale. Each operand is cast in the layout its GEMM reads (`_transposed_cast`)."""
     return _fp8_matmul_forward(x, weight, blocks)[0]
 
 
 def _fp8_matmul_forward(x: jax.Array, weight: jax.Array, blocks: TokenBlocks):
-    x_q, x_inverse = _quantised_blocks(_device_blocks(x, blocks), FP8_DTYPE)
+    x_q, x_transposed, x_inverse = _quantised_blocks(_device_blocks(x, blocks), FP8_DTYPE)
     w_q, w_scale = quantise(weight, FP8_DTYPE)
     w_inverse = 1 / w_scale.reshape(())
-    forward = _per_block(lambda a, a_inverse: _scaled_dot(a, w_q, a_inverse * w_inverse, ((1,), (1,)), x.dtype,
+    forward = _per_block(lambda a, a_inverse: _scaled_dot(a, w_q, a_inverse * w_inverse, x.dtype,
                                                           jax.lax.Precision.DEFAULT), blocks)
     y = _from_device_blocks(forward(x_q, x_inverse), x.shape[0])
-    # the float8 activation is kept for the weight gradient: the very values torchao's Float8Linear gets by
-    # quantising the kept bf16 input again, at half its bytes and without that pass
-    return y, (x_q, x_inverse, weight)
+    # the float8 activation, transposed, is kept for the weight gradient: the very values torchao's Float8Linear
+    # gets by quantising the kept bf16 input again, at half its bytes and without that pass
+    return y, (x_transposed, x_inverse, weight)
 
 
 def _fp8_matmul_backward(blocks: TokenBlocks, residuals, grad: jax.Array):
     """dX per device block; dW per device block in bf16 (a torch rank's), then summed over the blocks in float32."""
-    x_q, x_inverse, weight = residuals
-    g_q, g_inverse = _quantised_blocks(_device_blocks(grad, blocks), GRADIENT_DTYPE)
-    w_q, w_scale = quantise(weight, FP8_DTYPE)
+    x_transposed, x_inverse, weight = residuals
+    g_q, g_transposed, g_inverse = _quantised_blocks(_device_blocks(grad, blocks), GRADIENT_DTYPE)
+    w_scale = _fp8_scale(weight)
+    w_transposed = _transposed_cast(weight, w_scale, FP8_DTYPE)
     w_inverse = 1 / w_scale.reshape(())
     highest = jax.lax.Precision.HIGHEST
 
-    def block(g, x, g_inv, x_inv):
-        return (_scaled_dot(g, w_q, g_inv * w_inverse, ((1,), (0,)), grad.dtype, highest),
-                _scaled_dot(g, x, g_inv * x_inv, ((0,), (0,)), weight.dtype, highest))
+    def block(g, g_t, x_t, g_inv, x_inv):
+        return (_scaled_dot(g, w_transposed, g_inv * w_inverse, grad.dtype, highest),
+                _scaled_dot(g_t, x_t, g_inv * x_inv, weight.dtype, highest))
 
-    grad_x, grad_w = _per_block(block, blocks)(g_q, x_q, g_inverse, x_inverse)
+    grad_x, grad_w = _per_block(block, blocks)(g_q, g_transposed, x_transposed, g_inverse, x_inverse)
     return _from_device_blocks(grad_x, grad.shape[0]), grad_w.astype(jnp.float32).sum((0, 1)).astype(weight.dtype)
 
 
