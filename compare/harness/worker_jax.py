@@ -26,6 +26,7 @@ same shape reuse the equivalence job's compiled train step (the setting is part 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import statistics
 import sys
@@ -58,7 +59,8 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src
 # The float32 check's first function (also timed alone by compare/bench/jax_compile_profile.py), compiled without
 # XLA's autotuning: on one H200 its GEMM autotuning of the full-precision float32 dots took most of the compilation
 # (4 layers of the 1B shape at 2k tokens: 64.9 s, 10.4 s without; 148 s at 8 layers in a compare run;
-# compare/results/compare-jax-check-compile-2026-11-29-h200). The check needs its dots exact, not fast.
+# compare/results/compare-jax-check-compile-2026-11-29-h200). The check needs its dots exact, not fast. Its
+# loss-curve steps too: with the first function fixed, their compilation took 125 of the check's 152 s at 8 layers.
 CHECK_COMPILER_OPTIONS = (("xla_gpu_autotune_level", 0),)
 check_loss_grads_and_logits = jax.jit(jax.value_and_grad(next_token_loss, has_aux=True),
                                       static_argnames=("spec", "with_logits"),
@@ -85,13 +87,16 @@ def _weight_sums(run: Training) -> dict[str, list[float]]:
     return sums
 
 
-def _train_steps(run: Training, batches: np.ndarray, steps: range) -> list[float]:
-    """Losses of optimizer steps `steps` on `batches` (the state is donated and replaced in `run`)."""
+def _train_steps(run: Training, batches: np.ndarray, steps: range,
+                 extra_options: tuple[tuple[str, object], ...] = ()) -> list[float]:
+    """Losses of optimizer steps `steps` on `batches` (the state is donated and replaced in `run`), the step
+    compiled with `extra_options` added to its own."""
+    spec = dataclasses.replace(run.spec, compiler_options=run.spec.compiler_options + extra_options)
     losses = []
     for step in steps:
-        coefficients = adamw_coefficients(run.spec.optimizer, step)
+        coefficients = adamw_coefficients(spec.optimizer, step)
         run.state, loss, _ = train_step(run.state, *sharded_batch(batches[step], run.mesh),
-                                        step_scalars(coefficients), spec=run.spec)
+                                        step_scalars(coefficients), spec=spec)
         losses.append(float(loss))  # waits for the step
     return losses
 
@@ -125,7 +130,9 @@ def equivalence(job: Job, work_dir: Path, devices: list, clock: SetupClock, host
         arrays.update({f"grad/{name}": g for name, g in _unstackedon_host(grads).items()})
         del grads
         phases.lap("gather to host")
-        curve = _train_steps(run, batches, range(settings.steps)) if whole and job.mode == "train" else []
+        # the check's steps in float32 at full precision: compiled without autotuning, as its first function
+        curve = (_train_steps(run, batches, range(settings.steps), CHECK_COMPILER_OPTIONS)
+                 if whole and job.mode == "train" else [])
         phases.lap("loss curve steps")
     save_file(arrays, str(work_dir / f"{job.id}.safetensors"))
     phases.lap("write")
