@@ -9,6 +9,7 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.extend.core import jaxprs_in_params
 
 from compare.bench.fp8_linear_bench import float8_transposes, main
 from jax_impl.model import fp8_matmul
@@ -35,7 +36,7 @@ def _fp8_dots_and_barriers(blocks):
             if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.dtype == jnp.float8_e4m3fn:
                 (lhs, rhs), _ = eqn.params["dimension_numbers"]
                 dots.append(((eqn.invars[0].aval.ndim, eqn.invars[1].aval.ndim), (tuple(lhs), tuple(rhs))))
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(jax.make_jaxpr(products)(x, w, g).jaxpr)
