@@ -127,13 +127,9 @@ def quantise(x: jax.Array, dtype: str, axes: tuple[int, ...] | None = None) -> t
     per tensor): weights/fp8.py's recipe, scale = 448 / max(amax, eps), torchao's formula (torchao divides in
     float64 then rounds to float32; one correctly rounded float32 division gives the same number, as 53 >= 2 * 24
     + 2 bits make double rounding harmless)."""
-    scale = _fp8_scale(x, axes)
-    return _scaled_cast(x, scale, dtype), scale
-
-
-def _fp8_scale(x: jax.Array, axes: tuple[int, ...] | None = None) -> jax.Array:
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32)
-    return FP8_MAX / jnp.maximum(amax, AMAX_EPS)
+    scale = FP8_MAX / jnp.maximum(amax, AMAX_EPS)
+    return _scaled_cast(x, scale, dtype), scale
 
 
 def _scaled_cast(x: jax.Array, scale: jax.Array, dtype: str) -> jax.Array:
@@ -196,15 +192,14 @@ def _fp8_matmul_forward(x: jax.Array, weight: jax.Array, blocks: TokenBlocks):
                                                           jax.lax.Precision.DEFAULT), blocks)
     y = _from_device_blocks(forward(x_q, x_inverse), x.shape[0])
     # the float8 activation, transposed, is kept for the weight gradient: the very values torchao's Float8Linear
-    # gets by quantising the kept bf16 input again, at half its bytes and without that pass
-    return y, (x_transposed, x_inverse, weight)
+    # gets by quantising the kept bf16 input again, at half its bytes and without that pass; the weight's scale too
+    return y, (x_transposed, x_inverse, weight, w_scale)
 
 
 def _fp8_matmul_backward(blocks: TokenBlocks, residuals, grad: jax.Array):
     """dX per device block; dW per device block in bf16 (a torch rank's), then summed over the blocks in float32."""
-    x_transposed, x_inverse, weight = residuals
+    x_transposed, x_inverse, weight, w_scale = residuals
     g_q, g_transposed, g_inverse = _quantised_blocks(_device_blocks(grad, blocks), GRADIENT_DTYPE)
-    w_scale = _fp8_scale(weight)
     w_transposed = _transposed_cast(weight, w_scale, FP8_DTYPE)
     w_inverse = 1 / w_scale.reshape(())
     highest = jax.lax.Precision.HIGHEST

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 from jax.extend.core import jaxprs_in_params
 
-from compare.bench.fp8_linear_bench import float8_transposes, main
+from compare.bench.fp8_linear_bench import FORMS, float8_transposes, forward_backward, main
 from jax_impl.model import fp8_matmul
 
 IN, OUT = 128, 96  # tests/test_fp8.py's product's dims
@@ -22,10 +22,6 @@ def _fp8_dots_and_barriers(blocks):
     matmul, forward and backward, as traced."""
     x = jnp.zeros((2, 32, IN), jnp.bfloat16)
     w, g = jnp.zeros((OUT, IN), jnp.bfloat16), jnp.zeros((2, 32, OUT), jnp.bfloat16)
-
-    def products(x, w, g):
-        y, vjp = jax.vjp(lambda x, w: fp8_matmul(x, w, blocks), x, w)
-        return y, vjp(g)
 
     dots, barriers = [], 0
 
@@ -39,7 +35,7 @@ def _fp8_dots_and_barriers(blocks):
             for sub in jaxprs_in_params(eqn.params):
                 walk(sub)
 
-    walk(jax.make_jaxpr(products)(x, w, g).jaxpr)
+    walk(jax.make_jaxpr(forward_backward(lambda x, w: fp8_matmul(x, w, blocks)))(x, w, g).jaxpr)
     return dots, barriers
 
 
@@ -67,11 +63,7 @@ def test_gpu_fp8_matmul_compiles_no_lone_float8_transpose():
     x, g = jnp.zeros((1, 4096, 2048), jnp.bfloat16), jnp.zeros((1, 4096, 8192), jnp.bfloat16)
     w = jnp.zeros((8192, 2048), jnp.bfloat16)
 
-    def products(x, w, g):
-        y, vjp = jax.vjp(lambda x, w: fp8_matmul(x, w, (1, 1)), x, w)
-        return y, vjp(g)
-
-    text = jax.jit(products).lower(x, w, g).compile().as_text()
+    text = forward_backward(FORMS["fp8"]).lower(x, w, g).compile().as_text()
     transposes = float8_transposes(text)
     assert [kind for _, _, kind in transposes] == ["kInput"] * 3, transposes
     assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 3
