@@ -3,8 +3,9 @@ once per precision, the FP8 jobs training as `twinflash train --fp8`, the bf16 i
 skipped with the install line without torchao, the noise floor's runs of our kernels also in FP8), bad input (fp8
 without a bf16 --dtype or train mode, tokens per device FP8 GEMMs cannot take: one line, exit 2), the report's
 precision section and plots (MFU against both peaks, the fp8 / bf16 speed on GPUs, nothing ranked on CPU; a
-bf16-only run has none of it: the negative control), and end to end on CPU (slow): both backends' FP8 jobs really
-ran FP8 (their losses differ from bf16's) and the report carries both precisions."""
+bf16-only run has none of it: the negative control), the loss curves measured against the bf16 noise floor
+(FP8 within it and beyond it, torch's FP8 run against JAX's), and end to end on CPU (slow): both backends' FP8
+jobs really ran FP8 (their losses differ from bf16's) and the report carries both precisions."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from compare.harness import plan as P
 from compare.report.precision import precision_section
 from compare.report.render import render_markdown
 from compare.report.write import validate_report, write_report
+from weights import PRESETS
 from weights.flops import PEAK_FLOPS_PER_DEVICE, PEAK_FP8_FLOPS_PER_DEVICE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,7 +140,10 @@ def test_the_precision_section_compares_bf16_and_fp8_per_point(tmp_path):
     assert fp8["speed_vs_bf16"] == pytest.approx(1.0 / 0.8)  # step 1.0 s -> 0.8 s
     assert fp8["mfu"] == pytest.approx(fp8["mfu_fp8_peak"] * PEAK_FP8_FLOPS_PER_DEVICE / PEAK_FLOPS_PER_DEVICE)
     assert rows["torch", "bf16"]["speed_vs_bf16"] is None and rows["jax", "fp8"]["status"] == "skipped"
-    assert {p["name"] for p in section["curves"]["pairs"]} == {"torch: fp8 vs bf16", "jax: fp8 vs bf16"}
+    assert {p["name"] for p in section["curves"]["pairs"]} == {"torch: fp8 vs bf16", "jax: fp8 vs bf16",
+                                                               "torch vs jax, fp8"}
+    assert section["curves"]["floor"] is None  # no bf16 floor in this report: no ratios, no verdict
+    assert all(p["ratio"] is None and p["within_floor"] is None for p in section["curves"]["pairs"])
     write_report(report, tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     validate_report(data)
@@ -147,6 +152,8 @@ def test_the_precision_section_compares_bf16_and_fp8_per_point(tmp_path):
     precision = md.split("## Precision: bf16 vs FP8")[1].split("## ")[0]
     assert "MFU (FP8 peak)" in precision and "1.25×" in precision and "needs torchao" in precision
     assert "plots/precision.png" in precision and "plots/precision_curves.png" in md
+    curves_md = md.split("### Loss curves, bf16 vs FP8")[1].split("\n## ")[0]
+    assert "the pairs are shown without a verdict" in curves_md and "within the bf16 noise floor" not in curves_md
     assert "fp8" not in md.split("## Benchmark")[1].split("## Precision")[0]  # the benchmark table shows bf16 alone
 
 
@@ -161,6 +168,53 @@ def test_a_cpu_run_ranks_no_precision_and_a_bf16_run_has_no_precision_section(tm
     write_report(copy.deepcopy(bf16), tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     assert not FP8_PLOTS & set(data["plots"]) and "Precision" not in (tmp_path / "report.md").read_text()
+
+
+def _curve_record(name: str, losses: list[float], precision: str = "bf16") -> dict:
+    backend, attention = name.split("-")[:2]
+    return {"name": name, "backend": backend, "attention": attention, "kernel": attention, "status": "ok",
+            "message": None, "losses": losses, "seconds": 1.0, "precision": precision}
+
+
+@pytest.mark.parametrize("fp8_offset, within", [(0.001, True), (0.01, False)])
+def test_the_fp8_curves_are_measured_against_the_bf16_noise_floor(fp8_offset, within, tmp_path):
+    """The bf16 floor here is 0.1 % (every bf16 run 0.1 % from two others): FP8 runs 0.1 % from bf16 are within it
+    (ratio 1), 1 % beyond it (ratio 10, the negative control); torch's FP8 run against JAX's, 0.1 % apart as their
+    bf16 runs are, is within it either way (ratio 1)."""
+    steps = 20
+    curve = [10.0 - 0.3 * i for i in range(steps)]
+
+    def off(relative: float, losses: list[float] = curve) -> list[float]:
+        return [x * (1 + relative) for x in losses]
+
+    bf16 = {"torch-ours": curve, "torch-vendor": off(0.001), "jax-ours": off(0.001), "jax-vendor": curve}
+    floor = {"seq_len": 8192, "devices": 2, "steps": steps}
+    report = _report(["bf16", "fp8"])
+    report["equivalence"]["bf16"] = N.noise_floor_section(
+        floor, [{k: v for k, v in _curve_record(n, c).items() if k != "precision"} for n, c in bf16.items()],
+        PRESETS["llama3.2-1b"])
+    assert report["equivalence"]["bf16"]["floor"] == pytest.approx(0.001, rel=1e-3)
+    curves = [_curve_record(n, bf16[n]) for n in ("torch-ours", "jax-ours")]
+    curves += [_curve_record("torch-ours-fp8", off(fp8_offset), "fp8"),
+               _curve_record("jax-ours-fp8", off(fp8_offset, bf16["jax-ours"]), "fp8")]
+    section = precision_section(report, floor, curves)["curves"]
+    pairs = {p["name"]: p for p in section["pairs"]}
+    assert set(pairs) == {"torch: fp8 vs bf16", "jax: fp8 vs bf16", "torch vs jax, fp8"}
+    assert section["ratio_limit"] == N.RATIO_LIMIT[0]
+    assert pairs["torch: fp8 vs bf16"]["ratio"] == pytest.approx(fp8_offset / 0.001, rel=0.01)
+    assert [pairs[f"{b}: fp8 vs bf16"]["within_floor"] for b in ("torch", "jax")] == [within, within]
+    cross = pairs["torch vs jax, fp8"]
+    assert cross["ratio"] == pytest.approx(1.0, rel=0.01) and cross["within_floor"] is True
+    report["precision"] = {**report["precision"], "curves": section}
+    write_report(report, tmp_path)
+    validate_report(json.loads((tmp_path / "report.json").read_text()))
+    md = (tmp_path / "report.md").read_text().split("### Loss curves, bf16 vs FP8")[1]
+    assert "Against the bf16 noise floor (0.1 %" in md
+    summary = (tmp_path / "report.md").read_text().split("## Summary")[1].split("\n## ")[0]
+    assert f"| FP8 loss curve, torch: fp8 vs bf16 | {'PASS' if within else 'FAIL'} |" in summary
+    assert "| FP8 loss curve, torch vs jax, fp8 | PASS |" in summary
+    verdict = "within the bf16 noise floor (at most 1.5)" if within else "beyond the bf16 noise floor (above 1.5)"
+    assert md.count(verdict) == (3 if within else 2) and "| torch vs jax, fp8 |" in md
 
 
 @pytest.mark.slow

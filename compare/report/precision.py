@@ -3,7 +3,10 @@ null without fp8): per benchmark point and precision its tokens/s, peak memory, 
 against the FP8 dense peak (`weights.flops`), time to the report's token count and, per FP8 point, its speed over
 the bf16 point of the same backend, length, devices and kernel; and the loss curves bf16 vs FP8 per backend on the
 same text (the bf16 noise floor's `<backend>-ours` run and its FP8 twin `<backend>-ours-fp8`,
-compare/harness/noise_floor.py), with each backend's per-step relative difference. Owns the section's dict
+compare/harness/noise_floor.py), with each backend's per-step relative difference, and torch's FP8 run against
+JAX's. Each of those pairs is measured against the bf16 noise floor (the report's equivalence.bf16 floor: how far
+two correct bf16 trainings drift apart), with the noise floor's ratio rule: mean difference / floor <=
+`RATIO_LIMIT` reads "within the bf16 noise floor". Owns the section's dict
 (`precision_section`) and its blocks of the report's document model (`blocks`, rendered by
 compare/report/render.py); its plots are compare/report/plots.py's (`precision`, `precision_curves`).
 
@@ -13,7 +16,7 @@ too), the same caveat as the rest of its report.
 
 from __future__ import annotations
 
-from compare.harness.noise_floor import SEED, compare_curves
+from compare.harness.noise_floor import FLOOR_MIN, RATIO_LIMIT, SEED, compare_curves
 from compare.report.fields import DASH, STATUS_LABELS, finite, fmt, fmt_seq, fmt_tokens, on_cpu, sorted_points
 from weights.flops import PEAK_FLOPS_PER_DEVICE, PEAK_FP8_FLOPS_PER_DEVICE
 
@@ -62,9 +65,23 @@ def precision_section(report: dict, floor: dict | None, curves: list[dict]) -> d
                                 losses)
                  for backend in report["settings"]["backends"]
                  if f"{backend}-ours" in losses and f"{backend}-ours-fp8" in losses]
+        if {"torch-ours-fp8", "jax-ours-fp8"} <= set(losses):
+            pairs.append(compare_curves("torch vs jax, fp8", "cross", "torch-ours-fp8", "jax-ours-fp8", losses))
+        bf16_floor = (report["equivalence"].get("bf16") or {}).get("floor")
         section["curves"] = {"seq_len": floor["seq_len"], "devices": floor["devices"], "steps": floor["steps"],
-                             "data": "text", "seed": SEED, "runs": curves, "pairs": pairs}
+                             "data": "text", "seed": SEED, "runs": curves,
+                             "pairs": [_against_floor(p, bf16_floor) for p in pairs], "floor": bf16_floor,
+                             "ratio_limit": RATIO_LIMIT[0]}
     return section
+
+
+def _against_floor(pair: dict, floor: float | None) -> dict:
+    """`pair` with its mean difference over the bf16 noise floor ("ratio") and whether that is within the noise
+    floor's `RATIO_LIMIT` ("within_floor"); both None without a measured floor or a finite mean."""
+    ratio = None
+    if floor is not None and pair["mean"] is not None and finite(pair["mean"]):
+        ratio = pair["mean"] / max(floor, FLOOR_MIN)
+    return {**pair, "ratio": ratio, "within_floor": None if ratio is None else ratio <= RATIO_LIMIT[0]}
 
 
 def blocks(report: dict) -> list[tuple]:
@@ -117,12 +134,28 @@ def _curve_blocks(report: dict, curves: dict | None) -> list[tuple]:
               f"{r['losses'][0]:.4f}" if r["losses"] else DASH, f"{r['losses'][-1]:.4f}" if r["losses"] else DASH,
               str(len(r["losses"])), f"{r['seconds']:.0f} s"] for r in curves["runs"]])]
     if curves["pairs"]:
-        doc.append(("table", ["pair", "steps", "max", "mean", "final"],
+        floor, limit = curves.get("floor"), curves.get("ratio_limit", RATIO_LIMIT[0])
+        if floor is None:
+            doc.append(("p", ["No bf16 noise floor in this report (its runs did not finish, or the report "
+                              "predates the comparison): the pairs are shown without a verdict."]))
+        else:
+            doc.append(("p", [f"Against the bf16 noise floor ({floor * 100:.3g} %, the section above): ratio = "
+                              f"mean difference / floor; within the floor at {limit:g} or less, the noise floor's "
+                              "own rule (compare/harness/noise_floor.py RATIO_LIMIT)."]))
+        doc.append(("table", ["pair", "steps", "max", "mean", "final", "ratio to the bf16 floor", "verdict"],
                     [[p["name"], str(p["steps"])] + [fmt(p[k], "percent") for k in ("max", "mean", "final")]
-                     for p in curves["pairs"]]))
+                     + _verdict_cells(p, limit) for p in curves["pairs"]]))
     notes = [[f"{r['name']}: {r['message']}"] for r in curves["runs"] if r["message"]]
     doc += [("p", ["Runs that did not finish:"]), ("list", notes)] if notes else []
     return doc + _images(report, "precision_curves")
+
+
+def _verdict_cells(pair: dict, limit: float) -> list[str]:
+    ratio = pair.get("ratio")
+    if ratio is None:
+        return [DASH, "not measured"]
+    return [f"{ratio:.2f}", f"within the bf16 noise floor (at most {limit:g})" if pair["within_floor"]
+            else f"beyond the bf16 noise floor (above {limit:g})"]
 
 
 def _images(report: dict, *names: str) -> list[tuple]:

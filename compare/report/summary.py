@@ -6,7 +6,8 @@ Markdown and HTML by compare/report/render.py), which answer the run's question 
   torch; MFU's ratio is the throughput's, both backends doing the same FLOPs per token). A point that did not run
   shows its status once, in one cell spanning its backend's columns;
 - one line per verdict: each float32 equivalence comparison (its closest check to its tolerance, or its failures),
-  the bf16 fast path per backend, the bf16 noise floor (naming an outlier run);
+  the bf16 fast path per backend, the bf16 noise floor (naming an outlier run), and with FP8 each pair of the
+  precision section's loss curves against that floor;
 - the headline plot (throughput).
 
 A CPU run shows no ratio: its timings measure interpreters and rank nothing.
@@ -118,6 +119,13 @@ def _verdicts(report: dict) -> list[tuple]:
     if bf16 is not None:
         rows.append(["bf16 noise floor (torch vs JAX training)", _verdict(bf16["consistent"]),
                      bf16["verdict"] + " (reported beside the verdict above, not part of it)"])
+    curves = (report.get("precision") or {}).get("curves") or {}
+    for pair in curves.get("pairs", []):
+        if "within_floor" in pair:  # reports made before the comparison have none
+            rows.append([f"FP8 loss curve, {pair['name']}", _verdict(pair["within_floor"]),
+                         f"mean difference {fmt(pair['mean'], 'percent')}, {pair['ratio']:.2f} × the bf16 noise floor "
+                         f"(within: at most {curves['ratio_limit']:g}; beside the verdict, not part of it)"
+                         if pair["ratio"] is not None else "no bf16 noise floor to measure it against"])
     return [("table", ["check", "verdict", "detail"], rows)]
 
 
