@@ -37,6 +37,8 @@ _HLO_OP = re.compile(r"hlo_op=([^,#\s]+)")  # inside a GPU kernel's XLA annotati
 _KERNEL_KINDS = (("communication", re.compile(r"nccl", re.I)),
                  ("attention", re.compile(r"fmha|flash|sdpa|cudnn", re.I)),
                  ("gemm", re.compile(r"gemm|nvjet|cutlass|cublas|xmma", re.I)))
+# ops that only move or name values: left out of a fusion's description (`_Hlo.describe`)
+_PLUMBING = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element", "broadcast", "reshape"}
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+) = (.*)$")
 # "[ENTRY] %name (params) -> shape {" or, printed without the program shape, "[ENTRY] %name {"
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(={]+).*\{\s*$")  # tried after _INSTRUCTION
@@ -64,6 +66,8 @@ class _Instruction:
     calls: tuple[str, ...]
     op_name: str
     target: str
+    shape: str  # the result's, layout left out: "f8e4m3fn[14336,16384]"
+    fusion_kind: str  # "kLoop", "kInput", "kCustom", ... for a fusion, else ""
 
 
 def _opcode(rest: str) -> str:
@@ -96,8 +100,12 @@ class _Hlo:
             calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", rest)
             op_name = re.search(r'op_name="([^"]*)"', rest)
             target = re.search(r'custom_call_target="([^"]*)"', rest)
-            self.instructions[name] = _Instruction(_opcode(rest), tuple(calls), op_name.group(1) if op_name else "",
-                                                   target.group(1) if target else "")
+            opcode = _opcode(rest)
+            shape = re.sub(r"\{[^}]*\}", "", rest[:max(rest.find(f" {opcode}("), 0)])  # layouts left out
+            fusion_kind = re.search(r"kind=(k\w+)", rest)
+            self.instructions[name] = _Instruction(opcode, tuple(calls), op_name.group(1) if op_name else "",
+                                                   target.group(1) if target else "", shape,
+                                                   fusion_kind.group(1) if fusion_kind else "")
             members.append(name)
 
     def _opcodes(self, name: str, seen: set[str]) -> set[str]:
@@ -116,6 +124,24 @@ class _Hlo:
         kernel after it, "." made "_"); "" when the HLO has neither."""
         candidates = (name, event_name, re.sub(r"_(\d+)$", r".\1", event_name))
         return next((c for c in candidates if c in self.instructions), "")
+
+    def describe(self, event_name: str) -> str:
+        """What the kernel `event_name` computes, from its instruction (`instruction_name`): result shape, opcode
+        (a fusion's kind and the ops it fuses, its parameters and plumbing left out; a custom call's target) and the
+        last part of its op_name; "" when the HLO does not have it. What a profile's costliest kernel is, without
+        the HLO dump beside it (e.g. "f8e4m3fn[14336,16384] fusion kInput of transpose")."""
+        name = self.instruction_name("", event_name)
+        if not name:
+            return ""
+        instruction = self.instructions[name]
+        what = f"{_short_shape(instruction.shape)} {instruction.opcode}"
+        if instruction.fusion_kind:
+            ops = self._opcodes(name, set()) - {"fusion", "parameter", ""}
+            what += f" {instruction.fusion_kind} of {', '.join(sorted(ops - _PLUMBING or ops))}"
+        if instruction.target:
+            what += f" {instruction.target}"
+        where = "/".join(instruction.op_name.split("/")[-2:])
+        return f"{what}: {where}" if where else what
 
     def classify(self, name: str, event_name: str, name_stack: str) -> tuple[str, frozenset]:
         """(kind, regions) of the instruction `name`, else of the one the kernel `event_name` was generated for
@@ -140,6 +166,15 @@ class _Hlo:
         return kind, regions | regions_of(instruction.op_name)
 
 
+def _short_shape(shape: str, shown: int = 2) -> str:
+    """An HLO result shape for a one-line description: a tuple of more than `shown` arrays as its first ones and
+    how many it has (a while loop's state holds dozens)."""
+    parts = re.findall(r"\w+\[[^\]]*\]", shape)
+    if not shape.startswith("(") or len(parts) <= shown:
+        return re.sub(r"/\*[^*]*\*/", "", shape)
+    return f"({', '.join(parts[:shown])}, ... {len(parts)} arrays)"
+
+
 def _hlo_op(event) -> tuple[str, str]:
     """(the HLO instruction an event executes: its `hlo_op` stat, or the instruction named in its XLA annotation,
     "" when none; the text of all its string stats, where a GPU kernel's annotation puts its op_name: "tf_op",
@@ -152,11 +187,10 @@ def _hlo_op(event) -> tuple[str, str]:
     return (match.group(1) if match else ""), text
 
 
-def trace_events(xplane_path: str, hlo_text: str) -> tuple[list[DeviceEvent], list[tuple[float, float]], dict]:
-    """(device events of device 0, step windows, how they were classified) of a jax.profiler trace, in seconds.
-    The last says how many events were found in the HLO text and how many got a region, with a few kernels that
-    were not found: what to look at when a GPU profile's regions come out empty."""
-    hlo = _Hlo(hlo_text)
+def trace_events(xplane_path: str, hlo: _Hlo) -> tuple[list[DeviceEvent], list[tuple[float, float]], dict]:
+    """(device events of device 0, step windows, how they were classified) of a jax.profiler trace, in seconds,
+    with the compiled step's HLO. The last says how many events were found in the HLO and how many got a region,
+    with a few kernels that were not found: what to look at when a GPU profile's regions come out empty."""
     planes = list(jax.profiler.ProfileData.from_file(xplane_path).planes)
     gpu = [p for p in planes if p.name == "/device:GPU:0"]
     events, windows, found, unmatched = [], [], 0, {}
@@ -218,5 +252,10 @@ class StepProfiler:
             raise RuntimeError("no profiled step has run")
         with self._scratch as scratch:
             (xplane,) = glob.glob(f"{scratch}/**/*.xplane.pb", recursive=True)
-            events, windows, lookup = trace_events(xplane, hlo_text)
-            return {**breakdown(events, windows), "device": jax.devices()[0].device_kind, "hlo_lookup": lookup}
+            hlo = _Hlo(hlo_text)
+            events, windows, lookup = trace_events(xplane, hlo)
+            profile = breakdown(events, windows)
+            for item in profile["top"]:  # what each costliest kernel computes, where the HLO has it
+                if described := hlo.describe(item["name"]):
+                    item["hlo"] = described
+            return {**profile, "device": jax.devices()[0].device_kind, "hlo_lookup": lookup}

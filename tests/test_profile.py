@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from torch_impl.train import AdamW
-from weights.profiling import (CATEGORIES, PROFILE_JSON, DeviceEvent, HostEvent, breakdown, check_breakdown,
-                               format_table, host_costliest, profiled_steps)
+from weights.profiling import (CATEGORIES, PROFILE_JSON, TOP_EVENTS, TOP_PRINTED, DeviceEvent, HostEvent, breakdown,
+                               check_breakdown, format_table, host_costliest, profiled_steps)
 from weights.schedule import OptimizerConfig
 from weights.training import adamw_coefficients
 
@@ -63,6 +63,8 @@ def test_profile_breaks_the_step_into_every_category(cpu_profile):
         lookup = cpu_profile["hlo_lookup"]  # host's scalar conversions between steps)
         assert lookup["events"] > 0 and lookup["found_in_hlo"] >= 0.9 * lookup["events"]
         assert 0 < lookup["with_region"] < lookup["events"]
+        described = [item["hlo"] for item in cpu_profile["top"] if "hlo" in item]
+        assert len(described) >= len(cpu_profile["top"]) // 2 and all("[" in what for what in described)
 
 
 def _profile_of(categories: dict[str, float], step: float) -> dict:
@@ -104,6 +106,8 @@ def test_top_events_count_their_calls_per_step():
     calls = {item["name"]: item["calls"] for item in profile["top"]}
     assert calls == {"fwd": 2.0, "bwd": 1.0}
     assert "   2.0  gemm" in format_table(profile)
+    many = breakdown([DeviceEvent(f"k{i}", i, i + 0.5, "gemm") for i in range(TOP_EVENTS + 5)], [(0.0, 100.0)])
+    assert len(many["top"]) == TOP_EVENTS and format_table(many).count(" gemm ") == TOP_PRINTED
 
 
 def test_host_costliest_counts_self_time_per_thread_and_step():
@@ -213,7 +217,7 @@ metadata={op_name="jit(train_step)/transpose(jvp(twinflash_loss))/checkpoint/rem
 
 def test_jax_hlo_classification_of_instructions_and_kernels():
     from weights.profiling import category
-    from jax_impl.profiling import _Hlo
+    from jax_impl.profiling import _Hlo, _short_shape
 
     hlo = _Hlo(_HLO_TEXT)  # the entry computation printed without its program shape (as GPU texts may be)
     optimizer = ("elementwise", frozenset({"optimizer"}))
@@ -234,6 +238,15 @@ def test_jax_hlo_classification_of_instructions_and_kernels():
         "elementwise", frozenset({"recompute"}))
     # negative control: a scope that is not a region's, or a region's name without the mark, is no region
     assert hlo.classify("", "loop_add_fusion_7", "jit(train_step)/loss/twinflash_lossy/add")[1] == frozenset()
+    # what a kernel computes, for the profile's costliest list: shape, fusion kind and ops, where in the step
+    assert hlo.describe("loop_multiply_fusion_32") == "f32[4] fusion kLoop of multiply: twinflash_optimizer/mul"
+    assert hlo.describe("gemm_fusion_3") == "bf16[4,4] fusion kCustom of dot: twinflash_attention/dot_general"
+    assert hlo.describe("all-gather-start") == "(bf16[4,4], bf16[8,4]) all-gather-start"
+    assert hlo.describe("nvjet_sm90_tst_128x256") == ""  # not in the HLO: nothing made up
+    assert hlo.describe("tuple.1") == "(f32[4], bf16[4,4]) tuple"
+    state = "(s32[], f32[2,4], /*index=2*/bf16[8], f32[])"
+    assert _short_shape(state) == "(s32[], f32[2,4], ... 4 arrays)" and _short_shape(state, 4) == (
+        "(s32[], f32[2,4], bf16[8], f32[])")
 
 
 def test_jax_region_marks_reach_the_compiled_step():
@@ -279,7 +292,7 @@ def test_jax_gpu_trace_regions_come_from_the_kernels_annotations(tmp_path):
     op_name each kernel's annotation carries, the kinds from the kernel names, and device 1 is not counted."""
     from jax.profiler import ProfileData
 
-    from jax_impl.profiling import trace_events
+    from jax_impl.profiling import _Hlo, trace_events
 
     names = {1: "nvjet_sm90_tst_128x256_h_bz_TNT", 2: "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_kernel0",
              3: "loop_multiply_fusion_3", 4: "input_reduce_fusion_9", 5: "ncclDevKernel_SendRecv"}
@@ -304,7 +317,7 @@ def test_jax_gpu_trace_regions_come_from_the_kernels_annotations(tmp_path):
             'event_metadata { key: 1 value { id: 1 name: "twinflash/step" } } }')
     xplane = tmp_path / "trace.xplane.pb"
     xplane.write_bytes(ProfileData.text_proto_to_serialized_xspace(device(0) + device(1) + host))
-    events, windows, lookup = trace_events(str(xplane), _HLO_TEXT)
+    events, windows, lookup = trace_events(str(xplane), _Hlo(_HLO_TEXT))
     assert windows == [(0.0, 0.01)] and len(events) == 5  # device 1's kernels left out
     assert lookup["found_in_hlo"] == 0 and lookup["with_region"] == 3 and len(lookup["not_found"]) == 5
     per_step_us = {name: round(seconds * 1e6) for name, seconds in breakdown(events, windows)["categories"].items()}

@@ -18,8 +18,10 @@ GEMMs, and everything else (RMSNorm, RoPE, SwiGLU, residual adds, casts, copies,
 elementwise.
 
 profile.json: {"step_s": mean profiled step, "categories": {name: seconds per step}, "communication_total_s",
-"steps": how many steps were profiled, "top": [{"name", "category", "seconds", "calls"}] (per step, the costliest
-device events by name, and how many of them started in a step: a kernel run twice shows as twice the calls),
+"steps": how many steps were profiled, "top": [{"name", "category", "seconds", "calls"}] (per step, the
+`TOP_EVENTS` costliest device events by name, and how many of them started in a step: a kernel run twice shows as
+twice the calls; JAX adds "hlo" where the compiled step has the kernel's instruction: what it computes, its shape,
+fusion and ops, `jax_impl.profiling._Hlo.describe`; the table prints the first `TOP_PRINTED`),
 optionally "host_top": [{"name", "seconds"}] (per step, where the host's time went, by the self time of its
 operations: `host_costliest`; where the device idles, the host is the bound), plus whatever run description the
 caller adds (backend, device, settings)}.
@@ -52,7 +54,8 @@ PROFILED_STEPS = 3
 # The categories are built to add up to the step exactly; the check allows the 15 % the task sets, so that a
 # profile.json edited or merged by hand still passes when it is roughly right and fails when a category is missing.
 SUM_TOLERANCE = 0.15
-TOP_EVENTS = 12
+TOP_EVENTS = 40  # profile.json's kernels: enough to account for most of a step's elementwise work
+TOP_PRINTED = 12  # the table's
 
 
 def region_annotation(region: str) -> str:
@@ -86,7 +89,7 @@ class HostEvent:
 
 
 def host_costliest(events: Sequence[HostEvent], windows: Sequence[tuple[float, float]],
-                   top: int = TOP_EVENTS) -> list[dict]:
+                   top: int = TOP_PRINTED) -> list[dict]:
     """Per step, the host's costliest operations by SELF time (an event's duration minus that of the events nested
     directly in it on its thread), for the events inside the `windows`: the step annotation's own self time is the
     host's time between operations (Python), a launch call's is the launch. The costliest `top`, in seconds per
@@ -217,7 +220,7 @@ def format_table(profile: dict) -> str:
                 "hidden or not; not part of the sum")
     rows.append("costliest device events (ms/step, calls/step, category):")
     rows.extend(f"  {item['seconds'] * 1e3:9.2f} {item['calls']:7.1f}  {item['category']:<21} "
-                f"{item['name'][:82]}" for item in profile["top"])
+                f"{item['name'][:82]}" for item in profile["top"][:TOP_PRINTED])
     if profile.get("host_top"):
         rows.append("costliest host operations, by self time (ms/step):")
         rows.extend(f"  {item['seconds'] * 1e3:9.2f}  {item['name'][:112]}" for item in profile["host_top"])
