@@ -180,9 +180,27 @@ def test_without_gpus_the_bench_exits_2_with_one_line(capsys):
 
 def test_the_table_prints_ours_over_the_peer():
     row = dict(model=ROWS["peer"], step_s=0.2, tokens_per_s=1000.0, mfu=0.4, peak_memory_bytes=2**31, loss=1.0,
-               speed_vs_ours=1 / 1.25, agrees=True)
-    table = render([dict(row, model=ROWS["ours"], speed_vs_ours=1.0), row])
+               speed_vs_ours=1 / 1.25, agrees=True, checkpointed_layers=4)
+    table = render([dict(row, model=ROWS["ours"], speed_vs_ours=1.0), row,
+                    dict(row, model=peer_rows.JAX_ROW[1], checkpointed_layers=0)])
     assert "1.250" in table.splitlines()[2] and "1.000" in table.splitlines()[1]
+    assert [line.split()[-8] for line in table.splitlines()[1:]] == ["4", "4", "0"]  # each row's checkpointed layers
+
+
+def test_our_jax_row_can_checkpoint_its_own_layers():
+    """Each stack at its fastest form: `--jax-checkpointed-layers` sets our JAX row's alone; without it every row
+    takes `--checkpointed-layers` (the negative control); the rows record the count they ran."""
+    from weights import PRESETS
+
+    plan = dict(PLAN, checkpointing="save-attention", checkpointed_layers=1)
+    own = dict(plan, jax_checkpointed_layers=0)
+    assert [peer_rows._settings(own, kind).checkpointed_layers for kind in ("ours", "peer", "ours_jax")] == [1, 1, 0]
+    assert [peer_rows._settings(plan, kind).checkpointed_layers for kind in ("ours", "peer", "ours_jax")] == [1, 1, 1]
+    rows = [peer_rows.row_of((kind, kind), own, PRESETS["tiny"], [1.0, 1.0], [5.0, 5.0], 1.0, 2**30)
+            for kind in ("ours", "ours_jax")]
+    assert [row["checkpointed_layers"] for row in rows] == [1, 0]
+    every = peer_rows.row_of(("ours", "ours"), PLAN, PRESETS["tiny"], [1.0, 1.0], [5.0], 1.0, 2**30)
+    assert every["checkpointed_layers"] == PRESETS["tiny"].num_layers  # "full" with no count: all of them
 
 
 @pytest.mark.gpu
@@ -190,8 +208,10 @@ def test_the_table_prints_ours_over_the_peer():
 def test_gpu_the_peer_agrees_with_our_ring(tmp_path):
     out = tmp_path / "peer.json"
     code = main(["--model", "llama3.2-1b", "--seq-len", "8192", "--devices", "2", "--warmup", "1", "--steps", "1",
-                 "--out", str(out)])
+                 "--activation-checkpointing", "save-attention", "--checkpointed-layers", "4",
+                 "--jax-checkpointed-layers", "0", "--out", str(out)])
     document = json.loads(out.read_text())
     assert code == 0, document["failure"]
     assert [row["kind"] for row in document["rows"]] == ["ours", "peer", "ours_jax"]
+    assert [row["checkpointed_layers"] for row in document["rows"]] == [4, 4, 0]
     assert all(row["agrees"] for row in document["rows"]), [(row["loss"], row["grad_norm"]) for row in document["rows"]]

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--activation-checkpointing", choices=tuple(REMAT_MODES), default="full",
                         help="both rows' (default full)")
     parser.add_argument("--checkpointed-layers", type=integer(0), help="of the layers (default: all)")
+    parser.add_argument("--jax-checkpointed-layers", type=integer(0),
+                        help="our JAX row's own, each stack at its fastest form (default: --checkpointed-layers)")
     parser.add_argument("--rotate-method", choices=ROTATE_METHODS, default="allgather", help="the peer's K/V rotation")
     parser.add_argument("--warmup", type=integer(1), default=2, help="untimed steps (the first compiles)")
     parser.add_argument("--steps", type=integer(1), default=5, help="timed steps")
@@ -58,18 +60,21 @@ def measurement_plan(args, work: Path) -> dict:
         raise BadInputError(f"--seq-len takes one length, got {len(args.seq_len)}")
     check_split(args.seq_len[0], devices, LAYOUT)
     config = open_weights(args.model, args.seed).config
-    checkpointed_layers(args.activation_checkpointing, config.num_layers, args.checkpointed_layers)
+    for layers in (args.checkpointed_layers, args.jax_checkpointed_layers):
+        checkpointed_layers(args.activation_checkpointing, config.num_layers, layers)
     return peer_plan(args.model, args.seq_len[0], devices, checkpointing=args.activation_checkpointing,
                      checkpointed_layers=args.checkpointed_layers, rotate_method=args.rotate_method,
-                     warmup=args.warmup, steps=args.steps, seed=args.seed, work=work)
+                     warmup=args.warmup, steps=args.steps, seed=args.seed, work=work,
+                     jax_checkpointed_layers=args.jax_checkpointed_layers)
 
 
 def render(rows: list[dict]) -> str:
-    lines = [f"{'row':42} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'loss':>9} {'ours/this':>9} "
-             f"{'agrees':>6}"]
+    lines = [f"{'row':42} {'ckpt':>5} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'loss':>9} "
+             f"{'ours/this':>9} {'agrees':>6}"]
     for row in rows:
         ratio = f"{1 / row['speed_vs_ours']:9.3f}" if row.get("speed_vs_ours") else f"{'-':>9}"
-        lines.append(f"{row['model']:42} {row['step_s'] * 1e3:9.1f} {row['tokens_per_s']:9,.0f} {row['mfu']:6.1%} "
+        lines.append(f"{row['model']:42} {row.get('checkpointed_layers', '-'):>5} {row['step_s'] * 1e3:9.1f} "
+                     f"{row['tokens_per_s']:9,.0f} {row['mfu']:6.1%} "
                      f"{row['peak_memory_bytes'] / 2**30:9.2f} {row['loss']:9.5f} {ratio} {str(row.get('agrees')):>6}")
     return "\n".join(lines)
 

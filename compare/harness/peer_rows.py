@@ -75,15 +75,19 @@ def pytorch_cp_attention(backends: tuple | None = None):
 def row_of(kind: tuple[str, str], plan: dict, config, seconds: list[float], losses: list[float],
            first_grad_norm: float, peak_memory_bytes: int) -> dict:
     """A row of the table and the JSON from one run's step times and losses: the median timed step's rates (model
-    FLOPs of `config`: `weights.flops.batch_model_flops`), the first step's loss and gradient norm."""
+    FLOPs of `config`: `weights.flops.batch_model_flops`), the first step's loss and gradient norm, and how many of
+    the layers it checkpointed."""
     from weights.flops import PEAK_FLOPS_PER_DEVICE, batch_model_flops
+    from weights.parallel import checkpointed_layers
 
     step_s = statistics.median(seconds[plan["warmup"]:])
+    layers = checkpointed_layers(plan["checkpointing"], config.num_layers, row_checkpointed_layers(plan, kind[0]))
     tflops = batch_model_flops(config, 1, plan["seq_len"]) / step_s / plan["devices"] / 1e12
     return dict(kind=kind[0], model=kind[1], dtype="bf16", seq_len=plan["seq_len"], devices=plan["devices"],
-                step_s=step_s, tokens_per_s=plan["seq_len"] / step_s, tflops_per_device=tflops,
-                mfu=tflops * 1e12 / PEAK_FLOPS_PER_DEVICE, peak_memory_bytes=peak_memory_bytes, loss=losses[0],
-                grad_norm=first_grad_norm, step_seconds=seconds, losses=losses)
+                checkpointed_layers=layers.count, step_s=step_s, tokens_per_s=plan["seq_len"] / step_s,
+                tflops_per_device=tflops, mfu=tflops * 1e12 / PEAK_FLOPS_PER_DEVICE,
+                peak_memory_bytes=peak_memory_bytes, loss=losses[0], grad_norm=first_grad_norm, step_seconds=seconds,
+                losses=losses)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,6 +95,16 @@ def row_of(kind: tuple[str, str], plan: dict, config, seconds: list[float], loss
 # ---------------------------------------------------------------------------------------------------------------
 
 ATTENTION_BACKENDS = {"ours": ("torch", "triton"), "peer": ("torch", "sdpa_cudnn"), JAX_ROW[0]: ("jax", "pallas")}
+
+
+def row_checkpointed_layers(plan: dict, kind: str) -> int | None:
+    """How many layers row `kind` checkpoints (None: all): the plan's, except our JAX row where the plan gives it
+    its own (`jax_checkpointed_layers`): each stack at its fastest form that fits. XLA plans JAX's step's memory
+    itself (at 8B, 32k on 2 H200s it fits with none checkpointed, and asked 72 GiB of temporaries with 4:
+    compare/results/train-peer-2026-11-29-h200x2/), while the peer, whose attention keeps nothing, needs the
+    torch rows' checkpointing."""
+    own = plan.get("jax_checkpointed_layers") if kind == JAX_ROW[0] else None
+    return plan["checkpointed_layers"] if own is None else own
 
 
 def _settings(plan: dict, kind: str):
@@ -102,7 +116,7 @@ def _settings(plan: dict, kind: str):
     return TrainSettings(backend=backend, model=plan["model"], seq_len=plan["seq_len"],
                          steps=plan["warmup"] + plan["steps"], mesh=MeshShape(fsdp=1, sp=plan["devices"]), batch=1,
                          dtype="bf16", data="random", seed=plan["seed"], activation_checkpointing=plan["checkpointing"],
-                         checkpointed_layers=plan["checkpointed_layers"], attention_backend=attention_backend)
+                         checkpointed_layers=row_checkpointed_layers(plan, kind), attention_backend=attention_backend)
 
 
 def _batches(plan: dict, settings, config):
@@ -233,11 +247,14 @@ def launch_peer_rows(plan: dict, work: Path, timeout_s: float, *, jax: bool = Tr
 
 
 def peer_plan(model: str, seq_len: int, devices: int, *, checkpointing: str, checkpointed_layers: int | None,
-              rotate_method: str, warmup: int, steps: int, seed: int, work: Path) -> dict:
-    """What the workers read (validated by the caller), their rows file in `work`."""
+              rotate_method: str, warmup: int, steps: int, seed: int, work: Path,
+              jax_checkpointed_layers: int | None = None) -> dict:
+    """What the workers read (validated by the caller), their rows file in `work`; `jax_checkpointed_layers`: our
+    JAX row's own (`row_checkpointed_layers`), None for the torch rows'."""
     return dict(model=model, seq_len=seq_len, devices=devices, checkpointing=checkpointing,
-                checkpointed_layers=checkpointed_layers, rotate_method=rotate_method, warmup=warmup, steps=steps,
-                seed=seed, rows_path=str(work / "rows.jsonl"))
+                checkpointed_layers=checkpointed_layers, jax_checkpointed_layers=jax_checkpointed_layers,
+                rotate_method=rotate_method, warmup=warmup, steps=steps, seed=seed,
+                rows_path=str(work / "rows.jsonl"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
