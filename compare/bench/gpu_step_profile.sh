@@ -34,7 +34,8 @@ for point in "$@"; do  # every point's extras checked before the first point run
 done
 for point in "$@"; do
     IFS=: read -r backend model attention seq remat extra <<< "$point"
-    name="$backend-$model-$attention-$seq${remat:+-$remat}${extra:+-$extra}"
+    # '-' for the extras' '+': the device tool brings back no file whose name has a '+'
+    name="$backend-$model-$attention-$seq${remat:+-$remat}${extra:+-${extra//+/-}}"
     if (( $(date +%s) - started + POINT_S > BUDGET_S )); then
         echo "== $name: not started, it might not finish within BUDGET_S=$BUDGET_S"
         continue
