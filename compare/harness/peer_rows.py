@@ -98,11 +98,11 @@ ATTENTION_BACKENDS = {"ours": ("torch", "triton"), "peer": ("torch", "sdpa_cudnn
 
 
 def row_checkpointed_layers(plan: dict, kind: str) -> int | None:
-    """How many layers row `kind` checkpoints (None: all): the plan's, except our JAX row where the plan gives it
-    its own (`jax_checkpointed_layers`): each stack at its fastest form that fits. XLA plans JAX's step's memory
-    itself (at 8B, 32k on 2 H200s it fits with none checkpointed, and asked 72 GiB of temporaries with 4:
-    compare/results/train-peer-2026-11-29-h200x2/), while the peer, whose attention keeps nothing, needs the
-    torch rows' checkpointing."""
+    """How many layers row `kind` checkpoints (None: the checkpointing mode's default, every layer): the plan's,
+    except our JAX row where the plan gives it its own (`jax_checkpointed_layers`): each stack at its fastest form
+    that fits. XLA plans JAX's step's memory itself (at 8B, 32k on 2 H200s it fits with none checkpointed, and
+    asked 72 GiB of temporaries with 4: compare/results/train-peer-2026-11-29-h200x2/), while the peer, whose
+    attention keeps nothing, needs the torch rows' checkpointing."""
     own = plan.get("jax_checkpointed_layers") if kind == JAX_ROW[0] else None
     return plan["checkpointed_layers"] if own is None else own
 
