@@ -8,7 +8,9 @@ times, bf16, B x S x H (Hkv) as given, causal and/or full:
 then flash_attention fwd and fwd+bwd (as `compare.bench.kernel_bench` times them) with the table default and with
 the best configs. A config that fails to compile (shared memory, registers) is recorded as an error; every
 config's result is checked against the first one's (max_abs_diff), so a fast wrong config stands out.
-Timing: block_until_ready, median of --repeats after two warm-up calls. TFLOP/s from
+Timing: block_until_ready, median of --repeats (20, as `bench kernels`) after two warm-up calls. At 5 one candidate's
+median came out 5-6 % above its 20-repeat value in two runs while the others held theirs
+(compare/results/kernels-dq-order-2026-12-01-h200): decide differences of a few percent at 20. TFLOP/s from
 `weights.flops.attention_flops` (backward = 2.5 forwards). Prints one JSON object per line and a summary with
 ready-to-paste `jax_impl.kernels.portable.config.GPU_CONFIGS` entries; writes all rows to --out. Every config
 reaches the kernels as an argument (`config=`), so each timed function is its own trace.
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--select", type=_config_value, action="append", default=[], metavar="FIELD=VALUE",
                         help="hopper: time only the candidates whose HopperConfig has FIELD=VALUE (repeatable; "
                              "all must hold), beside the default, e.g. bwd_query_rows=true")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("out/pallas_sweep.json"))
     return parser
 
