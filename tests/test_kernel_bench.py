@@ -1,6 +1,6 @@
 """Tests of `twinflash bench kernels` (compare/bench/kernel_bench.py) that need no GPU: the FLOP count, the merge of the
 two parts' rows into one table with ratios, the rendering, the JSON report and the no-CUDA exit; and the bad input of
-its Nsight Compute driver (compare/bench/kernel_ncu.py)."""
+its Nsight Compute driver (compare/bench/kernel_ncu.py); the JAX timing helpers the sweeps share."""
 
 from __future__ import annotations
 
@@ -159,3 +159,16 @@ def test_jax_part_without_flash_attn3_jax_has_an_fa3_row_naming_the_install(caps
     assert [(r["impl"], r["S"], r["kv_heads"]) for r in rows] == [("fa3", 4096, 8)]
     assert rows[0]["error"].startswith("skipped: ") and 'pip install -e ".[peers]"' in rows[0]["error"]
     assert "flash_attn3_jax" in rows[0]["error"]
+
+
+def test_jax_times_are_every_timed_call_after_two_warm_ups_and_the_median_is_the_upper_one():
+    import jax.numpy as jnp
+
+    calls = []
+
+    def fn(x):
+        calls.append(len(calls))
+        return jnp.asarray(x) + len(calls)
+    samples = kernel_bench.jax_times_ms(fn, 1.0, repeats=4)
+    assert len(calls) == 6 and len(samples) == 4 and all(t >= 0 for t in samples)
+    assert kernel_bench.median_ms([3.0, 1.0, 2.0, 10.0]) == 3.0 and kernel_bench.median_ms([2.0, 9.0, 1.0]) == 2.0

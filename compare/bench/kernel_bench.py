@@ -74,8 +74,9 @@ PASSES = (("fwd", "fwd_tflops"), ("fwd+bwd", "fwdbwd_tflops"))
 NO_CUDA = "bench kernels needs a CUDA GPU"
 
 
-def jax_median_ms(fn, *inputs, repeats: int) -> float:
-    """Median wall time (ms) of `fn(*inputs)` after two warm-up calls, synchronising with block_until_ready."""
+def jax_times_ms(fn, *inputs, repeats: int) -> list[float]:
+    """Wall time (ms) of each of `repeats` calls of `fn(*inputs)`, in call order, after two warm-up calls,
+    synchronising with block_until_ready."""
     import jax
 
     for _ in range(2):
@@ -84,8 +85,18 @@ def jax_median_ms(fn, *inputs, repeats: int) -> float:
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn(*inputs))
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def median_ms(times: list[float]) -> float:
+    """The median of `jax_times_ms`'s samples (the upper one of an even count)."""
+    return sorted(times)[len(times) // 2]
+
+
+def jax_median_ms(fn, *inputs, repeats: int) -> float:
+    """Median wall time (ms) of `fn(*inputs)`: `median_ms` of `jax_times_ms`."""
+    return median_ms(jax_times_ms(fn, *inputs, repeats=repeats))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,10 +18,11 @@ reaches the kernels as an argument (`config=`), so each timed function is its ow
 --family hopper, the Hopper family (Mosaic GPU kernels): for each head dim and causal setting, every `HopperConfig` of
 `jax_impl.kernels.hopper.config.autotune_space(D)` (the heuristic's default first) through
 `flash_attention(backend="pallas_hopper", config=...)` (--select: only those with the given field values, beside the
-default): fwd+bwd, and fwd once per distinct forward block
-sizes, timed as `bench kernels` times them, beside JAX cuDNN on the same inputs. Outputs and gradients are
-compared with the default config's (max_abs_diff); a config that fails to compile is an error row. --budget-s
-(per point) stops starting new candidates once spent (their rows say so), so a sweep fits a time-limited call.
+default): fwd+bwd, and fwd once per distinct forward block sizes, timed as `bench kernels` times them, beside JAX
+cuDNN on the same inputs. Each row keeps its fwd+bwd calls' times in call order (`fwdbwd_samples_ms`), so that a
+drift or a second mode shows beside the median. Outputs and gradients are compared with the default config's
+(max_abs_diff); a config that fails to compile is an error row. --budget-s (per point) stops starting new candidates
+once spent (their rows say so), so a sweep fits a time-limited call.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 
 from compare.args import OneLineParser, with_error_contract
-from compare.bench.kernel_bench import jax_median_ms
+from compare.bench.kernel_bench import jax_median_ms, jax_times_ms, median_ms
 from weights import BadInputError
 from weights.flops import attention_flops
 
@@ -203,8 +204,10 @@ def sweep_hopper_point(args, head_dim: int, causal: bool) -> list[dict]:
         def loss(q, k, v, dout):  # dout an argument: closed over, XLA would fold it at compile time
             return jnp.sum(attend(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        ms = jax_median_ms(grads, q, k, v, dout, repeats=args.repeats)
+        samples = jax_times_ms(grads, q, k, v, dout, repeats=args.repeats)
+        ms = median_ms(samples)
         return dict(fwdbwd_ms=ms, fwdbwd_tflops=3.5 * fwd_flops / (ms * 1e-3) / 1e12,
+                    fwdbwd_samples_ms=[round(t, 4) for t in samples],
                     results=[np.asarray(x, np.float32) for x in (jax.jit(attend)(q, k, v), *grads(q, k, v, dout))])
 
     def forward_ms(attend) -> dict:
