@@ -14,6 +14,7 @@ GPU (`gpu`) every family that takes documents runs real sizes by the flash rule,
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 
@@ -201,12 +202,14 @@ def _positions(result: dict, tokens) -> dict:
     return {name: np.compress(tokens, x, 2 if name == "lse" else 1) for name, x in result.items()}
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_mosaic_documents_meet_the_rule_and_skip_other_documents(causal):
+@pytest.mark.parametrize("causal,head_splits", [(True, 1), (False, 1), (True, 2)],
+                         ids=["causal", "full", "causal-head-splits"])
+def test_mosaic_documents_meet_the_rule_and_skip_other_documents(causal, head_splits):
     """Forward and backward of the Mosaic kernels with documents, NaN in one document's q, k, v and dout: its own
     results are NaN (the poison took), every other document's are finite and meet the flash rule against the clean
     documents one at a time (so no kernel read a tile of the poisoned document for them: a masked tile would still
-    multiply its NaN V or dO by a zero P)."""
+    multiply its NaN V or dO by a zero P). `head_splits` 2: each dK/dV CTA walks one of the GQA pair's heads
+    (`HopperConfig.bwd_head_splits`), draining the other warpgroup's blocks on its own."""
     case = MOSAIC_CASE
     ids = twins.segment_ids(case)
     clean = twins.case_inputs(case, "bfloat16")
@@ -214,7 +217,8 @@ def test_mosaic_documents_meet_the_rule_and_skip_other_documents(causal):
     rows = ids[0] == MOSAIC_POISONED
     for x in poisoned:
         x[:, rows] = np.nan
-    ours = _ours(*_arrays(poisoned, jnp.bfloat16), causal, ids, backend="pallas_hopper", config=MOSAIC_BLOCKS)
+    ours = _ours(*_arrays(poisoned, jnp.bfloat16), causal, ids, backend="pallas_hopper",
+                 config=dataclasses.replace(MOSAIC_BLOCKS, bwd_head_splits=head_splits))
     for name, x in _positions(ours, rows).items():
         assert not np.isfinite(x).any(), name  # the poison took (NaN; lse -inf: a NaN row sum counts as no key)
     naive = naive_one_at_a_time(case, clean, causal, "bfloat16")

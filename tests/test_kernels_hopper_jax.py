@@ -27,8 +27,8 @@ from test_flash_attention_jax import (_float64_attention, _flash_and_naive, _fla
 
 from jax_impl.attention import reference_attention
 from jax_impl.kernels.flash_attention import BACKENDS, flash_attention, flash_attention_forward
-from jax_impl.kernels.hopper.config import (BACKWARD_FORMS, BACKWARD_PRODUCER_REGISTERS, HopperConfig, autotune_space,
-                                            default_config, hopper_unsupported, register_caps)
+from jax_impl.kernels.hopper.config import (BACKWARD_FORMS, BACKWARD_PRODUCER_REGISTERS, GQA_HEAD_SPLITS, HopperConfig,
+                                            autotune_space, default_config, hopper_unsupported, register_caps)
 
 on_hopper = pytest.mark.skipif(
     jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
@@ -50,6 +50,16 @@ INTERPRET_CASES = [(77, 141, 3, 1, 64, True, "two_kernel", False), (141, 77, 2, 
                    (141, 77, 2, 1, 64, True, "one_kernel", True), (141, 77, 2, 1, 64, True, "one_kernel_private", True)]
 
 
+def _assert_meets_the_rule(case, config: HopperConfig, seed: int = 0):
+    """The Mosaic kernels at `config` on the bf16 inputs of `case` (Sq, Sk, H, Hkv, D, causal): out, lse and the
+    gradients within the flash rule against float64."""
+    seq_q, seq_k, heads, kv_heads, head_dim, causal = case
+    q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16, seed=seed)
+    exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
+    flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_hopper", config=config)
+    assert not _flash_rule_violations(flash, naive, exact)
+
+
 @pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal,bwd_form,query_rows", INTERPRET_CASES,
                          ids=[f"q{a}-k{b}-h{c}:{d}-d{e}-{'causal' if f else 'full'}-{g}{'-query-rows' if h else ''}"
                               for a, b, c, d, e, f, g, h in INTERPRET_CASES])
@@ -62,6 +72,19 @@ def test_mosaic_flash_rule_against_float64(seq_q, seq_k, heads, kv_heads, head_d
     assert not _flash_rule_violations(flash, naive, exact)
     unseen = np.isneginf(exact[1]).transpose(0, 2, 1)  # [B, Sq, H]: rows that see no key get out 0 and dq 0
     assert not np.any(np.asarray(flash[0], np.float32)[unseen]) and not np.any(np.asarray(flash[2])[unseen])
+
+
+# The GQA group's heads split among CTAs (`HopperConfig.bwd_head_splits`; Sq, Sk, H, Hkv, causal, form, query rows):
+# causal with Sq > Sk in the two-kernel form, full with wrapped (staggered) walks in the one-kernel form; one CTA per
+# query head in both (the group's 2 heads, GQA_HEAD_SPLITS asked).
+HEAD_SPLIT_CASES = [(141, 77, 2, 1, True, "two_kernel", False), (200, 150, 2, 1, False, "one_kernel", True)]
+
+
+@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,causal,bwd_form,query_rows", HEAD_SPLIT_CASES,
+                         ids=["causal-two-kernel", "full-one-kernel-query-rows"])
+def test_mosaic_head_splits_meet_the_rule(seq_q, seq_k, heads, kv_heads, causal, bwd_form, query_rows):
+    _assert_meets_the_rule((seq_q, seq_k, heads, kv_heads, 64, causal), HopperConfig(
+        bwd_form=bwd_form, bwd_query_rows=query_rows, bwd_head_splits=GQA_HEAD_SPLITS))
 
 
 # Forward-only forms (Sq, Sk, H, Hkv, causal, config changes, out dtype): three compute warpgroups (192-row tiles)
@@ -182,6 +205,7 @@ def test_autotune_space_starts_at_the_default_and_varies_the_backward():
         assert {c.bwd_form for c in space if c.bwd_query_rows} == set(BACKWARD_FORMS)
         assert {c.bwd_form for c in space if not c.bwd_stagger} == {"one_kernel", "one_kernel_private"}
         assert {c.dq_block_kv for c in space} == {64, 128}
+        assert {c.bwd_head_splits for c in space} == {1, GQA_HEAD_SPLITS}
         assert {(c.bwd_form, c.bwd_producer_registers) for c in space} >= {
             (form, producer) for form in BACKWARD_FORMS for producer in BACKWARD_PRODUCER_REGISTERS}
     assert any(c.block_kv == 256 for c in autotune_space(64)) and not any(c.block_kv == 256
@@ -223,12 +247,20 @@ BACKWARD_VARIANTS = [(form, producer, query_rows) for form in BACKWARD_FORMS for
 @pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal", GPU_CASES)
 def test_gpu_mosaic_backward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form,
                                                  producer, query_rows):
-    q, k, v, dout = _inputs(1, seq_q, seq_k, heads, kv_heads, head_dim, jnp.bfloat16, seed=7)
-    exact = _float64_attention(q, k, v, dout, causal=causal, scale=1 / math.sqrt(head_dim))
-    flash, naive = _flash_and_naive(q, k, v, dout, causal=causal, backend="pallas_hopper",
-                                    config=HopperConfig(bwd_form=bwd_form, bwd_producer_registers=producer,
-                                                        bwd_query_rows=query_rows))
-    assert not _flash_rule_violations(flash, naive, exact)
+    _assert_meets_the_rule((seq_q, seq_k, heads, kv_heads, head_dim, causal), HopperConfig(
+        bwd_form=bwd_form, bwd_producer_registers=producer, bwd_query_rows=query_rows), seed=7)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("bwd_form,query_rows", [("one_kernel", True), ("two_kernel", False)],
+                         ids=["one-kernel-query-rows", "two-kernel"])
+@pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal", [c for c in GPU_CASES if c[2] > c[3]])
+def test_gpu_head_splits_meet_the_rule(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form, query_rows):
+    """The GQA cases with the group's heads split among CTAs (`HopperConfig.bwd_head_splits`, the sweep's
+    candidate), in the heuristic's form and the two-kernel one."""
+    _assert_meets_the_rule((seq_q, seq_k, heads, kv_heads, head_dim, causal), HopperConfig(
+        bwd_form=bwd_form, bwd_query_rows=query_rows, bwd_head_splits=GQA_HEAD_SPLITS), seed=7)
 
 
 @pytest.mark.gpu

@@ -11,10 +11,12 @@ out) and lse in the exp2 domain (rows with lse -inf and padded rows get +inf, so
   - dK/dV kernel: a CTA owns 2 * bwd_block_kv key rows of one (batch, KV head), one compute warpgroup per
     bwd_block_kv; a TMA warpgroup streams (Q, dO, lse, delta) blocks of every query head of the GQA group
     (one flat loop, head fastest) through `bwd_num_stages` slots, starting at the first query block that
-    sees the CTA's keys. Per step (4 wgmmas): S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
-    dS^T = P^T (dP^T - delta), dK += dS^T Q, P^T and dS^T the wgmmas' register operands. With
-    `HopperConfig.bwd_query_rows` (FA3's orientation) the step computes S = Q K^T and dP = dO V^T instead, and
-    P and dS reach dV += P^T dO and dK += dS^T Q through shared memory. Blocks crossing the causal diagonal are masked.
+    sees the CTA's keys. With `HopperConfig.bwd_head_splits` the group's heads are shared out among that many CTAs
+    (FA3's grid, one CTA per query head, at the most), each writing partial dK/dV that the wrapper sums. Per step
+    (4 wgmmas): S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q, P^T and dS^T
+    the wgmmas' register operands. With `HopperConfig.bwd_query_rows` (FA3's orientation) the step computes
+    S = Q K^T and dP = dO V^T instead, and P and dS reach dV += P^T dO and dK += dS^T Q through shared memory. Blocks
+    crossing the causal diagonal are masked.
   - dQ kernel (`backward_dq.py`): a CTA owns 2 * dq_block_q query rows of one (batch, head); the TMA warpgroup
     streams K/V blocks of dq_block_kv keys as in the forward (unmasked, then masked steps; longest tiles first).
     Per step (3 wgmmas): S = Q K^T, P, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
@@ -60,6 +62,7 @@ CTA stores its dQ chunks into its own slice of a [K/V tiles, ...] output and the
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +99,8 @@ def _matmul_sum(pairs, *, transpose_a: bool, interpret: bool):
 def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_ref, dv_ref, k_smem2, v_smem2,
                  out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, p_smem, zero_smem, kv_barriers,
                  q_barriers, dout_barriers, lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool,
-                 scale: float, block_q: int, block_kv: int, stages: int, group: int, offset: int, num_q_blocks: int,
+                 scale: float, block_q: int, block_kv: int, stages: int, group: int, head_splits: int, offset: int,
+                 num_q_blocks: int,
                  overlap: bool, private_dq: bool, query_rows: bool, stagger: bool, registers: tuple[int, int],
                  interpret: bool, span_refs=None):
     """dK/dV (and with `dq_ref`, the one-kernel forms, dQ by reduce-add; else dq_ref and ds_ready are None).
@@ -112,8 +116,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
     two-kernel form only; then `causal` is False). `stagger` (`HopperConfig.bwd_stagger`, one-kernel forms): a
     full-attention walk starts as many flat steps in as the CTA's first key is query blocks in, and wraps around, so
     that the CTAs running at once add into different dQ rows. `registers`: the (TMA
-    warpgroup's, compute warpgroups') caps, `HopperConfig.backward_registers`."""
+    warpgroup's, compute warpgroups') caps, `HopperConfig.backward_registers`. `head_splits`
+    (`HopperConfig.bwd_head_splits`, a divisor of `group`): the CTA walks `group // head_splits` of the group's query
+    heads, the `head_split`-th share, and dk_ref/dv_ref take its partial sums at [head_split] (else no such axis)."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
+    walked = group // head_splits  # query heads of the group this CTA walks
+    first_head = kv_head * group + (lax.axis_index("head_split") * walked if head_splits > 1 else 0)
     kv_tile = lax.axis_index("kv_tile")
     q_axis = 0 if query_rows else 1  # the axis of a step's score tile that runs over queries
     shared_dq = dq_ref is not None and not private_dq  # the warpgroups' dS tiles meet in each dQ product
@@ -131,22 +139,22 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
 
     if span_refs is None:
         cta_start, _ = q_range(cta_first)
-        begin, end = cta_start * group, num_q_blocks * group  # flat (query block, head of the group) steps
+        begin, end = cta_start * walked, num_q_blocks * walked  # flat (query block, walked head) steps
     else:  # documents: the query blocks between the CTA's keys' lowest query_start and highest query_end
         first_block, blocks = tile_span(span_refs[2], batch, kv_tile)
-        begin, end = first_block * group, (first_block + blocks) * group
+        begin, end = first_block * walked, (first_block + blocks) * walked
 
     # stagger: the flat step the walk starts at (full attention; causal walks start staggered by the diagonal), in
     # steps, not query blocks: the next key tile's CTA runs as many steps ahead with GQA as without, so a Q block it
     # read is read again by this one a few steps later, from L2 (`HopperConfig.bwd_stagger`). Not in the two-kernel
     # form, which adds into nothing shared.
-    rotation = (index_rem(index_div(cta_first, block_q), num_q_blocks * group)
+    rotation = (index_rem(index_div(cta_first, block_q), num_q_blocks * walked)
                 if stagger and dq_ref is not None and not causal and span_refs is None else None)
 
     def q_block_and_head(t):
         if rotation is not None:
-            t = index_rem(t + rotation, num_q_blocks * group)
-        return index_div(t, group), kv_head * group + index_rem(t, group)
+            t = index_rem(t + rotation, num_q_blocks * walked)
+        return index_div(t, walked), first_head + index_rem(t, walked)
 
     @pl.when(wg < COMPUTE_WARPGROUPS)
     def _compute():
@@ -274,18 +282,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         carry = (zeros, zeros)
         if span_refs is not None:  # documents: this warpgroup's runs of the CTA's query blocks; it drains the rest
             runs = part_runs(span_refs[2], batch, kv_tile, wg, first_block)
-            drain(begin, (first_block + runs[0][0]) * group)
+            drain(begin, (first_block + runs[0][0]) * walked)
             for first, last, masked in runs:  # (first query block, end, masked), in flat steps of the group's heads
-                carry = lax.fori_loop((first_block + first) * group, (first_block + last) * group,
+                carry = lax.fori_loop((first_block + first) * walked, (first_block + last) * walked,
                                       functools.partial(step, masked=masked), carry)
-            drain((first_block + runs[-1][1]) * group, end)
+            drain((first_block + runs[-1][1]) * walked, end)
         else:
             if causal:  # the CTA's first blocks cross this warpgroup's diagonal (or see none of its keys: P = 0)
-                carry = lax.fori_loop(begin, full_start * group, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(full_start * group if causal else begin, end,
+                carry = lax.fori_loop(begin, full_start * walked, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(full_start * walked if causal else begin, end,
                                   functools.partial(step, masked=False), carry)
         dk, dv = carry
         out_rows = (batch, pl.ds(k_first, block_kv), kv_head)
+        if head_splits > 1:  # this CTA's partial sums, added up by the wrapper
+            out_rows = (lax.axis_index("head_split"),) + out_rows
         store_fp32((dk * scale, dv), out_smem, (dk_ref.at[out_rows], dv_ref.at[out_rows]))
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
@@ -323,11 +333,12 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
+    head_splits = math.gcd(config.bwd_head_splits, group)
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
     q_len, k_len = backward_lengths(config, seq_q=seq_q, seq_k=seq_k)
     num_q_blocks = q_len // block_q
     offset = seq_k - seq_q
-    stages, dq_stages = backward_stages(config, seq_q=seq_q, seq_k=seq_k, group=group)
+    stages, dq_stages = backward_stages(config, seq_q=seq_q, seq_k=seq_k, group=group // head_splits)
     one_kernel, private_dq = config.bwd_form != "two_kernel", config.bwd_form == "one_kernel_private"
     if spans is not None and one_kernel:
         raise ValueError(f"HopperConfig.bwd_form={config.bwd_form!r} takes no documents; the two-kernel form does: "
@@ -349,7 +360,9 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     inputs = (q, k, v, dout, lse2, delta)
     wgs = COMPUTE_WARPGROUPS
     dq_shape = (batch, q_len, heads, head_dim)
-    dkdv_out = (output_struct(k.shape, jnp.float32, *inputs), output_struct(v.shape, jnp.float32, *inputs))
+    partials = (head_splits,) if head_splits > 1 else ()  # dK/dV partial sums, one per share of the group's heads
+    dkdv_out = (output_struct(partials + k.shape, jnp.float32, *inputs),
+                output_struct(partials + v.shape, jnp.float32, *inputs))
     kv_tiles = k_len // (wgs * block_kv)
     span_inputs = dq_span_inputs = ()
     if spans is not None:  # the query spans of every key and their blocks' ranges; the dQ kernel's key spans
@@ -369,14 +382,16 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
         if not one_kernel:
             refs = refs[:len(inputs)] + (None,) + refs[len(inputs):]
         _dkdv_kernel(*refs, **smem, causal=causal, scale=softmax_scale, block_q=block_q, block_kv=block_kv,
-                     stages=stages, group=group, offset=offset, num_q_blocks=num_q_blocks,
+                     stages=stages, group=group, head_splits=head_splits, offset=offset, num_q_blocks=num_q_blocks,
                      overlap=config.bwd_overlap, private_dq=private_dq, query_rows=config.bwd_query_rows,
                      stagger=config.bwd_stagger, registers=config.backward_registers,
                      interpret=interpret, span_refs=span_refs)
 
+    grid = {"kv_heads": kv_heads, **({"head_split": head_splits} if partials else {}), "kv_tile": kv_tiles,
+            "batch": batch}
     results = launch(
-        dkdv_kernel, dkdv_smem.buffers, dkdv_out, dict(kv_heads=kv_heads, kv_tile=kv_tiles, batch=batch), dkdv_inputs,
-        warpgroups=wgs, interpret=interpret, name="twinflash_backward_dkdv" + ("_dq" if one_kernel else "") + "_hopper")
+        dkdv_kernel, dkdv_smem.buffers, dkdv_out, grid, dkdv_inputs, warpgroups=wgs, interpret=interpret,
+        name="twinflash_backward_dkdv" + ("_dq" if one_kernel else "") + "_hopper")
     if one_kernel and interpret:
         dq_slices, dk, dv = results
         dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=block_kv * (1 if private_dq else wgs),
@@ -387,4 +402,6 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
         dk, dv = results
         dq = dq_call(inputs, dq_span_inputs, dq_smem, causal=causal, scale=softmax_scale, config=config, group=group,
                      offset=offset, seq_k=seq_k, stages=dq_stages, dq_shape=dq_shape, interpret=interpret)
+    if partials:
+        dk, dv = dk.sum(axis=0), dv.sum(axis=0)
     return dq[:, :seq_q], dk[:, :seq_k], dv[:, :seq_k]

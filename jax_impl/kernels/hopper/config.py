@@ -51,6 +51,7 @@ BACKWARD_PRODUCER_REGISTERS = (24, 40)
 DQ_CHUNK = 64  # dQ columns per reduce-add tile: one 128-byte-swizzle tile of K, half of D=128
 SMEM_ALIGNMENT = 1024  # each scratch buffer's start (jax/_src/pallas/mosaic_gpu/core.py SMEM_ALIGNMENT)
 BARRIER_BYTES = 8  # one mbarrier (jax/experimental/mosaic/gpu/utils.py MBARRIER_BYTES)
+GQA_HEAD_SPLITS = 8  # the sweep's bwd_head_splits: one CTA per query head for groups of 2, 4 and 8
 # sm90's opt-in shared memory per block, 227 KiB (CUDA C programming guide, technical specifications of compute
 # capability 9.0; every sm90 part: H100, H200, H800, H20): the limit where no GPU is asked, as Mosaic GPU itself
 # assumes for ahead-of-time compilation.
@@ -100,6 +101,12 @@ class HopperConfig:
     without GQA): at Hkv 8 level at 16k (560 against 562 unstaggered), 540 against 527 at 64k, and Hkv 32 unchanged
     (570 against 534 at 64k; compare/results/kernels-stagger-gqa-2026-11-29-h200). The two-kernel form's dK/dV kernel
     adds into nothing shared and never staggers (staggered, it ran 1-2 % slower).
+    `bwd_head_splits`: the dK/dV kernel's query heads of a GQA group are shared out among gcd(bwd_head_splits, group)
+    CTAs (grid axis "head_split", after the KV heads), each walking its share's (query block, head) steps and writing
+    float32 partial dK/dV that the wrapper sums (1: one CTA walks the whole group). A grid like FA3's (one CTA per
+    query head at most) and like ours without GQA: at 64k on an H200 the one-kernel backward ran 516 / 535 TFLOP/s
+    (causal / full) at Hkv 8 against 547 / 573 at Hkv 32, where the forward ran level
+    (compare/results/kernels-dq-order-2026-12-01-h200). Not measured yet: a sweep candidate.
     `bwd_producer_registers`: the backward kernels' TMA warpgroup's register cap, the compute warpgroups getting what
     it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232). Defaults as
     measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
@@ -124,6 +131,7 @@ class HopperConfig:
     bwd_query_rows: bool = False
     bwd_rebuild_descriptors: bool = True
     bwd_stagger: bool = True
+    bwd_head_splits: int = 1
     bwd_producer_registers: int = BACKWARD_PRODUCER_REGISTERS[0]
 
     @property
@@ -149,6 +157,8 @@ class HopperConfig:
                              f"{self.bwd_producer_registers}")
         if self.num_stages < 1 or self.bwd_num_stages < 1:
             raise ValueError("HopperConfig stages must be >= 1")
+        if self.bwd_head_splits < 1:
+            raise ValueError(f"HopperConfig.bwd_head_splits must be >= 1, got {self.bwd_head_splits}")
         for name in ("compute_warpgroups", "full_compute_warpgroups"):
             value = getattr(self, name)
             if value not in FORWARD_WARPGROUPS and not (value is None and name == "full_compute_warpgroups"):
@@ -380,7 +390,8 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     (D=64: a 256-key forward block early), then the other backward forms, at both register splits
     (BACKWARD_PRODUCER_REGISTERS), then every form in the other orientation of the
     dK/dV step (`bwd_query_rows`), then every form in both orientations with the other `bwd_rebuild_descriptors`,
-    then the one-kernel forms in both orientations with the other `bwd_stagger`.
+    then the one-kernel forms in both orientations with the other `bwd_stagger`, then the group's heads split among
+    CTAs (`bwd_head_splits` GQA_HEAD_SPLITS; the same kernel as the default's without GQA).
     Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
     bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in `limit`
     (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third stage, forward or
@@ -401,7 +412,8 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
         dict(bwd_form=form, bwd_query_rows=rows, bwd_rebuild_descriptors=not base.bwd_rebuild_descriptors)
         for form in BACKWARD_FORMS for rows in (False, True)] + [
         dict(bwd_form=form, bwd_query_rows=rows, bwd_stagger=not base.bwd_stagger)
-        for form in BACKWARD_FORMS if form != "two_kernel" for rows in (False, True)]
+        for form in BACKWARD_FORMS if form != "two_kernel" for rows in (False, True)] + [
+        dict(bwd_head_splits=GQA_HEAD_SPLITS)]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(config for config in dict.fromkeys(configs)
                  if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
