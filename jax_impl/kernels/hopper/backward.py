@@ -100,9 +100,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                  out_smem2, q_smem, dout_smem, lse_smem, delta_smem, ds_smem, p_smem, zero_smem, kv_barriers,
                  q_barriers, dout_barriers, lse_barriers, delta_barriers, consumed, ds_ready, *, causal: bool,
                  scale: float, block_q: int, block_kv: int, stages: int, group: int, head_splits: int, offset: int,
-                 num_q_blocks: int,
-                 overlap: bool, private_dq: bool, query_rows: bool, stagger: bool, registers: tuple[int, int],
-                 interpret: bool, span_refs=None):
+                 num_q_blocks: int, overlap: bool, private_dq: bool, query_rows: bool, stagger: bool,
+                 registers: tuple[int, int], interpret: bool, span_refs=None):
     """dK/dV (and with `dq_ref`, the one-kernel forms, dQ by reduce-add; else dq_ref and ds_ready are None).
     `private_dq`: each warpgroup adds the dQ share of its own keys (ds_ready is None). `query_rows`
     (`HopperConfig.bwd_query_rows`): each step computes S and dP with query rows and passes P and dS to the
@@ -283,7 +282,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         if span_refs is not None:  # documents: this warpgroup's runs of the CTA's query blocks; it drains the rest
             runs = part_runs(span_refs[2], batch, kv_tile, wg, first_block)
             drain(begin, (first_block + runs[0][0]) * walked)
-            for first, last, masked in runs:  # (first query block, end, masked), in flat steps of the group's heads
+            for first, last, masked in runs:  # (first query block, end, masked), in flat steps of the walked heads
                 carry = lax.fori_loop((first_block + first) * walked, (first_block + last) * walked,
                                       functools.partial(step, masked=masked), carry)
             drain((first_block + runs[-1][1]) * walked, end)
