@@ -120,7 +120,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
     heads, the `head_split`-th share, and dk_ref/dv_ref take its partial sums at [head_split] (else no such axis)."""
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     walked = group // head_splits  # query heads of the group this CTA walks
-    first_head = kv_head * group + (lax.axis_index("head_split") * walked if head_splits > 1 else 0)
+    split = lax.axis_index("head_split") if head_splits > 1 else None  # which share of them
+    first_head = kv_head * group + (split * walked if split is not None else 0)
     kv_tile = lax.axis_index("kv_tile")
     q_axis = 0 if query_rows else 1  # the axis of a step's score tile that runs over queries
     shared_dq = dq_ref is not None and not private_dq  # the warpgroups' dS tiles meet in each dQ product
@@ -293,8 +294,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
                                   functools.partial(step, masked=False), carry)
         dk, dv = carry
         out_rows = (batch, pl.ds(k_first, block_kv), kv_head)
-        if head_splits > 1:  # this CTA's partial sums, added up by the wrapper
-            out_rows = (lax.axis_index("head_split"),) + out_rows
+        if split is not None:  # this CTA's partial sums, added up by the wrapper
+            out_rows = (split,) + out_rows
         store_fp32((dk * scale, dv), out_smem, (dk_ref.at[out_rows], dv_ref.at[out_rows]))
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
