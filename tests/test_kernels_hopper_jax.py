@@ -206,6 +206,9 @@ def test_autotune_space_starts_at_the_default_and_varies_the_backward():
         assert {c.bwd_form for c in space if not c.bwd_stagger} == {"one_kernel", "one_kernel_private"}
         assert {c.dq_block_kv for c in space} == {64, 128}
         assert {c.bwd_head_splits for c in space} == {1, GQA_HEAD_SPLITS}
+        # the one-kernel form's (measured there), not the two-kernel one that documents take
+        assert (default_config(head_dim).bwd_head_splits, default_config(head_dim, documents=True).bwd_head_splits) == (
+            GQA_HEAD_SPLITS, 1)
         assert {(c.bwd_form, c.bwd_producer_registers) for c in space} >= {
             (form, producer) for form in BACKWARD_FORMS for producer in BACKWARD_PRODUCER_REGISTERS}
     assert any(c.block_kv == 256 for c in autotune_space(64)) and not any(c.block_kv == 256
@@ -257,8 +260,8 @@ def test_gpu_mosaic_backward_forms_meet_the_rule(seq_q, seq_k, heads, kv_heads, 
                          ids=["one-kernel-query-rows", "two-kernel"])
 @pytest.mark.parametrize("seq_q,seq_k,heads,kv_heads,head_dim,causal", [c for c in GPU_CASES if c[2] > c[3]])
 def test_gpu_head_splits_meet_the_rule(seq_q, seq_k, heads, kv_heads, head_dim, causal, bwd_form, query_rows):
-    """The GQA cases with the group's heads split among CTAs (`HopperConfig.bwd_head_splits`, the sweep's
-    candidate), in the heuristic's form and the two-kernel one."""
+    """The GQA cases with the group's heads split among CTAs (`HopperConfig.bwd_head_splits`, the one-kernel
+    heuristic's), in the heuristic's form and the two-kernel one."""
     _assert_meets_the_rule((seq_q, seq_k, heads, kv_heads, head_dim, causal), HopperConfig(
         bwd_form=bwd_form, bwd_query_rows=query_rows, bwd_head_splits=GQA_HEAD_SPLITS), seed=7)
 

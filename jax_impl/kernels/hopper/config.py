@@ -51,7 +51,7 @@ BACKWARD_PRODUCER_REGISTERS = (24, 40)
 DQ_CHUNK = 64  # dQ columns per reduce-add tile: one 128-byte-swizzle tile of K, half of D=128
 SMEM_ALIGNMENT = 1024  # each scratch buffer's start (jax/_src/pallas/mosaic_gpu/core.py SMEM_ALIGNMENT)
 BARRIER_BYTES = 8  # one mbarrier (jax/experimental/mosaic/gpu/utils.py MBARRIER_BYTES)
-GQA_HEAD_SPLITS = 8  # the sweep's bwd_head_splits: one CTA per query head for groups of 2, 4 and 8
+GQA_HEAD_SPLITS = 8  # the one-kernel heuristic's bwd_head_splits: one CTA per query head for groups of 2, 4 and 8
 # sm90's opt-in shared memory per block, 227 KiB (CUDA C programming guide, technical specifications of compute
 # capability 9.0; every sm90 part: H100, H200, H800, H20): the limit where no GPU is asked, as Mosaic GPU itself
 # assumes for ahead-of-time compilation.
@@ -106,7 +106,9 @@ class HopperConfig:
     float32 partial dK/dV that the wrapper sums (1: one CTA walks the whole group). A grid like FA3's (one CTA per
     query head at most) and like ours without GQA: at 64k on an H200 the one-kernel backward ran 516 / 535 TFLOP/s
     (causal / full) at Hkv 8 against 547 / 573 at Hkv 32, where the forward ran level
-    (compare/results/kernels-dq-order-2026-12-01-h200). Not measured yet: a sweep candidate.
+    (compare/results/kernels-dq-order-2026-12-01-h200). Split 8 ways (one CTA per query head at Hkv 8, H 32) it ran
+    553 / 573 against 538 / 543 at 64k and 533 / 552 against 525 / 556 at 16k, with JAX cuDNN at 551 / 563 and
+    518 / 544 (compare/results/kernels-head-splits-2026-12-02-h200): the heuristic's in the one-kernel form.
     `bwd_producer_registers`: the backward kernels' TMA warpgroup's register cap, the compute warpgroups getting what
     it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232). Defaults as
     measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
@@ -353,7 +355,10 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None, limit: 
     377-406 at D=64 (7 of 8 points; compare/results/kernels-mosaic-query-rows-2026-11-29-h200), 554-573 in full
     attention with its walks staggered; it passed the flash rule in the ring on 1 and 2 GPUs
     (compare/results/gpu-tests-2026-11-29-h200x2), in float16 too (compare/results/gpu-tests-2026-11-29-h200).
-    With documents, the two-kernel form. The configs, in order:
+    With documents, the two-kernel form. The one-kernel form shares a GQA group's query heads out among CTAs
+    (`bwd_head_splits` GQA_HEAD_SPLITS: at most one CTA a query head): at Hkv 8, D=128 fwd+bwd 538 / 543 -> 553 / 573
+    TFLOP/s at 64k (causal / full), 525 -> 533 causal at 16k, level in full (556 / 552; compare/results/
+    kernels-head-splits-2026-12-02-h200); without GQA it is the same kernel. The configs, in order:
       1. block_kv 128 (FA3's and tokamax's sm90 choice), 2 stages; full attention on three compute warpgroups
          (192-row tiles), at D=128 on a persistent grid: on an H200 (S 16k and 64k, Hkv 32 and 8; compare/results/
          kernels-mosaic-forward-2026-11-23-h200-h12f) fwd 582-594 -> 638-654 TFLOP/s at D=128, 377-444 -> 460-488
@@ -373,7 +378,8 @@ def default_config(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None, limit: 
     one_kernel = not documents
     preferred = HopperConfig(full_compute_warpgroups=3, persistent=head_dim > 64,
                              bwd_producer_registers=fa3_split if head_dim > 64 else wide_producer,
-                             bwd_form="one_kernel" if one_kernel else "two_kernel", bwd_query_rows=one_kernel)
+                             bwd_form="one_kernel" if one_kernel else "two_kernel", bwd_query_rows=one_kernel,
+                             bwd_head_splits=GQA_HEAD_SPLITS if one_kernel else 1)
     for config in (preferred, dataclasses.replace(preferred, full_compute_warpgroups=None)):
         if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
                for causal in (True, False)):
@@ -390,8 +396,8 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     (D=64: a 256-key forward block early), then the other backward forms, at both register splits
     (BACKWARD_PRODUCER_REGISTERS), then every form in the other orientation of the
     dK/dV step (`bwd_query_rows`), then every form in both orientations with the other `bwd_rebuild_descriptors`,
-    then the one-kernel forms in both orientations with the other `bwd_stagger`, then the group's heads split among
-    CTAs (`bwd_head_splits` GQA_HEAD_SPLITS; the same kernel as the default's without GQA).
+    then the one-kernel forms in both orientations with the other `bwd_stagger`, then the other of `bwd_head_splits`
+    1 and GQA_HEAD_SPLITS (the same kernel as the default's without GQA).
     Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
     bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in `limit`
     (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third stage, forward or
@@ -413,7 +419,7 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
         for form in BACKWARD_FORMS for rows in (False, True)] + [
         dict(bwd_form=form, bwd_query_rows=rows, bwd_stagger=not base.bwd_stagger)
         for form in BACKWARD_FORMS if form != "two_kernel" for rows in (False, True)] + [
-        dict(bwd_head_splits=GQA_HEAD_SPLITS)]
+        dict(bwd_head_splits=1 if base.bwd_head_splits > 1 else GQA_HEAD_SPLITS)]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(config for config in dict.fromkeys(configs)
                  if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
