@@ -13,6 +13,7 @@ portable backward on the same inputs, for every config; and a negative control (
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import kernel_twins as twins
@@ -23,7 +24,8 @@ from test_flash_attention_torch import _exact, _inputs, _naive, _numpy, _ours, _
 from compare.bench.gluon_sweep import backward_candidates
 from torch_impl.kernels.flash_attention import flash_attention_backward
 from torch_impl.kernels.hopper.backward import hopper_backward
-from torch_impl.kernels.hopper.config import DQ_REDUCTIONS, DQ_SWIZZLES, HopperBackwardConfig, lockstep_config
+from torch_impl.kernels.hopper.config import (DQ_REDUCTIONS, DQ_SWIZZLES, GQA_HEAD_SPLITS, HopperBackwardConfig,
+                                              lockstep_config)
 from torch_impl.kernels.portable.backward import portable_backward
 from torch_impl.kernels.portable.forward import portable_forward
 from torch_impl.kernels.tiles import GLUON_AVAILABLE, row_delta
@@ -53,6 +55,13 @@ def test_a_backward_config_outside_its_choices_is_refused(field, value, message)
     assert [getattr(HopperBackwardConfig(**{field: c}), field) for c in choices] == list(choices)
 
 
+def test_head_splits_below_one_are_refused():
+    """`head_splits` shares a GQA group's heads among gcd(head_splits, group) programs: 0 would launch none."""
+    with pytest.raises(ValueError, match="head_splits must be >= 1, got 0"):
+        HopperBackwardConfig(head_splits=0)
+    assert HopperBackwardConfig(head_splits=GQA_HEAD_SPLITS).head_splits == GQA_HEAD_SPLITS
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 
 def _pair_backward_errors(backward, q, k, v, dout, causal, scale, **kwargs):
@@ -74,9 +83,11 @@ def _beyond_portable(q, k, v, dout, causal, scale, **kwargs):
 
 
 # Every config the sweep times, per head dim (the default first): the lockstep form and the warp-specialised one
-# (64- and 128-row query blocks, 2 to 4 stages, one or two dQ tiles per consumer), and dQ by vector atomics.
+# (64- and 128-row query blocks, 2 to 4 stages, one or two dQ tiles per consumer, a GQA group's heads shared among
+# programs), dQ by vector atomics, and the lockstep form with the heads shared. The inputs' GQA 4:1 splits 4 ways.
 CONFIGS = [(head_dim, config) for head_dim in (128, 64) for config in backward_candidates(head_dim, False)]
 CONFIGS.append((128, HopperBackwardConfig(**{**vars(lockstep_config(128)), "dq_reduction": "vector_atomics"})))
+CONFIGS.append((128, dataclasses.replace(lockstep_config(128), head_splits=GQA_HEAD_SPLITS)))  # the walk both share
 
 
 @pytest.mark.gpu

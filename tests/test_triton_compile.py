@@ -147,27 +147,32 @@ for head_dim in (128, 64):
 """
 
 
-# The Gluon backward at both head dims in every config the sweep times (compare.bench.gluon_sweep; the GPU tests
-# launch them all) and dQ by vector atomics, causal and not, the non-causal ones with documents' spans too, in both
-# forms (lockstep; warp-specialised, whose PTX must also hand registers over between its partitions): the warpgroup
-# matmuls, TMA loads and dq's float32 reductions (TMA reduce-add or atomics) must be in its PTX; ptxas must keep the matmuls asynchronous (it serializes
-# them all when it cannot prove a pipeline safe, and says so); its registers (ptxas's count, whose spills it
-# reports) and shared memory must fit one sm_90 block.
+# The Gluon backward at both head dims in every config the sweep times (compare.bench.gluon_sweep; the GPU tests launch
+# them all), dQ by vector atomics and the lockstep form with a GQA group's heads split, causal and not, the non-causal
+# ones with documents' spans too, in both forms (lockstep; warp-specialised, whose PTX must also hand registers over
+# between its partitions): the warpgroup matmuls, TMA loads and dq's float32 reductions (TMA reduce-add or atomics) must
+# be in its PTX; ptxas must keep the matmuls asynchronous (it serializes them all when it cannot prove a pipeline safe,
+# and says so); its registers (ptxas's count, whose spills it reports) and shared memory must fit one sm_90 block.
 _COMPILE_GLUON_BACKWARD = _GLUON_COMPILE_CHECK + r"""
+import dataclasses, math
 import torch_impl.kernels.hopper.backward as gb
 import torch_impl.kernels.hopper.backward_ws as gws
-from torch_impl.kernels.hopper.config import HopperBackwardConfig, lockstep_config
+from torch_impl.kernels.hopper.config import GQA_HEAD_SPLITS, HopperBackwardConfig, lockstep_config
 from compare.bench.gluon_sweep import backward_candidates
+
+GROUP = 4  # query heads per KV head (H 32, Hkv 8): a config's head_splits compile as the wrapper's gcd with it
 
 REDUCTION_OPS = {"tma": "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add",
                  "vector_atomics": "red.relaxed.gpu.global.add.v2.f32"}
 atomics = HopperBackwardConfig(**{**vars(lockstep_config(128)), "dq_reduction": "vector_atomics"})
+lockstep_split = dataclasses.replace(lockstep_config(128), head_splits=GQA_HEAD_SPLITS)
 for head_dim in (128, 64):
     for causal, spans in ((True, False), (False, False), (False, True)):  # documents: the non-causal configs
-        for config in backward_candidates(head_dim, causal) + ([atomics] if head_dim == 128 else []):
+        for config in backward_candidates(head_dim, causal) + ([atomics, lockstep_split] if head_dim == 128 else []):
             layouts = gb.shared_layouts(torch.bfloat16, head_dim, config)
             constexprs = dict(HEAD_DIM=head_dim, CAUSAL=causal, SPANS=spans, BLOCK_M=config.block_m,
                               NUM_STAGES=config.num_stages, STAGGER=config.stagger,
+                              HEAD_SPLITS=math.gcd(config.head_splits, GROUP),
                               **dict(zip(("Q_LAYOUT", "KV_LAYOUT", "DS_LAYOUT", "STATS_LAYOUT", "DQ_LAYOUT"), layouts)))
             ops = ["wgmma.mma_async", "cp.async.bulk.tensor", REDUCTION_OPS[config.dq_reduction]]
             options = {"num_warps": config.num_warps}
@@ -225,8 +230,9 @@ def test_gluon_forward_compiles_for_sm90_within_its_registers_and_shared_memory(
 def test_gluon_backward_compiles_for_sm90_within_its_registers_and_shared_memory():
     done = _compile(block_d=128, script=_COMPILE_GLUON_BACKWARD)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-    per_mask = {causal: sum(len(backward_candidates(head_dim, causal)) + (head_dim == 128) for head_dim in (128, 64))
-                for causal in (True, False)}  # + dQ by vector atomics at D=128
+    per_mask = {causal: sum(len(backward_candidates(head_dim, causal)) + 2 * (head_dim == 128)
+                            for head_dim in (128, 64))
+                for causal in (True, False)}  # + dQ by vector atomics and the lockstep form's head splits at D=128
     assert done.stdout.count("compiled gluon backward") == per_mask[True] + 2 * per_mask[False], done.stdout
     assert done.stdout.count("spans=True") == per_mask[False], done.stdout
     print(done.stdout)

@@ -47,9 +47,12 @@ def backward_candidates(head_dim: int, causal: bool):
     registers (at D=128 they do not fit); and the default with the widest dQ swizzle (128 bytes, config.DQ_SWIZZLES)
     or with the log-sum-exp read after the first matmuls (lse_first False); without a causal mask, also the default
     with every key block's walk starting at the first query block (stagger False: the JAX twin's one-kernel
-    backward lost 7 % to its stagger with GQA, compare/results/kernels-mosaic-stagger-2026-11-29-h200).
+    backward lost 7 % to its stagger with GQA, compare/results/kernels-mosaic-stagger-2026-11-29-h200); and the
+    default with a GQA group's query heads shared among programs (head_splits GQA_HEAD_SPLITS; the default's kernel
+    where there is no GQA: sweep with --kv-heads below --heads).
     """
-    from torch_impl.kernels.hopper.config import HopperBackwardConfig, backward_config, lockstep_config
+    from torch_impl.kernels.hopper.config import (GQA_HEAD_SPLITS, HopperBackwardConfig, backward_config,
+                                                  lockstep_config)
 
     if head_dim == 128:
         shapes = [dict(num_stages=2, dq_buffers=2), dict(num_stages=3, dq_buffers=1)]
@@ -57,7 +60,7 @@ def backward_candidates(head_dim: int, causal: bool):
         shapes = [dict(block_m=64, num_stages=s) for s in (3, 4)] + [dict(block_m=64, num_stages=3, kv_in_regs=True)]
     default = backward_config(head_dim, False, 0)
     space = [default, dataclasses.replace(default, dq_swizzle=128), dataclasses.replace(default, lse_first=False),
-             lockstep_config(head_dim)]
+             dataclasses.replace(default, head_splits=GQA_HEAD_SPLITS), lockstep_config(head_dim)]
     space += [HopperBackwardConfig(warp_specialize=True, **shape) for shape in shapes]
     if not causal:  # a causal walk starts at its diagonal: staggered anyway
         space.append(dataclasses.replace(default, stagger=False))

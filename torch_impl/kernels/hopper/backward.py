@@ -7,8 +7,9 @@ Why one kernel: the portable backward (`kernels/portable/backward.py`) runs two 
 for the 5 that the backward's FLOP count credits, and tops out near 390 TF/s on H200. Here one program owns
 `block_n` keys of one (batch, KV head), keeps K and V in shared memory and dK, dV in float32 registers, and walks
 the query blocks of every query head of its group (GQA reads K/V once per KV head, dK/dV come out summed over the
-group). Each step of `block_m` query rows runs the five matmuls as asynchronous `warpgroup_mma`, keys on the rows so
-that K and V are the resident A operands:
+group), or of its share of the group's heads (`head_splits`: float32 partial dK/dV, summed after). Each step of
+`block_m` query rows runs the five matmuls as asynchronous `warpgroup_mma`, keys on the rows so that K and V are the
+resident A operands:
     S^T = K Q^T, then dP^T = V dO^T;  P^T = exp2(S^T - lse) while dP^T is in flight;
     dV += P^T dO and dK += dS^T Q (P^T, dS^T straight from registers);  dQ = dS K from dS^T staged in shared memory,
 added into a float32 dQ accumulator that all programs share (FA3's way, `dq_reduction="tma"`: the block is stored
@@ -62,8 +63,8 @@ import triton.language as tl
 
 from torch_impl.documents import Spans, query_spans
 from torch_impl.kernels.hopper.backward_ws import (gluon_backward_ws_kernel, input_descriptors, issue_tile_loads,
-                                                   key_block_walk, key_query_spans, masked_block, step_tile,
-                                                   tma_reduce_add, visible_pairs)
+                                                   key_block_walk, key_query_spans, masked_block, program_heads,
+                                                   step_tile, tma_reduce_add, visible_pairs)
 from torch_impl.kernels.hopper.config import HopperBackwardConfig, backward_config
 from torch_impl.kernels.tiles import (GLUON_AVAILABLE, LOG2E, gluon_jit, row_delta, set_descriptor_allocator,
                                       spans_or_none)
@@ -136,10 +137,11 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart, Q
                            stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                            stride_dob, stride_dos, stride_dqb, stride_dqs,
                            stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                           n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
-                           CAUSAL: gl.constexpr, SPANS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale,
+                           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, DQ_REDUCTION: gl.constexpr, DP_FIRST: gl.constexpr,
-                           STAGGER: gl.constexpr,
+                           STAGGER: gl.constexpr, HEAD_SPLITS: gl.constexpr,
                            Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
                            STATS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr):
     NUM_WARPS: gl.constexpr = BLOCK_N // 16
@@ -155,17 +157,15 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart, Q
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
                                                         instr_shape=[16, HEAD_DIM // (NUM_WARPS // 4), K_STEP])
 
-    pid_bh = gl.program_id(1)
-    batch = pid_bh // n_kv_heads
-    kv_head = pid_bh % n_kv_heads
+    batch, kv_head, out_row, first_head, heads = program_heads(gl.program_id(1), n_kv_heads, group, HEAD_SPLITS)
     col0 = gl.program_id(0) * BLOCK_N
     n_heads = n_kv_heads * group
     diagonal = seq_k - seq_q
     query_start, query_end = QueryStart, QueryEnd
     if SPANS:  # this batch row's query spans [Sk]
         query_start, query_end = QueryStart + batch.to(gl.int64) * seq_k, QueryEnd + batch.to(gl.int64) * seq_k
-    walk, n_steps, full = key_block_walk(col0, seq_q, seq_k, group, kv_head, query_start, query_end, CAUSAL, SPANS,
-                                         STAGGER, BLOCK_M, BLOCK_N)
+    walk, n_steps, full = key_block_walk(col0, seq_q, seq_k, heads, first_head, query_start, query_end, CAUSAL,
+                                         SPANS, STAGGER, BLOCK_M, BLOCK_N)
 
     k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc = input_descriptors(
         Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
@@ -269,9 +269,9 @@ def _gluon_backward_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart, Q
     out_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     in_bounds = gl.expand_dims(out_rows < seq_k, 1)
-    dk_ptrs = (DK + batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
+    dk_ptrs = (DK + out_row.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
                + gl.expand_dims(out_rows.to(gl.int64) * stride_dks, 1) + gl.expand_dims(out_cols, 0))
-    dv_ptrs = (DV + batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+    dv_ptrs = (DV + out_row.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
                + gl.expand_dims(out_rows.to(gl.int64) * stride_dvs, 1) + gl.expand_dims(out_cols, 0))
     gl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=in_bounds)
     gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_bounds)
@@ -321,21 +321,24 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if delta is None:
         delta = row_delta(out, dout)
     dq = torch.zeros((batch, seq_q, n_heads, head_dim), dtype=torch.float32, device=q.device)
-    dk = torch.empty(k.shape, dtype=grad_dtype, device=q.device)
-    dv = torch.empty(v.shape, dtype=grad_dtype, device=q.device)
+    head_splits = math.gcd(config.head_splits, n_heads // n_kv_heads)
+    # each split's dK/dV share: float32 partials, summed below ([B * splits, Sk, Hkv, D], `program_heads`)
+    parts_dtype = grad_dtype if head_splits == 1 else torch.float32
+    dk = torch.empty((batch * head_splits, *k.shape[1:]), dtype=parts_dtype, device=q.device)
+    dv = torch.empty((batch * head_splits, *v.shape[1:]), dtype=parts_dtype, device=q.device)
     lse2, delta = padded_row_stats(lse, delta, config.block_m)
     q_layout, kv_layout, ds_layout, stats_layout, dq_layout = shared_layouts(q.dtype, head_dim, config)
     set_descriptor_allocator(q.device)
     query_start, query_end = spans_or_none(None if spans is None else query_spans(spans, seq_k), q.device)
-    grid = (triton.cdiv(seq_k, config.block_n), batch * n_kv_heads)
+    grid = (triton.cdiv(seq_k, config.block_n), batch * n_kv_heads * head_splits)
     tensors_and_strides = (
         q, k, v, dout, lse2, delta, dq, dk, dv, query_start, query_end,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         n_kv_heads, n_heads // n_kv_heads, seq_q, seq_k, lse2.shape[-1], softmax_scale)
-    constexprs = dict(SPANS=spans is not None, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout, DS_LAYOUT=ds_layout,
-                      STATS_LAYOUT=stats_layout, DQ_LAYOUT=dq_layout)
+    constexprs = dict(SPANS=spans is not None, HEAD_SPLITS=head_splits, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
+                      DS_LAYOUT=ds_layout, STATS_LAYOUT=stats_layout, DQ_LAYOUT=dq_layout)
     if config.warp_specialize:
         gluon_backward_ws_kernel[grid](
             *tensors_and_strides, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
@@ -349,4 +352,6 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             NUM_STAGES=config.num_stages, DQ_REDUCTION=config.dq_reduction, DP_FIRST=config.dp_first,
             STAGGER=config.stagger, **constexprs, num_warps=config.num_warps)
     dq = dq.mul_(softmax_scale)
+    if head_splits > 1:
+        dk, dv = (g.view(batch, head_splits, *g.shape[1:]).sum(1).to(grad_dtype) for g in (dk, dv))
     return (dq if grad_dtype == torch.float32 else dq.to(grad_dtype)), dk, dv

@@ -1,5 +1,6 @@
 """The warp-specialised form of the Gluon (sm_90) FlashAttention backward (FlashAttention-3's structure), and the
-tile walk both forms share, with documents' query spans too (`key_block_walk`, `masked_block`, `visible_pairs`).
+tile walk both forms share, with documents' query spans too (`program_heads`, `key_block_walk`, `masked_block`,
+`visible_pairs`).
 The public API is `backward.hopper_backward`, which launches this kernel when its config says `warp_specialize`
 (see `backward.py` for the math and the contract, the same here).
 
@@ -67,15 +68,29 @@ def input_descriptors(Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_k
 
 
 @gluon_jit
-def key_block_walk(col0, seq_q, seq_k, group, kv_head, query_start, query_end, CAUSAL: gl.constexpr,
+def program_heads(pid, n_kv_heads, group, HEAD_SPLITS: gl.constexpr):
+    """(batch, kv_head, out_row, first_head, heads) of grid row `pid` (batch, KV head, split; the split fastest):
+    the program walks `heads` = group // HEAD_SPLITS of its GQA group's query heads from `first_head`
+    (`HopperBackwardConfig.head_splits`) and writes its dK/dV at row `out_row` = batch * HEAD_SPLITS + split of
+    DK / DV ([B * HEAD_SPLITS, Sk, Hkv, D]: with HEAD_SPLITS > 1, float32 partials that the wrapper sums). A
+    compile-time count, so that at 1 the kernel is the one without splits."""
+    split = pid % HEAD_SPLITS
+    batch = pid // HEAD_SPLITS // n_kv_heads
+    kv_head = pid // HEAD_SPLITS % n_kv_heads
+    heads = group // HEAD_SPLITS
+    return batch, kv_head, batch * HEAD_SPLITS + split, kv_head * group + split * heads, heads
+
+
+@gluon_jit
+def key_block_walk(col0, seq_q, seq_k, heads, first_head, query_start, query_end, CAUSAL: gl.constexpr,
                    SPANS: gl.constexpr, STAGGER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(walk, n_steps, full) of the key block at `col0`: the query blocks it meets of every query head of the
-    group, and which of them need no mask (`masked_block`). Without documents: blocks [first_block, n_blocks),
-    masked before full = full_block (query i sees key j iff j <= i + diagonal, and everywhere in the key block that
-    runs past the end). With documents (SPANS: the batch row's query spans at query_start / query_end, [Sk]):
-    blocks [first, end) between the keys' lowest query_start and highest query_end (none when no row sees a key
-    of the block), unmasked in full = (full_first, full_end), the blocks whose rows all see every key of the block
-    (`tiles.span_block_range`, the portable dK/dV kernel's walk; a tl helper that compiles in Gluon too). walk =
+    """(walk, n_steps, full) of the key block at `col0`: the query blocks it meets of each of the `heads` query heads
+    from `first_head` (`program_heads`), and which of them need no mask (`masked_block`). Without documents: blocks
+    [first_block, n_blocks), masked before full = full_block (query i sees key j iff j <= i + diagonal, and everywhere
+    in the key block that runs past the end). With documents (SPANS: the batch row's query spans at query_start /
+    query_end, [Sk]): blocks [first, end) between the keys' lowest query_start and highest query_end (none when no row
+    sees a key of the block), unmasked in full = (full_first, full_end), the blocks whose rows all see every key of the
+    block (`tiles.span_block_range`, the portable dK/dV kernel's walk; a tl helper that compiles in Gluon too). walk =
     (first_block, blocks_per_head, first_head, rotation) for `step_tile`."""
     if SPANS:
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
@@ -99,11 +114,11 @@ def key_block_walk(col0, seq_q, seq_k, group, kv_head, query_start, query_end, C
         full = gl.where(col0 + BLOCK_N > seq_k, n_blocks, full_block)
         n_walk = n_blocks - first_block
     blocks_per_head = gl.maximum(n_walk, 1)
-    n_steps = group * n_walk
+    n_steps = heads * n_walk
     # Without a causal mask every program would walk the same query blocks in step, all adding into the same dQ
     # rows at once; STAGGER starts key block j's walk 2j blocks in, as the causal walks start.
     rotation = (col0 // BLOCK_M) % blocks_per_head if STAGGER and not CAUSAL else 0
-    return (first_block, blocks_per_head, kv_head * group, rotation), n_steps, full
+    return (first_block, blocks_per_head, first_head, rotation), n_steps, full
 
 
 @gluon_jit
@@ -152,7 +167,7 @@ def visible_pairs(cols, rows, seq_k, diagonal, query_spans, CAUSAL: gl.constexpr
 @gluon_jit
 def step_tile(step, walk):
     """(query head, query block) of step `step` of a program's walk (first_block, blocks_per_head, first_head,
-    rotation): the group's heads one after the other, each one's blocks [first_block, first_block +
+    rotation): the walked heads one after the other, each one's blocks [first_block, first_block +
     blocks_per_head) from `rotation` blocks in, wrapping around."""
     first_block, blocks_per_head, first_head, rotation = walk
     return first_head + step // blocks_per_head, first_block + (step % blocks_per_head + rotation) % blocks_per_head
@@ -335,25 +350,24 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart,
                              stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                              stride_dob, stride_dos, stride_dqb, stride_dqs,
                              stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                             n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale, HEAD_DIM: gl.constexpr,
-                             CAUSAL: gl.constexpr, SPANS: gl.constexpr, BLOCK_M: gl.constexpr,
+                             n_kv_heads, group, seq_q, seq_k, seq_pad, softmax_scale,
+                             HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.constexpr, BLOCK_M: gl.constexpr,
                              NUM_STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr, STAGGER: gl.constexpr,
+                             HEAD_SPLITS: gl.constexpr,
                              KV_IN_REGS: gl.constexpr, LSE_FIRST: gl.constexpr,
                              Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
                              STATS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BLOCK_N: gl.constexpr = 2 * KEYS_PER_CONSUMER
     HALF_DIM: gl.constexpr = HEAD_DIM // 2
-    pid_bh = gl.program_id(1)
-    batch = pid_bh // n_kv_heads
-    kv_head = pid_bh % n_kv_heads
+    batch, kv_head, out_row, first_head, heads = program_heads(gl.program_id(1), n_kv_heads, group, HEAD_SPLITS)
     col0 = gl.program_id(0) * BLOCK_N
     n_heads = n_kv_heads * group
     query_start, query_end = QueryStart, QueryEnd
     if SPANS:  # this batch row's query spans [Sk]
         query_start, query_end = QueryStart + batch.to(gl.int64) * seq_k, QueryEnd + batch.to(gl.int64) * seq_k
-    walk, n_steps, full = key_block_walk(col0, seq_q, seq_k, group, kv_head, query_start, query_end, CAUSAL, SPANS,
-                                         STAGGER, BLOCK_M, BLOCK_N)
+    walk, n_steps, full = key_block_walk(col0, seq_q, seq_k, heads, first_head, query_start, query_end, CAUSAL,
+                                         SPANS, STAGGER, BLOCK_M, BLOCK_N)
 
     k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc = input_descriptors(
         Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
@@ -386,8 +400,8 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart,
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
 
-    dk_base = DK + batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
-    dv_base = DV + batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+    dk_base = DK + out_row.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
+    dv_base = DV + out_row.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
     args = ((q_desc, do_desc, lse_desc, delta_desc), (q_bufs, do_bufs, lse_bufs, delta_bufs), k_desc, v_desc,
             k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs, dq_full, dq_empty, walk,
             n_steps, full, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,

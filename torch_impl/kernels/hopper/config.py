@@ -28,6 +28,7 @@ DQ_REDUCTIONS = ("tma", "vector_atomics")
 # store, 256M conflicts in the kernel, FlashAttention-3's 3.4M); at 32 bytes the rows of a half-warp fill distinct
 # banks and the tile leaves in 32-byte-wide TMA boxes (compare/results/kernels-gluon-backward-ncu-2026-11-29-h200).
 DQ_SWIZZLES = (32, 128)
+GQA_HEAD_SPLITS = 8  # the sweep's head_splits: one program per query head for groups of 2, 4 and 8 (as the JAX twin)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,11 @@ class HopperBackwardConfig:
     before issuing S^T and dP^T (after, that read queued behind the matmuls' operand reads and P^T waited for it:
     compare/results/kernels-gluon-backward-ncu-2026-11-29-h200), registers split by setmaxnreg: `consumer_regs` for
     the worker consumer, `producer_regs` for the two single warps, the default consumer what `max_regs` leaves;
-    dp_first does not apply)."""
+    dp_first does not apply). `head_splits`: a GQA group's query heads are shared out among gcd(head_splits, group)
+    programs per key block (grid rows after the KV heads), each walking its share and writing float32 partial dK/dV
+    that the wrapper sums (1: one program walks the whole group). The JAX twin's `bwd_head_splits`, which ran 553 /
+    573 TFLOP/s fwd+bwd against 538 / 543 at Hkv 8, 64k, D=128 on an H200 (compare/results/
+    kernels-head-splits-2026-12-02-h200); here a sweep candidate (GQA_HEAD_SPLITS), not yet measured."""
     block_n: int = 128
     block_m: int = 64
     num_stages: int = 2
@@ -59,12 +64,15 @@ class HopperBackwardConfig:
     max_regs: int = 168
     consumer_regs: int = 240
     producer_regs: int = 24
+    head_splits: int = 1
 
     def __post_init__(self):
         if self.dq_reduction not in DQ_REDUCTIONS:
             raise ValueError(f"dq_reduction {self.dq_reduction!r} is none of {DQ_REDUCTIONS}")
         if self.dq_swizzle not in DQ_SWIZZLES:
             raise ValueError(f"dq_swizzle {self.dq_swizzle!r} is none of {DQ_SWIZZLES}")
+        if self.head_splits < 1:
+            raise ValueError(f"head_splits must be >= 1, got {self.head_splits}")
         if self.warp_specialize and (self.block_n != 128 or self.dq_reduction != "tma"):
             raise ValueError("the warp-specialised backward takes block_n 128 and dq_reduction 'tma'")
 
