@@ -17,9 +17,9 @@ are marked as regions (`torch_impl/profiling.py`); `compile_elementwise` compile
 (the training step does on GPUs).
 
 `convert_to_fp8` turns the decoder layers' linears into torchao `Float8Linear`s running the FP8 recipe of
-weights/fp8.py (`twinflash train --fp8`). torchao is optional (the `fp8` extra) and needs no GPU: on CPU its matmul,
-`torch._scaled_mm` with float8 operands, runs as it is (dot of the float8 values in float32, times the inverse
-scales), so the same recipe runs on CPU with nothing patched.
+weights/fp8.py (`twinflash train --fp8`). torchao is optional (the `fp8` extra) and needs no GPU: off GPUs its matmul
+takes torchao's emulation (`emulate`: the float8 values over their scales, multiplied in float32), the same recipe
+within float32 rounding; `torch._scaled_mm`'s CPU kernel computes it too, but ~30x slower than a float32 matmul.
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
@@ -190,11 +190,12 @@ class Llama(nn.Module):
         return self.logits(self.hidden_states(tokens, positions, segment_ids))
 
 
-def convert_to_fp8(llama: Llama, linears: frozenset[str]) -> None:
+def convert_to_fp8(llama: Llama, linears: frozenset[str], *, emulate: bool) -> None:
     """In place, before FSDP wraps the model: the decoder layers' `linears` (names inside a layer, from
     `weights.fp8.fp8_linears`) become torchao `Float8Linear`s with dynamic per-tensor scaling of inputs, weights and
     output gradients (weights/fp8.py's recipe). Their weights stay plain parameters under the same names, so
-    sharding, checkpoints and exports see the model unchanged."""
+    sharding, checkpoints and exports see the model unchanged. `emulate`: their matmuls in float32 (torchao's
+    emulation, for devices without FP8 GEMMs) instead of `torch._scaled_mm`."""
     torchao_log = logging.getLogger("torchao")
     level = torchao_log.level
     # importing torchao warns once per CUDA extension library it cannot load (all of them on CPU), on every rank;
@@ -214,7 +215,7 @@ def convert_to_fp8(llama: Llama, linears: frozenset[str]) -> None:
         cast_config_input=cast(FP8_DTYPE), cast_config_input_for_grad_weight=cast(FP8_DTYPE),
         cast_config_weight=cast(FP8_DTYPE), cast_config_weight_for_grad_input=cast(FP8_DTYPE),
         cast_config_grad_output=cast(GRADIENT_DTYPE), cast_config_grad_output_for_grad_weight=cast(GRADIENT_DTYPE),
-        round_scales_to_power_of_2=False)
+        round_scales_to_power_of_2=False, emulate=emulate)
     convert_to_float8_training(llama, config=config,
                                module_filter_fn=lambda module, name: is_fp8_linear(name, linears))
 

@@ -405,7 +405,7 @@ def build_training(settings: TrainSettings, device: torch.device, attention: Att
     with torch.device("meta"):
         llama = Llama(config, attention)
     if settings.fp8:  # before FSDP, which then shards and gathers the Float8Linears' plain weights
-        convert_to_fp8(llama, fp8_linears(config)[0])
+        convert_to_fp8(llama, fp8_linears(config)[0], emulate=device.type != "cuda")
         if dist.get_rank() == 0 and fallback_line(config) is not None:
             print_to_stderr(fallback_line(config))
     chunk_tokens = settings.loss_chunk_tokens or default_loss_chunk_tokens(config.vocab_size)
