@@ -19,7 +19,7 @@ are marked as regions (`torch_impl/profiling.py`); `compile_elementwise` compile
 `convert_to_fp8` turns the decoder layers' linears into torchao `Float8Linear`s running the FP8 recipe of
 weights/fp8.py (`twinflash train --fp8`). torchao is optional (the `fp8` extra) and needs no GPU: off GPUs its matmul
 takes torchao's emulation (`emulate`: the float8 values over their scales, multiplied in float32), the same recipe
-within float32 rounding; `torch._scaled_mm`'s CPU kernel computes it too, but ~30x slower than a float32 matmul.
+within float32 rounding; `torch._scaled_mm`'s CPU kernel computes it too, 10-30x slower than a float32 matmul.
 
 Numerics follow HF transformers' LlamaForCausalLM: RMSNorm in float32 then cast back before the weight multiply,
 RoPE angles in float32 cast to the compute dtype, logits returned as float32.
