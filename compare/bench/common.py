@@ -1,10 +1,13 @@
 """What the GPU benchmarks share: their argument rules and the rows of earlier runs (--rows-from; `bench kernels`,
-`bench ring`), where and how a result JSON is written (under out/, which git ignores, unless --out says;
-atomically), and how a benchmark whose rows are held against ours ends (`finish_rows`; `bench hf`, `bench
-train-peer`). A result worth keeping is copied into compare/results/ with its RUN.md."""
+`bench ring`), the config sweeps' --select (`pallas_sweep`, `gluon_sweep`), where and how a result JSON is written
+(under out/, which git ignores, unless --out says; atomically), and how a benchmark whose rows are held against ours
+ends (`finish_rows`; `bench hf`, `bench train-peer`). A result worth keeping is copied into compare/results/ with its
+RUN.md."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
 import json
 import re
@@ -28,6 +31,36 @@ def check_parts_and_heads(args, choices: tuple[str, ...]) -> None:
     for kv in args.kv_heads:
         if kv < 1 or args.heads % kv:
             raise BadInputError(f"--kv-heads: {kv} does not divide --heads {args.heads}")
+
+
+def config_field_value(config_class: type, text: str) -> tuple[str, object]:
+    """FIELD=VALUE of a sweep's --select: a field of the dataclass `config_class` and a value of its type (true/false,
+    an integer, a name; "none" for a field whose default is None). Raises argparse.ArgumentTypeError naming the
+    cause."""
+    field, _, value = text.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    if field not in fields or not value:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIELD=VALUE with FIELD one of {', '.join(fields)}")
+    default = getattr(config_class(), field)
+    if isinstance(default, bool):
+        if value.lower() not in ("true", "false"):
+            raise argparse.ArgumentTypeError(f"{field} takes true or false, got {value!r}")
+        return field, value.lower() == "true"
+    if default is None and value.lower() == "none":
+        return field, None
+    if isinstance(default, int) or default is None:
+        try:
+            return field, int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{field} takes an integer, got {value!r}") from None
+    return field, value
+
+
+def selected_candidates(space, select: list[tuple[str, object]]) -> tuple:
+    """A sweep's candidates (a sequence, the default first) under --select: the default and those of the rest with
+    every field value."""
+    return tuple(space[:1]) + tuple(config for config in space[1:]
+                             if all(getattr(config, field) == value for field, value in select))
 
 
 def previous_rows(paths: list[Path]) -> tuple[dict, list[dict]]:

@@ -7,7 +7,9 @@ For each head dim (--head-dims) and causal setting (--causal), bf16, B=1, S (--s
 `kernel_bench` times it; TFLOP/s from `weights.flops.attention_flops` (the backward credited 2.5 forwards). Every
 Gluon config's result is compared with the portable kernel's (max_abs_diff: float32 out, or float32 dq/dk/dv from
 the Gluon forward's out/lse), so a fast wrong config stands out; a config that does not fit (shared memory) or
-fails is recorded as an error row and the sweep goes on. Prints one JSON object per row, writes them all
+fails is recorded as an error row and the sweep goes on. --select FIELD=VALUE (repeatable; a field of the
+direction's config, HopperConfig or HopperBackwardConfig) times only the candidates with every value, beside the
+default, as `pallas_sweep --select` does for the JAX twin. Prints one JSON object per row, writes them all
 to --out after each row (a run cut short keeps what it measured), and a table last.
 """
 
@@ -18,6 +20,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+from compare.args import OneLineParser, with_error_contract
+from compare.bench.common import config_field_value, selected_candidates
+from weights import BadInputError
 from weights.flops import attention_flops
 
 
@@ -67,22 +72,48 @@ def backward_candidates(head_dim: int, causal: bool):
     return list(dict.fromkeys(space))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compare.bench.gluon_sweep", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="python -m compare.bench.gluon_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=32)
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
     parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
+    parser.add_argument("--select", action="append", default=[], metavar="FIELD=VALUE",
+                        help="only the candidates with this field value, beside the default (repeatable)")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
+    return parser
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The arguments, --select as (field, value) pairs of the direction's config class."""
+    from torch_impl.kernels.hopper.config import HopperBackwardConfig, HopperConfig
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config_class = HopperConfig if args.direction == "forward" else HopperBackwardConfig
+    try:
+        args.select = [config_field_value(config_class, text) for text in args.select]
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"--select ({args.direction}): {err}")
+    return args
+
+
+def main(argv=None) -> int:
+    """Bad input (arguments, no GPU) is one line on stderr and exit 2 (`with_error_contract`)."""
+    return with_error_contract(lambda: _main(argv))
+
+
+def _main(argv) -> int:
+    args = parse_args(argv)
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
+    if not torch.cuda.is_available():
+        raise BadInputError("gluon_sweep needs a CUDA GPU (the kernels are timed compiled, not interpreted)")
     from torch_impl.kernels.portable.forward import portable_forward
     from torch_impl.kernels.hopper.forward import hopper_forward
 
@@ -118,7 +149,7 @@ def main(argv=None) -> int:
                     record(impl=name, **point, error=f"{type(err).__name__}: {err}"[:300], **extra)
 
             if args.direction == "backward":
-                _sweep_backward(timed, record, point, q, k, v, dout, causal, scale)
+                _sweep_backward(timed, record, point, q, k, v, dout, causal, scale, args.select)
                 torch.cuda.empty_cache()
                 continue
 
@@ -128,7 +159,7 @@ def main(argv=None) -> int:
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 timed("sdpa_cudnn", lambda: F.scaled_dot_product_attention(
                     *heads_major, is_causal=causal, enable_gqa=args.kv_heads != args.heads))
-            for config in candidates(head_dim, causal):
+            for config in selected_candidates(candidates(head_dim, causal), args.select):
                 try:
                     got, _ = hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32,
                                             config=config)
@@ -152,7 +183,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale):
+def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale, select):
     """The portable backward and cuDNN's (aten's op on heads-major copies made beforehand, from its own forward's
     out/lse; H = Hkv only), then each Gluon backward config, from the Gluon forward's out/lse; bf16 gradients timed,
     float32 ones compared with the portable kernel's."""
@@ -174,7 +205,7 @@ def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale):
         timed("sdpa_cudnn", lambda: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dot, qt, kt, vt, cudnn_out, cudnn_lse, rng, rng, None, None, None, q.shape[1], k.shape[1], 0.0, causal,
             scale=scale))
-    for config in backward_candidates(q.shape[-1], causal):
+    for config in selected_candidates(backward_candidates(q.shape[-1], causal), select):
         try:
             got = hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
                                   grad_dtype=torch.float32, config=config)

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from compare.args import OneLineParser, with_error_contract
+from compare.bench.common import config_field_value, selected_candidates
 from compare.bench.kernel_bench import jax_median_ms, jax_times_ms, median_ms
 from weights import BadInputError
 from weights.flops import attention_flops
@@ -57,32 +58,9 @@ def _parse_ints(text: str) -> list[int]:
 
 
 def _config_value(text: str) -> tuple[str, object]:
-    """FIELD=VALUE of --select: a HopperConfig field and a value of its type (true/false, an integer, a name; "none"
-    for a field whose default is None)."""
+    """FIELD=VALUE of --select: a field of the Mosaic kernels' HopperConfig (`common.config_field_value`)."""
     from jax_impl.kernels.hopper.config import HopperConfig
-    field, _, value = text.partition("=")
-    fields = {f.name: f for f in dataclasses.fields(HopperConfig)}
-    if field not in fields or not value:
-        raise argparse.ArgumentTypeError(f"{text!r} is not FIELD=VALUE with FIELD one of {', '.join(fields)}")
-    default = getattr(HopperConfig(), field)
-    if isinstance(default, bool):
-        if value.lower() not in ("true", "false"):
-            raise argparse.ArgumentTypeError(f"{field} takes true or false, got {value!r}")
-        return field, value.lower() == "true"
-    if default is None and value.lower() == "none":
-        return field, None
-    if isinstance(default, int) or default is None:
-        try:
-            return field, int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{field} takes an integer, got {value!r}") from None
-    return field, value
-
-
-def selected_candidates(space: tuple, select: list[tuple[str, object]]) -> tuple:
-    """The sweep's candidates under --select: the first (the default) and those of the rest with every field value."""
-    return space[:1] + tuple(config for config in space[1:]
-                             if all(getattr(config, field) == value for field, value in select))
+    return config_field_value(HopperConfig, text)
 
 
 def build_parser() -> argparse.ArgumentParser:
