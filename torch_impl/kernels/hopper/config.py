@@ -49,7 +49,9 @@ class HopperBackwardConfig:
     programs per key block (grid rows after the KV heads), each walking its share and writing float32 partial dK/dV
     that the wrapper sums (1: one program walks the whole group). The JAX twin's `bwd_head_splits`, which ran 553 /
     573 TFLOP/s fwd+bwd against 538 / 543 at Hkv 8, 64k, D=128 on an H200 (compare/results/
-    kernels-head-splits-2026-12-02-h200); here a sweep candidate (GQA_HEAD_SPLITS), not yet measured."""
+    kernels-head-splits-2026-12-02-h200); here a sweep candidate (GQA_HEAD_SPLITS), default 1: at Hkv 8, D=128 the
+    splits ran 2-3 % faster at 64k and 1-2 % slower at 16k, inside the 2 % that one config moves between processes
+    (compare/results/kernels-gluon-head-splits-2026-12-02-h200)."""
     block_n: int = 128
     block_m: int = 64
     num_stages: int = 2
