@@ -4,13 +4,15 @@ GPU: its rows are results, not tests). The twin of tests/test_pallas_sweep.py.""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from compare.bench.common import selected_candidates
+from compare.bench.common import point_deadline, selected_candidates
 from compare.bench.gluon_sweep import backward_candidates, candidates, parse_args
 from torch_impl.kernels.hopper.config import GQA_HEAD_SPLITS, backward_config, forward_config
 
@@ -36,12 +38,22 @@ def test_forward_select_takes_the_forward_config_fields():
     assert len(chosen) > 1 and not any(config.pingpong for config in chosen[1:])
 
 
+def test_budget_sets_each_points_deadline():
+    """--budget-s: a point starts no candidate after its deadline; without it there is none."""
+    assert parse_args(["--out", "x.json"]).budget_s is None and point_deadline(None) == math.inf
+    budget = parse_args(["--out", "x.json", "--budget-s", "30"]).budget_s
+    before = time.monotonic()
+    assert before + budget <= point_deadline(budget) <= time.monotonic() + budget
+    assert point_deadline(0) <= time.monotonic()  # the negative control: a spent budget is already past
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--select", "head_splits=8"], "--select (forward): 'head_splits=8' is not FIELD=VALUE with FIELD one of"),
     (["--direction", "backward", "--select", "pingpong=true"], "'pingpong=true' is not FIELD=VALUE"),
     (["--direction", "backward", "--select", "stagger=2"], "stagger takes true or false, got '2'"),
     (["--direction", "backward", "--select", "head_splits=many"], "head_splits takes an integer, got 'many'"),
     (["--direction", "sideways"], "argument --direction: invalid choice"),
+    (["--budget-s", "soon"], "argument --budget-s: invalid float value: 'soon'"),
     pytest.param([], "gluon_sweep needs a CUDA GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU would start the sweep")),
 ])

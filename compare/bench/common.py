@@ -10,7 +10,9 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from compare.args import recorded_command
 from weights import BadInputError
 from weights.atomic import write_text_atomically
 
+BUDGET_SPENT = "skipped: --budget-s spent"  # the error of a sweep's candidates that its point's budget left out
 OUT_DIR = Path("out")  # relative to the working directory: the checkout's out/ (git-ignored), when run from its root
 
 
@@ -61,6 +64,12 @@ def selected_candidates(space, select: list[tuple[str, object]]) -> tuple:
     every field value."""
     return tuple(space[:1]) + tuple(config for config in space[1:]
                              if all(getattr(config, field) == value for field, value in select))
+
+
+def point_deadline(budget_s: float | None) -> float:
+    """When a sweep's point (`--budget-s` seconds from now; None: no limit) starts no more candidates, in
+    time.monotonic() seconds; the candidates not started are rows with the error BUDGET_SPENT."""
+    return time.monotonic() + (budget_s if budget_s is not None else math.inf)
 
 
 def previous_rows(paths: list[Path]) -> tuple[dict, list[dict]]:

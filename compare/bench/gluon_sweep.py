@@ -9,8 +9,9 @@ Gluon config's result is compared with the portable kernel's (max_abs_diff: floa
 the Gluon forward's out/lse), so a fast wrong config stands out; a config that does not fit (shared memory) or
 fails is recorded as an error row and the sweep goes on. --select FIELD=VALUE (repeatable; a field of the
 direction's config, HopperConfig or HopperBackwardConfig) times only the candidates with every value, beside the
-default, as `pallas_sweep --select` does for the JAX twin. Prints one JSON object per row, writes them all
-to --out after each row (a run cut short keeps what it measured), and a table last.
+default, as `pallas_sweep --select` does for the JAX twin; --budget-s (per head dim and causal setting) starts no
+candidate once spent (their rows say so), so that a sweep fits a time-limited call. Prints one JSON object per
+row, writes them all to --out after each row (a run cut short keeps what it measured), and a table last.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 from compare.args import OneLineParser, with_error_contract
-from compare.bench.common import config_field_value, selected_candidates
+from compare.bench.common import BUDGET_SPENT, config_field_value, point_deadline, selected_candidates
 from weights import BadInputError
 from weights.flops import attention_flops
 
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
     parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
+    parser.add_argument("--budget-s", type=float, help="start no candidate after this many seconds into a point")
     parser.add_argument("--select", action="append", default=[], metavar="FIELD=VALUE",
                         help="only the candidates with this field value, beside the default (repeatable)")
     parser.add_argument("--out", type=Path, required=True)
@@ -135,6 +138,7 @@ def _main(argv) -> int:
         heads_major = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
         dout = torch.randn_like(q)
         for causal in causals:
+            deadline = point_deadline(args.budget_s)
             flops = attention_flops(1, args.heads, args.seq_len, args.seq_len, head_dim, causal, False)
             point = dict(S=args.seq_len, heads=args.heads, kv_heads=args.kv_heads, head_dim=head_dim, causal=causal)
             key = "fwd" if args.direction == "forward" else "bwd"
@@ -149,7 +153,7 @@ def _main(argv) -> int:
                     record(impl=name, **point, error=f"{type(err).__name__}: {err}"[:300], **extra)
 
             if args.direction == "backward":
-                _sweep_backward(timed, record, point, q, k, v, dout, causal, scale, args.select)
+                _sweep_backward(timed, record, point, q, k, v, dout, causal, scale, args.select, deadline)
                 torch.cuda.empty_cache()
                 continue
 
@@ -160,6 +164,9 @@ def _main(argv) -> int:
                 timed("sdpa_cudnn", lambda: F.scaled_dot_product_attention(
                     *heads_major, is_causal=causal, enable_gqa=args.kv_heads != args.heads))
             for config in selected_candidates(candidates(head_dim, causal), args.select):
+                if time.monotonic() > deadline:
+                    record(impl="triton_hopper", **point, config=str(config), error=BUDGET_SPENT)
+                    continue
                 try:
                     got, _ = hopper_forward(q, k, v, causal=causal, softmax_scale=scale, out_dtype=torch.float32,
                                             config=config)
@@ -183,7 +190,7 @@ def _main(argv) -> int:
     return 0
 
 
-def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale, select):
+def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale, select, deadline):
     """The portable backward and cuDNN's (aten's op on heads-major copies made beforehand, from its own forward's
     out/lse; H = Hkv only), then each Gluon backward config, from the Gluon forward's out/lse; bf16 gradients timed,
     float32 ones compared with the portable kernel's."""
@@ -206,6 +213,9 @@ def _sweep_backward(timed, record, point, q, k, v, dout, causal, scale, select):
             dot, qt, kt, vt, cudnn_out, cudnn_lse, rng, rng, None, None, None, q.shape[1], k.shape[1], 0.0, causal,
             scale=scale))
     for config in selected_candidates(backward_candidates(q.shape[-1], causal), select):
+        if time.monotonic() > deadline:
+            record(impl="triton_hopper", **point, config=str(config), error=BUDGET_SPENT)
+            continue
         try:
             got = hopper_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
                                   grad_dtype=torch.float32, config=config)

@@ -32,13 +32,12 @@ import dataclasses
 import functools
 import itertools
 import json
-import math
 import os
 import time
 from pathlib import Path
 
 from compare.args import OneLineParser, with_error_contract
-from compare.bench.common import config_field_value, selected_candidates
+from compare.bench.common import BUDGET_SPENT, config_field_value, point_deadline, selected_candidates
 from compare.bench.kernel_bench import jax_median_ms, jax_times_ms, median_ms
 from weights import BadInputError
 from weights.flops import attention_flops
@@ -163,7 +162,7 @@ def sweep_point(args, head_dim: int, causal: bool) -> list[dict]:
 
 def sweep_hopper_point(args, head_dim: int, causal: bool) -> list[dict]:
     """Every Hopper (Mosaic) candidate of `autotune_space(head_dim)` and JAX cuDNN at one point; returns the rows."""
-    deadline = time.monotonic() + (args.budget_s if args.budget_s is not None else math.inf)
+    deadline = point_deadline(args.budget_s)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -202,7 +201,7 @@ def sweep_hopper_point(args, head_dim: int, causal: bool) -> list[dict]:
     for config in selected_candidates(autotune_space(head_dim), args.select):
         row = dict(point, impl="pallas_hopper", config=dataclasses.asdict(config))
         if time.monotonic() > deadline:
-            rows.append(_emit(row | {"error": "skipped: --budget-s spent"}))
+            rows.append(_emit(row | {"error": BUDGET_SPENT}))
             continue
         attend = functools.partial(flash_attention, causal=causal, backend="pallas_hopper", config=config)
         try:
