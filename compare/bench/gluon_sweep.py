@@ -53,8 +53,8 @@ def backward_candidates(head_dim: int, causal: bool):
     holds one or the other); D=64, 64-row query blocks (128 rows spill) with 3 or 4 stages, and K and V in
     registers (at D=128 they do not fit); and the default with the widest dQ swizzle (128 bytes, config.DQ_SWIZZLES)
     or with the log-sum-exp read after the first matmuls (lse_first False); without a causal mask, also the default
-    with every key block's walk starting at the first query block (stagger False: the JAX twin's one-kernel
-    backward lost 7 % to its stagger with GQA, compare/results/kernels-mosaic-stagger-2026-11-29-h200); and the
+    with each key block's walk starting at a different query block (stagger True, the default until compare/results/
+    kernels-gluon-stagger-2026-12-03-h200, where it ran 1.5-3.3 % slower); and the
     default with a GQA group's query heads shared among programs (head_splits GQA_HEAD_SPLITS; the default's kernel
     where there is no GQA: sweep with --kv-heads below --heads).
     """
@@ -70,7 +70,7 @@ def backward_candidates(head_dim: int, causal: bool):
              dataclasses.replace(default, head_splits=GQA_HEAD_SPLITS), lockstep_config(head_dim)]
     space += [HopperBackwardConfig(warp_specialize=True, **shape) for shape in shapes]
     if not causal:  # a causal walk starts at its diagonal: staggered anyway
-        space.append(dataclasses.replace(default, stagger=False))
+        space.append(dataclasses.replace(default, stagger=True))
     return list(dict.fromkeys(space))
 
 

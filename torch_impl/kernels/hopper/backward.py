@@ -33,8 +33,8 @@ overwrite it while the other warpgroup's dQ still reads it).
 
 Causal: a key block skips the query blocks that see none of it and masks only the diagonal ones (plus, in the last
 key block, the keys past the end); longest key blocks are the first ones, launched first by the grid's order.
-Non-causal, each key block starts its walk at a different query block (`stagger`), so that the programs running
-at once add into different dQ rows.
+Non-causal, every key block walks the query blocks from the first, so that the programs running at once read the
+same Q/dO tiles and add into the same dQ rows while L2 holds them (`stagger` starts each at a different block: slower).
 
 Documents (SPANS, `weights/documents.py`; the causal rule folded into the spans): a key block walks the query
 blocks between its keys' lowest query_start and highest query_end (QueryStart / QueryEnd, int32 [B, Sk], derived

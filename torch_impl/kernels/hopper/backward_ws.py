@@ -115,8 +115,8 @@ def key_block_walk(col0, seq_q, seq_k, heads, first_head, query_start, query_end
         n_walk = n_blocks - first_block
     blocks_per_head = gl.maximum(n_walk, 1)
     n_steps = heads * n_walk
-    # Without a causal mask every program would walk the same query blocks in step, all adding into the same dQ
-    # rows at once; STAGGER starts key block j's walk 2j blocks in, as the causal walks start.
+    # Without a causal mask the programs running at once walk the same query blocks in step (their Q/dO tiles and dQ
+    # rows shared in L2); STAGGER starts key block j's walk 2j blocks in, as the causal walks start (measured slower).
     rotation = (col0 // BLOCK_M) % blocks_per_head if STAGGER and not CAUSAL else 0
     return (first_block, blocks_per_head, first_head, rotation), n_steps, full
 

@@ -36,9 +36,11 @@ class HopperBackwardConfig:
     """Launch shape of the Gluon backward: `block_n` resident keys per program (one warpgroup per 64 of them),
     `block_m` query rows per step (a wgmma tile height), `num_stages` Q/dO tiles in flight, `dq_reduction` one
     of DQ_REDUCTIONS, `dp_first` whether dP^T is issued before the previous step's dQ goes out, `stagger`
-    whether a non-causal program starts its walk over the query blocks where its key block's causal walk would,
-    `dq_swizzle` the float32 dQ tile's shared-memory swizzle (one of DQ_SWIZZLES).
-    `warp_specialize` runs the FlashAttention-3 form instead (`backward_ws.py`: two consumer
+    whether a non-causal program starts its walk over the query blocks where its key block's causal walk would
+    (off: every program walks from the first query block, as FlashAttention-3's do; unstaggered walks ran 1.5-3.3 %
+    faster without a mask at D 128 and 64, 16k and 64k, in four sweeps: compare/results/
+    kernels-gluon-stagger-2026-12-03-h200), `dq_swizzle` the float32 dQ tile's shared-memory swizzle (one of
+    DQ_SWIZZLES). `warp_specialize` runs the FlashAttention-3 form instead (`backward_ws.py`: two consumer
     warpgroups, a loader warp, a dQ writer warp; block_n 128, dQ by TMA reduce-add, `dq_buffers` float32 dQ
     tiles per consumer, `kv_in_regs` whether each consumer holds its K and V rows in registers (S^T and dP^T as
     register-A matmuls), `lse_first` whether each consumer reads its step's log-sum-exp rows from shared memory
@@ -57,7 +59,7 @@ class HopperBackwardConfig:
     num_stages: int = 2
     dq_reduction: str = "tma"
     dp_first: bool = False
-    stagger: bool = True
+    stagger: bool = False
     dq_swizzle: int = 32
     warp_specialize: bool = False
     dq_buffers: int = 2
