@@ -23,7 +23,8 @@ from test_flash_attention_torch import _exact, _inputs, _naive, _numpy, _ours, _
 
 from compare.bench.gluon_sweep import backward_candidates
 from torch_impl.kernels.flash_attention import flash_attention_backward
-from torch_impl.kernels.hopper.backward import hopper_backward
+from torch_impl.kernels.hopper.backward import dq_from_register_order, hopper_backward
+from torch_impl.kernels.hopper.backward_ws import dq_register_order_bases
 from torch_impl.kernels.hopper.config import (DQ_REDUCTIONS, DQ_SWIZZLES, GQA_HEAD_SPLITS, HopperBackwardConfig,
                                               lockstep_config)
 from torch_impl.kernels.portable.backward import portable_backward
@@ -60,6 +61,51 @@ def test_head_splits_below_one_are_refused():
     with pytest.raises(ValueError, match="head_splits must be >= 1, got 0"):
         HopperBackwardConfig(head_splits=0)
     assert HopperBackwardConfig(head_splits=GQA_HEAD_SPLITS).head_splits == GQA_HEAD_SPLITS
+
+
+def test_register_order_needs_the_warp_specialised_form_with_64_row_blocks():
+    """The register order is laid out for one warpgroup's 64-row wgmma accumulator (`dq_register_order_bases`)."""
+    for fields in (dict(warp_specialize=False), dict(warp_specialize=True, block_m=128)):
+        with pytest.raises(ValueError, match="dq_register_order takes the warp-specialised backward"):
+            HopperBackwardConfig(dq_register_order=True, **fields)
+    assert HopperBackwardConfig(warp_specialize=True, dq_register_order=True).dq_register_order
+
+
+def _register_order_accumulator(dq: torch.Tensor, block_m: int, row_major: bool = False) -> torch.Tensor:
+    """dQ [B, Sq, H, D] laid out as the kernel's float32 accumulator in register order, [B, H * seq_pad * D], each
+    element placed by its offset's bits (`dq_register_order_bases`); `row_major`: each chunk's tile row-major
+    instead (the negative control)."""
+    batch, seq_q, n_heads, head_dim = dq.shape
+    half_dim, n_blocks = head_dim // 2, -(-seq_q // block_m)
+    padded = torch.zeros(batch, n_blocks * block_m, n_heads, head_dim)
+    padded[:, :seq_q] = dq
+    tiles = padded.view(batch, n_blocks, block_m, n_heads, 2, half_dim).permute(0, 3, 1, 4, 2, 5)
+    if row_major:
+        return tiles.reshape(batch, -1).contiguous()
+    bases = dq_register_order_bases(block_m, half_dim)
+    rows, cols = torch.zeros(block_m * half_dim, dtype=torch.long), torch.zeros(block_m * half_dim, dtype=torch.long)
+    for bit, (row, col) in enumerate(bases):
+        is_set = (torch.arange(block_m * half_dim) >> bit) & 1
+        rows, cols = rows ^ is_set * row, cols ^ is_set * col
+    assert len({(r, c) for r, c in zip(rows.tolist(), cols.tolist())}) == block_m * half_dim  # every element once
+    return tiles[..., rows, cols].reshape(batch, -1).contiguous()
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_dq_from_register_order_permutes_scales_and_casts(head_dim):
+    """The register-order accumulator's postprocess (plain Triton: under the interpreter here) gives back the dQ it
+    holds, scaled, in the gradients' dtype, rows past Sq dropped (100 of 128 padded rows, 2 batches, 3 heads); read
+    as row-major tiles (the swizzled form's order) it does not: the permutation is no identity."""
+    dq = torch.randn(2, 100, 3, head_dim)
+    acc = _register_order_accumulator(dq, 64)
+    got = dq_from_register_order(acc, 100, 3, head_dim, 64, 0.5, torch.float32)
+    assert torch.equal(got, dq * 0.5)  # exact: a float32 scaling by a power of two
+    got = dq_from_register_order(acc, 100, 3, head_dim, 64, 0.5, torch.bfloat16)
+    # within a bfloat16 step (2^-7 relative): Triton's interpreter casts by truncation where a GPU rounds
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), dq * 0.5, rtol=2 ** -7, atol=0)
+    wrong = dq_from_register_order(_register_order_accumulator(dq, 64, row_major=True), 100, 3, head_dim, 64, 0.5,
+                                   torch.float32)
+    assert not torch.allclose(wrong, dq * 0.5)
 
 
 # ------------------------------------------------------------------------------------------------------ GPU

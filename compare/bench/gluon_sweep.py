@@ -51,12 +51,13 @@ def backward_candidates(head_dim: int, causal: bool):
     kernels-gluon-backward-2026-11-23-h200-tuning) and the warp-specialised form (FlashAttention-3's structure)
     around it: D=128, 2 Q/dO stages with two float32 dQ tiles per consumer or 3 stages with one (shared memory
     holds one or the other); D=64, 64-row query blocks (128 rows spill) with 3 or 4 stages, and K and V in
-    registers (at D=128 they do not fit); and the default with the widest dQ swizzle (128 bytes, config.DQ_SWIZZLES)
-    or with the log-sum-exp read after the first matmuls (lse_first False); without a causal mask, also the default
-    with each key block's walk starting at a different query block (stagger True, the default until compare/results/
-    kernels-gluon-stagger-2026-12-03-h200, where it ran 1.5-3.3 % slower); and the
-    default with a GQA group's query heads shared among programs (head_splits GQA_HEAD_SPLITS; the default's kernel
-    where there is no GQA: sweep with --kv-heads below --heads).
+    registers (at D=128 they do not fit), all with dQ in register order; the default with dQ staged row-major
+    (dq_register_order False, the default until compare/results/kernels-gluon-dq-register-order-2026-12-03-h200)
+    at the 32- and the 128-byte swizzle (config.DQ_SWIZZLES), or with the log-sum-exp read after the first matmuls
+    (lse_first False); without a causal mask, also the default with each key block's walk starting at a different
+    query block (stagger True, the default until compare/results/kernels-gluon-stagger-2026-12-03-h200, where it ran
+    1.5-3.3 % slower); and the default with a GQA group's query heads shared among programs (head_splits
+    GQA_HEAD_SPLITS; the default's kernel where there is no GQA: sweep with --kv-heads below --heads).
     """
     from torch_impl.kernels.hopper.config import (GQA_HEAD_SPLITS, HopperBackwardConfig, backward_config,
                                                   lockstep_config)
@@ -66,9 +67,11 @@ def backward_candidates(head_dim: int, causal: bool):
     else:
         shapes = [dict(block_m=64, num_stages=s) for s in (3, 4)] + [dict(block_m=64, num_stages=3, kv_in_regs=True)]
     default = backward_config(head_dim, False, 0)
-    space = [default, dataclasses.replace(default, dq_swizzle=128), dataclasses.replace(default, lse_first=False),
-             dataclasses.replace(default, head_splits=GQA_HEAD_SPLITS), lockstep_config(head_dim)]
-    space += [HopperBackwardConfig(warp_specialize=True, **shape) for shape in shapes]
+    space = [default] + [dataclasses.replace(default, **field) for field in (
+        dict(dq_register_order=False), dict(dq_register_order=False, dq_swizzle=128), dict(lse_first=False),
+        dict(head_splits=GQA_HEAD_SPLITS))]
+    space.append(lockstep_config(head_dim))
+    space += [HopperBackwardConfig(warp_specialize=True, dq_register_order=True, **shape) for shape in shapes]
     if not causal:  # a causal walk starts at its diagonal: staggered anyway
         space.append(dataclasses.replace(default, stagger=True))
     return list(dict.fromkeys(space))

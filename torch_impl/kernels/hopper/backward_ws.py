@@ -14,9 +14,10 @@ forks into four partitions (`gl.warp_specialize`):
     the consumers wait on each other, through an mbarrier, not a barrier both must reach);
   - a loader warp: K and V once, then Q, dO, lse and delta tiles by TMA into a `num_stages`-deep ring (a ready
     barrier with the transaction count, an empty barrier both consumers release);
-  - a dQ writer warp: each consumer stores its float32 dQ half to a shared tile (`dq_buffers` deep) and tells the
-    writer, which adds it to the global float32 accumulator by one TMA reduce-add and frees the tile once the
-    TMA unit has read it: the consumers never wait on the reduction.
+  - a dQ writer warp: each consumer stores its float32 dQ half to a shared tile (`dq_buffers` deep; in register
+    order with `dq_register_order`, `dq_register_order_bases`) and tells the writer, which adds it to the global
+    float32 accumulator by one TMA reduce-add and frees the tile once the TMA unit has read it: the consumers never
+    wait on the reduction.
 Each step waits all five of its wgmma (FlashAttention-3's choice at D=128 too: dQ deferred by a step would need 32
 more registers than the consumers' 240). `kv_in_regs` holds each consumer's K and V rows in registers, so that
 S^T and dP^T read only Q and dO from shared memory (it fits at D=64). Registers (setmaxnreg): the worker consumer
@@ -43,6 +44,27 @@ else:
 
 # One warpgroup's wgmma tile height; two consumers make the 128-key block.
 KEYS_PER_CONSUMER = tl.constexpr(64)
+# Floats per row of the TMA box a consumer's dQ tile leaves in, in register order (TMA's widest box dimension).
+DQ_TMA_ROW = tl.constexpr(256)
+
+
+def dq_register_order_bases(block_m: int, half_dim: int) -> list[list[int]]:
+    """The (row, col) of a consumer's [block_m, half_dim] float32 dQ tile that each bit of an element's offset in
+    register order stands for (`HopperBackwardConfig.dq_register_order`, FlashAttention-3's dQ accumulator), lowest
+    bit first. The wgmma accumulator layout of one warpgroup (m64nNk16: lane l of warp w holds rows 16w + l/4 + 8r,
+    cols 8j + 2(l%4) + c, as its registers c + 2r + 4j) with a thread's registers 0-3 (c, r) innermost: it stores
+    them as one 16-byte vector, a warp 512 contiguous bytes (no bank conflict; the swizzled row-major tile conflicts);
+    then the lanes, the warps, the column groups j. The tile is one contiguous chunk: it leaves as one TMA box of
+    DQ_TMA_ROW-float rows into a float32 accumulator kept in that order, which `backward.dq_from_register_order`
+    permutes back."""
+    if block_m != 64 or half_dim & (half_dim - 1) or half_dim < 8:
+        raise ValueError(f"register order is laid out for 64-row tiles of a power-of-two width >= 8, got "
+                         f"[{block_m}, {half_dim}]")
+    registers = [[0, 1], [8, 0]]
+    lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+    warps = [[16, 0], [32, 0]]
+    column_groups = [[0, 8 << i] for i in range((half_dim // 8).bit_length() - 1)]
+    return registers + lanes + warps + column_groups
 
 
 @gluon_jit
@@ -219,19 +241,24 @@ def _loader(args):
 
 
 @gluon_jit
-def _dq_writer(args):
+def _dq_writer(args, DQ_REGISTER_ORDER: gl.constexpr):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
      stride_dks, stride_dvs, query_start, query_end) = args
     n_buffers: gl.constexpr = dq_bufs.type.shape[0] // 2
-    block_m: gl.constexpr = dq_bufs.type.shape[1]
-    half_dim: gl.constexpr = dq_bufs.type.shape[2]
+    block_m: gl.constexpr = bufs[0].type.shape[1]
+    half_dim: gl.constexpr = bufs[0].type.shape[2] // 2
+    box_rows: gl.constexpr = dq_bufs.type.shape[1]
     for step in range(n_steps):
         head, block = step_tile(step, walk)
         buffer = step % n_buffers
         for c in gl.static_range(2):
             mbarrier.wait(dq_full.index(2 * buffer + c), (step // n_buffers) & 1)
-            tma_reduce_add(dq_desc, [block * block_m, (2 * head + c) * half_dim], dq_bufs.index(2 * buffer + c))
+            if DQ_REGISTER_ORDER:  # the tile's chunk: [H, seq_pad / block_m, 2 halves] chunks per batch
+                coord = [((head * (seq_pad // block_m) + block) * 2 + c) * box_rows, 0]
+            else:
+                coord = [block * block_m, (2 * head + c) * half_dim]
+            tma_reduce_add(dq_desc, coord, dq_bufs.index(2 * buffer + c))
         tma.store_wait(0)  # the TMA unit has read both halves: the consumers may refill them
         for c in gl.static_range(2):
             mbarrier.arrive(dq_empty.index(2 * buffer + c), count=1)
@@ -239,7 +266,7 @@ def _dq_writer(args):
 
 @gluon_jit
 def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr,
-             LSE_FIRST: gl.constexpr):
+             LSE_FIRST: gl.constexpr, DQ_REGISTER_ORDER: gl.constexpr, DQ_STORE_LAYOUT: gl.constexpr):
     (descs, bufs, k_desc, v_desc, k_buf, v_buf, kv_ready, ready, empty, ds_bufs, ds_ready, dq_desc, dq_bufs,
      dq_full, dq_empty, walk, n_steps, full, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
      stride_dks, stride_dvs, query_start, query_end) = args
@@ -248,7 +275,7 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.const
     block_m: gl.constexpr = q_bufs.type.shape[1]
     head_dim: gl.constexpr = q_bufs.type.shape[2]
     n_buffers: gl.constexpr = dq_bufs.type.shape[0] // 2
-    half_dim: gl.constexpr = dq_bufs.type.shape[2]
+    half_dim: gl.constexpr = head_dim // 2
     dtype: gl.constexpr = q_bufs.dtype
     k_step: gl.constexpr = 256 // dtype.primitive_bitwidth
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -311,7 +338,10 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.const
         dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
         dq_slot = 2 * (step % n_buffers) + consumer
         mbarrier.wait(dq_empty.index(dq_slot), ((step // n_buffers) & 1) ^ 1)
-        dq_bufs.index(dq_slot).store(dq)
+        dq_tile = dq_bufs.index(dq_slot)
+        if DQ_REGISTER_ORDER:  # the TMA box's rows seen as the [block_m, D/2] tile in register order
+            dq_tile = dq_tile._reinterpret(gl.float32, [block_m, half_dim], DQ_STORE_LAYOUT)
+        dq_tile.store(dq)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(dq_full.index(dq_slot), count=1)
@@ -328,13 +358,15 @@ def _consume(args, consumer: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.const
 
 
 @gluon_jit
-def _consumer0(args, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr, LSE_FIRST: gl.constexpr):
-    _consume(args, 0, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST)
+def _consumer0(args, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr, LSE_FIRST: gl.constexpr,
+               DQ_REGISTER_ORDER: gl.constexpr, DQ_STORE_LAYOUT: gl.constexpr):
+    _consume(args, 0, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST, DQ_REGISTER_ORDER, DQ_STORE_LAYOUT)
 
 
 @gluon_jit
-def _consumer1(args, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr, LSE_FIRST: gl.constexpr):
-    _consume(args, 1, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST)
+def _consumer1(args, CAUSAL: gl.constexpr, SPANS: gl.constexpr, KV_IN_REGS: gl.constexpr, LSE_FIRST: gl.constexpr,
+               DQ_REGISTER_ORDER: gl.constexpr, DQ_STORE_LAYOUT: gl.constexpr):
+    _consume(args, 1, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST, DQ_REGISTER_ORDER, DQ_STORE_LAYOUT)
 
 
 def _kernel_decorator():
@@ -354,9 +386,9 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart,
                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, SPANS: gl.constexpr, BLOCK_M: gl.constexpr,
                              NUM_STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr, STAGGER: gl.constexpr,
                              HEAD_SPLITS: gl.constexpr,
-                             KV_IN_REGS: gl.constexpr, LSE_FIRST: gl.constexpr,
+                             KV_IN_REGS: gl.constexpr, LSE_FIRST: gl.constexpr, DQ_REGISTER_ORDER: gl.constexpr,
                              Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DS_LAYOUT: gl.constexpr,
-                             STATS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
+                             STATS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, DQ_STORE_LAYOUT: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BLOCK_N: gl.constexpr = 2 * KEYS_PER_CONSUMER
     HALF_DIM: gl.constexpr = HEAD_DIM // 2
@@ -373,9 +405,17 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart,
         Q, K, V, DOut, Lse2, Delta, stride_qb, stride_qs, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, stride_dob, stride_dos, batch, kv_head, n_heads, seq_q, seq_k, seq_pad, HEAD_DIM, BLOCK_M,
         BLOCK_N, Q_LAYOUT, KV_LAYOUT, STATS_LAYOUT)
-    # dQ halves ([block_m, D/2] per consumer) go to the float32 accumulator, [Sq, H * D] per batch like Q.
-    dq_desc = tma.make_tensor_descriptor(DQ + batch.to(gl.int64) * stride_dqb, [seq_q, n_heads * HEAD_DIM],
-                                         [stride_dqs, 1], [BLOCK_M, HALF_DIM], DQ_LAYOUT)
+    # dQ halves ([block_m, D/2] per consumer) go to the float32 accumulator: [Sq, H * D] per batch like Q, or in
+    # register order [H, seq_pad / BLOCK_M, 2, BLOCK_M * D/2] per batch, seen as DQ_TMA_ROW-float rows.
+    if DQ_REGISTER_ORDER:
+        dq_box: gl.constexpr = [BLOCK_M * HALF_DIM // DQ_TMA_ROW, DQ_TMA_ROW]
+        dq_desc = tma.make_tensor_descriptor(DQ + batch.to(gl.int64) * stride_dqb,
+                                             [n_heads * (seq_pad // (DQ_TMA_ROW // HEAD_DIM)), DQ_TMA_ROW],
+                                             [DQ_TMA_ROW, 1], dq_box, DQ_LAYOUT)
+    else:
+        dq_box: gl.constexpr = [BLOCK_M, HALF_DIM]
+        dq_desc = tma.make_tensor_descriptor(DQ + batch.to(gl.int64) * stride_dqb, [seq_q, n_heads * HEAD_DIM],
+                                             [stride_dqs, 1], dq_box, DQ_LAYOUT)
     k_buf = gl.allocate_shared_memory(K.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_buf = gl.allocate_shared_memory(V.dtype.element_ty, [BLOCK_N, HEAD_DIM], KV_LAYOUT)
     q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [NUM_STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
@@ -383,7 +423,7 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart,
     lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_LAYOUT)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], STATS_LAYOUT)
     ds_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_N, BLOCK_M], DS_LAYOUT)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK_M, HALF_DIM], DQ_LAYOUT)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, dq_box[0], dq_box[1]], DQ_LAYOUT)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -407,8 +447,8 @@ def gluon_backward_ws_kernel(Q, K, V, DOut, Lse2, Delta, DQ, DK, DV, QueryStart,
             n_steps, full, col0, seq_q, seq_k, seq_pad, softmax_scale, dk_base, dv_base,
             stride_dks, stride_dvs, query_start, query_end)
     gl.warp_specialize([
-        (_consumer0, (args, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST)),
-        (_consumer1, (args, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST)),
+        (_consumer0, (args, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST, DQ_REGISTER_ORDER, DQ_STORE_LAYOUT)),
+        (_consumer1, (args, CAUSAL, SPANS, KV_IN_REGS, LSE_FIRST, DQ_REGISTER_ORDER, DQ_STORE_LAYOUT)),
         (_loader, (args, )),
-        (_dq_writer, (args, )),
+        (_dq_writer, (args, DQ_REGISTER_ORDER)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

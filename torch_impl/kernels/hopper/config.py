@@ -40,7 +40,9 @@ class HopperBackwardConfig:
     (off: every program walks from the first query block, as FlashAttention-3's do; unstaggered walks ran 1.5-3.3 %
     faster without a mask at D 128 and 64, 16k and 64k, in four sweeps: compare/results/
     kernels-gluon-stagger-2026-12-03-h200), `dq_swizzle` the float32 dQ tile's shared-memory swizzle (one of
-    DQ_SWIZZLES). `warp_specialize` runs the FlashAttention-3 form instead (`backward_ws.py`: two consumer
+    DQ_SWIZZLES), `dq_register_order` whether the warp-specialised form stages and accumulates dQ in the wgmma
+    accumulator's register order instead, FlashAttention-3's way (`backward_ws.dq_register_order_bases`; the swizzle
+    then does not apply). `warp_specialize` runs the FlashAttention-3 form instead (`backward_ws.py`: two consumer
     warpgroups, a loader warp, a dQ writer warp; block_n 128, dQ by TMA reduce-add, `dq_buffers` float32 dQ
     tiles per consumer, `kv_in_regs` whether each consumer holds its K and V rows in registers (S^T and dP^T as
     register-A matmuls), `lse_first` whether each consumer reads its step's log-sum-exp rows from shared memory
@@ -61,6 +63,7 @@ class HopperBackwardConfig:
     dp_first: bool = False
     stagger: bool = False
     dq_swizzle: int = 32
+    dq_register_order: bool = False
     warp_specialize: bool = False
     dq_buffers: int = 2
     kv_in_regs: bool = False
@@ -79,6 +82,8 @@ class HopperBackwardConfig:
             raise ValueError(f"head_splits must be >= 1, got {self.head_splits}")
         if self.warp_specialize and (self.block_n != 128 or self.dq_reduction != "tma"):
             raise ValueError("the warp-specialised backward takes block_n 128 and dq_reduction 'tma'")
+        if self.dq_register_order and not (self.warp_specialize and self.block_m == 64):
+            raise ValueError("dq_register_order takes the warp-specialised backward with block_m 64")
 
     @property
     def num_warps(self) -> int:
@@ -102,11 +107,15 @@ def backward_config(head_dim: int, causal: bool, seq_bucket: int) -> HopperBackw
     at D=64 (64-row query blocks, 3 stages, K and V in registers; in shared memory 407-416; lockstep 358 / 367).
     The float32 dQ tile at the 32-byte swizzle (`DQ_SWIZZLES`; compare/results/kernels-gluon-backward-ncu-2026-11-29-
     h200, backward alone at 16k): 533 / 544 at D=128 against 517 / 539 at 128 bytes; 428 / 433 at D=64 against
-    434 / 424, within the spread of repeats, so one swizzle serves both."""
+    434 / 424, within the spread of repeats, so one swizzle serves both. Then dQ in register order (FlashAttention-3's
+    accumulator; compare/results/kernels-gluon-dq-register-order-2026-12-03-h200, backward alone): 557.6 / 574.8
+    against 534.3 / 545.4 at D=128 16k, 587.4 causal at 64k against 563.6; 446.0 / 454.9 against 433.2 / 438.8 at
+    D=64 16k, 469.1 / 458.8 against 451.5 / 451.5 at 64k."""
     del causal, seq_bucket
     if head_dim == 128:
-        return HopperBackwardConfig(warp_specialize=True, num_stages=2, dq_buffers=2)
-    return HopperBackwardConfig(warp_specialize=True, block_m=64, num_stages=3, kv_in_regs=True)
+        return HopperBackwardConfig(warp_specialize=True, num_stages=2, dq_buffers=2, dq_register_order=True)
+    return HopperBackwardConfig(warp_specialize=True, block_m=64, num_stages=3, kv_in_regs=True,
+                                dq_register_order=True)
 
 
 @dataclasses.dataclass(frozen=True)
