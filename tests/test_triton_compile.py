@@ -180,7 +180,7 @@ for head_dim in (128, 64):
                 fn = gws.gluon_backward_ws_kernel
                 constexprs.update(DQ_BUFFERS=config.dq_buffers, KV_IN_REGS=config.kv_in_regs,
                                   LSE_FIRST=config.lse_first, DQ_REGISTER_ORDER=config.dq_register_order,
-                                  DQ_STORE_LAYOUT=gb.dq_store_layout(head_dim, config),
+                                  DQ_STORE_LAYOUT=gb.dq_store_layout(head_dim, config, layouts[4]),
                                   CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs)
                 options["maxnreg"] = config.max_regs
                 ops.append("setmaxnreg")

@@ -16,8 +16,9 @@ added into a float32 dQ accumulator that all programs share (FA3's way, `dq_redu
 to a double-buffered shared tile and added by one asynchronous TMA reduce-add, `cp.reduce.async.bulk.tensor`, that
 Triton 3.6 lowers but its Gluon does not name; or by atomic reductions from registers, `red.v2.f32` pairs by inline
 PTX). The warp-specialised form's default keeps that accumulator in the wgmma accumulator's register order, as FA3
-does (`dq_register_order`: conflict-free 16-byte shared stores, one contiguous TMA box a tile; 3-5 % faster
-backward on H200), and `dq_from_register_order` permutes, scales and casts it in one pass.
+does (`dq_register_order`: conflict-free 16-byte shared stores, one contiguous TMA box a tile; the backward 3-5 %
+faster on H200, a tie at D=128 64k without a mask), and `dq_from_register_order` permutes, scales and casts it in
+one pass.
 
 Two forms of that step. The default (`warp_specialize`, FlashAttention-3's structure: `backward_ws.py`)
 splits the program into two consumer warpgroups of 64 keys each, a TMA loader warp and a dQ writer warp, the
@@ -294,12 +295,12 @@ def shared_layouts(dtype: torch.dtype, head_dim: int, config: HopperBackwardConf
                                  element_bitwidth=32, rank=2))
 
 
-def dq_store_layout(head_dim: int, config: HopperBackwardConfig):
+def dq_store_layout(head_dim: int, config: HopperBackwardConfig, dq_layout):
     """The layout a warp-specialised consumer stores its [block_m, D/2] float32 dQ tile in: in register order the
-    tile's offsets (`backward_ws.dq_register_order_bases`), else the dQ tile's own layout (`shared_layouts`)."""
+    tile's offsets (`backward_ws.dq_register_order_bases`), else `dq_layout`, the dQ tile's own (`shared_layouts`)."""
     if config.dq_register_order:
         return gl.SharedLinearLayout(dq_register_order_bases(config.block_m, head_dim // 2))
-    return shared_layouts(torch.bfloat16, head_dim, config)[4]
+    return dq_layout
 
 
 @triton.jit
@@ -401,7 +402,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             *tensors_and_strides, HEAD_DIM=head_dim, CAUSAL=causal, BLOCK_M=config.block_m,
             NUM_STAGES=config.num_stages, DQ_BUFFERS=config.dq_buffers, STAGGER=config.stagger,
             KV_IN_REGS=config.kv_in_regs, LSE_FIRST=config.lse_first, DQ_REGISTER_ORDER=config.dq_register_order,
-            DQ_STORE_LAYOUT=dq_store_layout(head_dim, config), **constexprs,
+            DQ_STORE_LAYOUT=dq_store_layout(head_dim, config, dq_layout), **constexprs,
             CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs,
             num_warps=config.num_warps, maxnreg=config.max_regs)
     else:
