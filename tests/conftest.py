@@ -3,9 +3,6 @@
 JAX reads XLA_FLAGS once, when it first initialises its backend, so the 4 emulated host devices that the ring and
 mesh tests need are requested here, before any test module imports jax. Likewise TRITON_INTERPRET is chosen here,
 before anything imports triton, the way the `twinflash` CLI chooses it; the workers the tests start inherit both.
-Without a GPU, XLA also compiles without LLVM's optimisations (the compare's CPU flags, `launches.CPU_XLA_FLAGS`):
-every JAX program here is tiny, so compiling is most of a test's time (a JAX-heavy file ran 1.6x faster on 2 cores),
-and the numbers move by rounding only. On a GPU machine XLA_FLAGS keeps XLA's defaults, the programs users run.
 """
 
 import os
@@ -16,7 +13,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import pytest  # noqa: E402
 
 from compare.cli import interpret_triton_without_cuda  # noqa: E402
-from compare.harness.launches import CPU_XLA_FLAGS  # noqa: E402
 
 interpret_triton_without_cuda()
 
@@ -27,11 +23,6 @@ def _has_cuda() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
-
-
-if not _has_cuda():
-    os.environ["XLA_FLAGS"] += "".join(f" {flag}" for flag in CPU_XLA_FLAGS.split()
-                                       if flag.split("=")[0] not in os.environ["XLA_FLAGS"])
 
 
 def pytest_collection_modifyitems(config, items):
