@@ -35,9 +35,10 @@ from jax_impl.ring_attention import gather_from_ring, ring_attention, ring_confi
 # Tiny shapes the interpreter runs in one to two minutes each: D=64 (a Mosaic head dim), GQA 2:1, the smallest local
 # length whose zigzag halves fill one 64-row wgmma tile (so the off-diagonal squares are 64 x 64). Two ranks, issue
 # 32's mesh: every piece kind (the diagonal's causal pair, the off-diagonal full ones, the all-gather's) and the
-# merges and accumulations across steps run there. Four ranks only add more steps of the same pieces, and took 11
-# and 7 minutes more of CI's 90 on 2 cores; their schedule runs at P=4 through the portable kernels inside
-# shard_map (tests/test_ring_attention_jax.py), and the Mosaic kernels at P=4 in the GPU tests.
+# merges and accumulations across steps run there. Four ranks only add more steps of the same pieces, and took 806
+# and 518 s on 2 cores under two pytest workers (about half that alone) of CI's 90 minutes; their schedule runs at
+# P=4 through the portable kernels inside shard_map (tests/test_ring_attention_jax.py), the Mosaic kernels at P=4 in
+# the GPU tests.
 LOCKSTEP_CASES = [RingCase(2, True, "zigzag", variant, heads=2, kv_heads=1, batch=1, seq=256, dim=64, dtype="bfloat16",
                            seed=3) for variant in ("ring", "allgather")]
 
