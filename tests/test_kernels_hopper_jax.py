@@ -196,6 +196,26 @@ def test_every_backward_form_traces_for_gpus_inside_shard_map(bwd_form, monkeypa
     assert "twinflash_backward_dkdv" in gradient and "psum" not in gradient
 
 
+@pytest.mark.parametrize("auto_barriers", [False, True])
+def test_the_dkdv_kernel_compiles_with_its_configs_barriers(auto_barriers, monkeypatch):
+    """`HopperConfig.bwd_auto_barriers` reaches the dK/dV kernel's launch as Pallas's `unsafe_no_auto_barriers`
+    (its negation); traced for GPUs, nothing compiles."""
+    backward = importlib.import_module("jax_impl.kernels.hopper.backward")
+    launched = []
+
+    def launch(*args, compiler_params, **kwargs):
+        launched.append(compiler_params)
+        raise StopIteration  # the launch's arguments are all this test reads
+
+    monkeypatch.setattr(backward, "launch", launch)
+    config = HopperConfig(bwd_form="one_kernel", bwd_query_rows=True, bwd_auto_barriers=auto_barriers)
+    q, lse = jnp.zeros((1, 128, 2, 64), jnp.bfloat16), jnp.zeros((1, 2, 128), jnp.float32)
+    with pytest.raises(StopIteration):
+        backward.hopper_backward(q, q, q, q, q, lse, causal=True, softmax_scale=0.125, config=config, interpret=False)
+    assert [p.unsafe_no_auto_barriers for p in launched] == [not auto_barriers]
+    assert launched[0].approx_math
+
+
 def test_autotune_space_starts_at_the_default_and_varies_the_backward():
     for head_dim in (64, 128):
         space = autotune_space(head_dim)
@@ -206,6 +226,7 @@ def test_autotune_space_starts_at_the_default_and_varies_the_backward():
         assert {c.bwd_form for c in space if not c.bwd_stagger} == {"one_kernel", "one_kernel_private"}
         assert {c.dq_block_kv for c in space} == {64, 128}
         assert {c.bwd_head_splits for c in space} == {1, GQA_HEAD_SPLITS}
+        assert not space[0].bwd_auto_barriers and {c.bwd_auto_barriers for c in space} == {True, False}
         # the one-kernel form's (measured there), not the two-kernel one that documents take
         assert (default_config(head_dim).bwd_head_splits, default_config(head_dim, documents=True).bwd_head_splits) == (
             GQA_HEAD_SPLITS, 1)

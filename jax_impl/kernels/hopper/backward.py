@@ -162,6 +162,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, dout_ref, lse2_ref, delta_ref, dq_ref, dk_
         k_smem, v_smem, out_smem = k_smem2.at[wg], v_smem2.at[wg], out_smem2.at[wg]
         if zero_smem is not None:
             zero_smem[0] = jnp.int32(0)
+            if not interpret:  # every thread reads it from the first step on (`bwd_auto_barriers` may be off)
+                plgpu.commit_smem()
         k_first, rows = warpgroup_rows(cta_first, wg, block_kv, batch, kv_head)
         copy_in(((k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)), kv_barriers, 2 * wg)
         if span_refs is None:
@@ -391,7 +393,9 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
             "batch": batch}
     results = launch(
         dkdv_kernel, dkdv_smem.buffers, dkdv_out, grid, dkdv_inputs, warpgroups=wgs, interpret=interpret,
-        name="twinflash_backward_dkdv" + ("_dq" if one_kernel else "") + "_hopper")
+        name="twinflash_backward_dkdv" + ("_dq" if one_kernel else "") + "_hopper",
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             unsafe_no_auto_barriers=not config.bwd_auto_barriers))
     if one_kernel and interpret:
         dq_slices, dk, dv = results
         dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=block_kv * (1 if private_dq else wgs),

@@ -110,7 +110,16 @@ class HopperConfig:
     553 / 573 against 538 / 543 at 64k and 533 / 552 against 525 / 556 at 16k, with JAX cuDNN at 551 / 563 and
     518 / 544 (compare/results/kernels-head-splits-2026-12-02-h200): the heuristic's in the one-kernel form.
     `bwd_producer_registers`: the backward kernels' TMA warpgroup's register cap, the compute warpgroups getting what
-    it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232). Defaults as
+    it leaves (`register_caps`: FA3's 24 -> 240, 40 -> 232).
+    `bwd_auto_barriers`: the dK/dV kernel compiles with Pallas's automatic warpgroup barriers around every
+    shared-memory store (False: `CompilerParams.unsafe_no_auto_barriers`). Its stores need none: each tile a thread
+    stores (P, dS, the dQ and dK/dV chunks) is read only through the async proxy (wgmma, TMA) after `commit_smem`'s
+    fence and barrier, and is stored again only after those reads are awaited (the step's `wgmma_wait`, the other
+    warpgroup's `ds_ready` arrival, `wait_smem_to_gmem`, whose lowering ends in a warpgroup barrier). With them, every
+    store of a step paid two more barriers (18 `BAR.SYNC` in the step's SASS, 6 without) and the `MEMBAR.ALL.CTA`
+    ptxas puts before each proxy fence waited on them (3.8 % of the stall samples, 0.6 % without; Nsight Compute,
+    H200, one kernel with query rows at 64k without a mask). Without them fwd+bwd ran 1.7-2.5 % faster at D 128 and
+    64, 16k and 64k, causal and not (compare/results/kernels-mosaic-barriers-2026-12-03-h200). Defaults as
     measured on an H200 (S=16k, H=Hkv=32, causal; compare/results/README.md, 2026-11-23): fwd+bwd 461 -> 481 TFLOP/s at
     D=128 with `bwd_overlap`, 485 with dq_block_kv 128 (D=64: 368 -> 379 -> 397); 2026-11-29 (compare/results/
     kernels-mosaic-query-rows-2026-11-29-h200): rebuilt descriptors 468 -> 486, the one-kernel form with query rows
@@ -135,6 +144,7 @@ class HopperConfig:
     bwd_stagger: bool = True
     bwd_head_splits: int = 1
     bwd_producer_registers: int = BACKWARD_PRODUCER_REGISTERS[0]
+    bwd_auto_barriers: bool = False
 
     @property
     def backward_registers(self) -> tuple[int, int]:
@@ -397,7 +407,8 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
     (BACKWARD_PRODUCER_REGISTERS), then every form in the other orientation of the
     dK/dV step (`bwd_query_rows`), then every form in both orientations with the other `bwd_rebuild_descriptors`,
     then the one-kernel forms in both orientations with the other `bwd_stagger`, then the other of `bwd_head_splits`
-    1 and GQA_HEAD_SPLITS (the same kernel as the default's without GQA).
+    1 and GQA_HEAD_SPLITS (the same kernel as the default's without GQA), then Pallas's automatic barriers
+    (`bwd_auto_barriers`).
     Register files bound the rest: a dK/dV warpgroup holds dK and dV (2 x bwd_block_kv x D fp32) plus S^T and dP^T, so
     bwd_block_kv stays 64. Shared memory bounds them too: a candidate some kernel of which does not fit in `limit`
     (causal or full, this dtype and out dtype) is left out, not compiled to fail (at D=128: a third stage, forward or
@@ -419,7 +430,7 @@ def autotune_space(head_dim: int, *, dtype=jnp.bfloat16, out_dtype=None,
         for form in BACKWARD_FORMS for rows in (False, True)] + [
         dict(bwd_form=form, bwd_query_rows=rows, bwd_stagger=not base.bwd_stagger)
         for form in BACKWARD_FORMS if form != "two_kernel" for rows in (False, True)] + [
-        dict(bwd_head_splits=1 if base.bwd_head_splits > 1 else GQA_HEAD_SPLITS)]
+        dict(bwd_head_splits=1 if base.bwd_head_splits > 1 else GQA_HEAD_SPLITS), dict(bwd_auto_barriers=True)]
     configs = [base] + [dataclasses.replace(base, **change) for change in variants]
     return tuple(config for config in dict.fromkeys(configs)
                  if all(fits(config, limit=limit, head_dim=head_dim, dtype=dtype, out_dtype=out_dtype, causal=causal)
