@@ -444,10 +444,11 @@ def produce(load, consumed, *, begin, end, stages: int):
 
 
 def launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, warpgroups: int, interpret: bool, name: str,
-           compiler_params=None):
+           compiler_params: dict | None = None):
     """Every Mosaic kernel's launch: `kernel(*refs, **scratch refs)` over a named `grid` of CTAs of `warpgroups`
     compute warpgroups and one TMA producer, with named scratch buffers (allocated collectively for all
-    warpgroups; a None entry reaches the kernel as None). `pl.kernel` with a `plgpu.Mesh` rather than
+    warpgroups; a None entry reaches the kernel as None), compiled with approximate math (every Mosaic kernel's) and
+    `compiler_params`, further `plgpu.CompilerParams` fields. `pl.kernel` with a `plgpu.Mesh` rather than
     `plgpu.kernel`, whose batching wrapper does not take the mutable Refs of the one-kernel backward's dQ.
 
     Inside `jax.shard_map` the kernel's varying-axes check cannot see through the Refs, so the call runs unchecked
@@ -467,7 +468,7 @@ def launch(kernel, scratch: dict, out_type, grid: dict, inputs, *, warpgroups: i
                       thread_name="wg", kernel_name=name)
     with _unchecked_vma():
         results = pl.kernel(entry, out_type=out_type, mesh=mesh,
-                            compiler_params=compiler_params or plgpu.CompilerParams(approx_math=True),
+                            compiler_params=plgpu.CompilerParams(approx_math=True, **(compiler_params or {})),
                             interpret=interpret_params(interpret) or False, name=name)(*inputs)
     return jax.tree.map(declared_varying, results, out_type)
 

@@ -394,8 +394,7 @@ def hopper_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, o
     results = launch(
         dkdv_kernel, dkdv_smem.buffers, dkdv_out, grid, dkdv_inputs, warpgroups=wgs, interpret=interpret,
         name="twinflash_backward_dkdv" + ("_dq" if one_kernel else "") + "_hopper",
-        compiler_params=plgpu.CompilerParams(approx_math=True,
-                                             unsafe_no_auto_barriers=not config.bwd_auto_barriers))
+        compiler_params=dict(unsafe_no_auto_barriers=not config.bwd_auto_barriers))
     if one_kernel and interpret:
         dq_slices, dk, dv = results
         dq = _summed_dq_slices(dq_slices, causal=causal, keys_per_cta=block_kv * (1 if private_dq else wgs),

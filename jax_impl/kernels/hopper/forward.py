@@ -296,5 +296,5 @@ def hopper_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, so
         dict(heads=heads, q_tile=num_tiles, batch=batch) if num_items is None else
         dict(cta=min(num_items, sm_count(interpret))),
         (q, k, v) + span_inputs, warpgroups=warpgroups, interpret=interpret, name="twinflash_forward_hopper",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=kernel_smem.reduction_bytes))
+        compiler_params=dict(reduction_scratch_bytes=kernel_smem.reduction_bytes))
     return out[:, :seq_q], lse[:, :, :seq_q]
